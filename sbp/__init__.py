@@ -1,0 +1,13 @@
+"""sbp: sharded global tensors for PyTorch with Split / Broadcast / Partial placements.
+
+>>> import sbp
+>>> sbp.placements("S(0), B")
+(S(0), B)
+"""
+from .errors import (CheckpointError, CommError, MeshError, PlacementError, PlanError, RankMismatchError,
+                     SbpError, ShapeError, UnsupportedOpError)
+from .layout import global_offset, local_shape, local_slices
+from .mesh import DeviceMesh
+from .placement import B, Broadcast, Partial, PartialMax, PartialMin, PartialSum, Placement, S, Split, placements
+
+__version__ = "0.1.0"

@@ -1,0 +1,209 @@
+"""Placements: how a tensor sits on one mesh axis (`S(d)`, `B`, `P(op)`), and parsing of their repr.
+
+Placements are immutable values. Dims may be negative until the placement meets a tensor
+(`normalize`), where they are checked against the tensor's ndim.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from .errors import PlacementError
+
+REDUCE_OPS = ("sum", "min", "max")
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """`S(dim)`: the logical tensor is the concatenation along `dim` of the coords' local tensors.
+
+    >>> Split(0)
+    S(0)
+    """
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise PlacementError(f"Split dim must be an int, got {self.dim!r} ({type(self.dim).__name__})")
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """`B`: every coord holds the whole (sub)tensor.
+
+    >>> Broadcast()
+    B
+    """
+
+    def __repr__(self) -> str:
+        return "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """`P(op)`: the logical tensor is the element-wise `op` reduction over the coords' local tensors.
+
+    >>> Partial("max")
+    P(max)
+    """
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise PlacementError(f"Partial op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+    def __repr__(self) -> str:
+        return f"P({self.op})"
+
+
+Placement = Union[Split, Broadcast, Partial]
+
+S = Split
+B = Broadcast()
+
+
+def PartialSum() -> Partial:
+    """`P(sum)`; equal to `Partial("sum")`.
+
+    >>> PartialSum() == Partial("sum")
+    True
+    """
+    return Partial("sum")
+
+
+def PartialMin() -> Partial:
+    """`P(min)`; equal to `Partial("min")`.
+
+    >>> PartialMin()
+    P(min)
+    """
+    return Partial("min")
+
+
+def PartialMax() -> Partial:
+    """`P(max)`; equal to `Partial("max")`.
+
+    >>> PartialMax()
+    P(max)
+    """
+    return Partial("max")
+
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+        (?P<split>S)\s*(?:\(\s*(?P<dim1>[+-]?\d+)\s*\)|(?P<dim2>[+-]?\d+))
+      | (?P<bcast>B|R)
+      | (?P<partial>P)\s*(?:\(\s*(?P<op>[a-z]+)\s*\))?
+    )\s*$""",
+    re.VERBOSE,
+)
+_ACCEPTED = "S(d) or Sd for an int d, B, P, P(sum), P(min), P(max); comma separated, optional ( )"
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse one placement from its repr form.
+
+    >>> parse_placement("S(1)"), parse_placement("S-1"), parse_placement("P(max)")
+    (S(1), S(-1), P(max))
+    """
+    match = _TOKEN.match(text)
+    if match is None:
+        raise PlacementError(f"cannot parse placement {text.strip()!r}; accepted: {_ACCEPTED}")
+    if match["split"]:
+        return Split(int(match["dim1"] if match["dim1"] is not None else match["dim2"]))
+    if match["bcast"]:
+        return B
+    op = match["op"] or "sum"
+    if op not in REDUCE_OPS:
+        raise PlacementError(f"cannot parse placement {text.strip()!r}: Partial op {op!r} is not one of {REDUCE_OPS}")
+    return Partial(op)
+
+
+def placements(spec: "str | Placement | Iterable[Placement | str]") -> tuple[Placement, ...]:
+    """Turn a string like ``"S(0), B"`` (or objects, or a mix) into a placements tuple.
+
+    It is the inverse of the tuple's repr.
+
+    >>> placements("S(0), B") == (S(0), B)
+    True
+    >>> placements(repr((S(1), Partial("min"))))
+    (S(1), P(min))
+    """
+    if isinstance(spec, (Split, Broadcast, Partial)):
+        return (spec,)
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.startswith("(") and text.endswith(")"):
+            inner = text[1:-1]
+            # "(S(0), B)" is a tuple; "P(max)" or "S(0)" alone are not wrapped tuples.
+            if _balanced(inner):
+                text = inner
+        parts = [p for p in text.split(",")]
+        if parts and not parts[-1].strip():
+            parts = parts[:-1]  # a tuple repr with one element ends in ","
+        if not parts:
+            return ()
+        return tuple(parse_placement(p) for p in parts)
+    try:
+        items = list(spec)
+    except TypeError:
+        raise PlacementError(
+            f"placements must be a string, a placement or an iterable of placements, got {type(spec).__name__}"
+        ) from None
+    out = []
+    for item in items:
+        if isinstance(item, (Split, Broadcast, Partial)):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(parse_placement(item))
+        else:
+            raise PlacementError(f"{item!r} is not a placement; accepted: {_ACCEPTED} or sbp.Split/Broadcast/Partial")
+    return tuple(out)
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """Check placements against a tensor's ndim and a mesh's ndim and make split dims non-negative.
+
+    >>> normalize("S(-1), B", ndim=2, mesh_ndim=2)
+    (S(1), B)
+    """
+    pls = placements(pls)
+    if len(pls) != mesh_ndim:
+        raise PlacementError(
+            f"placements {pls} have {len(pls)} entries but the mesh has {mesh_ndim} axes "
+            f"(need exactly one placement per mesh axis)"
+        )
+    out = []
+    for p in pls:
+        if isinstance(p, Split):
+            if not -ndim <= p.dim < ndim:
+                valid = f"{-ndim}..{ndim - 1}" if ndim else "none: a 0-d tensor cannot be split"
+                raise PlacementError(f"{p!r} is out of range for a {ndim}-d tensor (valid: {valid})")
+            p = Split(p.dim % ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def is_partial(p: Placement) -> bool:
+    """True for `P(op)`.
+
+    >>> is_partial(Partial()), is_partial(B)
+    (True, False)
+    """
+    return isinstance(p, Partial)

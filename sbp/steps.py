@@ -1,0 +1,137 @@
+"""Plan values: the frozen records a planner produces and an executor runs.
+
+A `Step` changes the placements on `axes` (one group, flattened row-major when several axes) from
+`src` to `dst`. The executor derives everything else (per-rank blocks, per-peer sizes) from the step,
+the global shape and layout maths, so a step carries no rank-dependent data.
+
+Step kinds:
+
+========================  =====================================================================
+kind                      meaning (on the group along `axes`)
+========================  =====================================================================
+``local``                 no communication: slice (``B -> S``), keep/zero (``B -> P``),
+                          embed into the op's identity (``S -> P``)
+``all_gather``            ``S(dims[0]) -> B`` on every axis of `axes`
+``reduce_scatter``        ``P(op) -> S(dims[0])`` on every axis of `axes`
+``all_reduce``            ``P(op) -> B`` on every axis of `axes`
+``all_to_all``            ``S(dims[0]) -> S(dims[1])`` on one axis
+``transfer``              exact point-to-point: any Split/Broadcast state -> any Split/Broadcast
+                          state on the group; each rank receives exactly the bytes it lacks
+========================  =====================================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .placement import Placement
+
+STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One move of a plan.
+
+    `bytes` is what the busiest rank of the step receives; `peak_bytes` the largest per-rank working
+    memory while the step runs (input + output + communication buffers).
+
+    >>> from sbp import S, B
+    >>> Step("all_gather", (0,), (S(0),), (B,), dims=(0,), bytes=96)
+    Step(all_gather, axes=(0,), (S(0),) -> (B,), dims=(0,), bytes=96)
+    """
+
+    kind: str
+    axes: tuple[int, ...]
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    dims: tuple[int, ...] = ()
+    op: Optional[str] = None
+    bytes: int = 0
+    peak_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {self.kind!r}; valid: {STEP_KINDS}")
+
+    @property
+    def is_collective(self) -> bool:
+        """True for every kind that communicates."""
+        return self.kind != "local"
+
+    def __repr__(self) -> str:
+        extra = f", dims={self.dims}" if self.dims else ""
+        extra += f", op={self.op}" if self.op else ""
+        return f"Step({self.kind}, axes={self.axes}, {self.src} -> {self.dst}{extra}, bytes={self.bytes})"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A redistribution plan: the steps that turn `src` placements into `dst` placements.
+
+    >>> import sbp
+    >>> p = sbp.plan((8, 8), (2,), "S(0)", "B")
+    >>> p.bytes_per_rank, p.num_collectives
+    (128, 1)
+    """
+
+    global_shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    itemsize: int
+    steps: tuple[Step, ...]
+    lower_bound: int = 0
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Bytes the busiest rank receives, summed over steps."""
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def num_collectives(self) -> int:
+        """Number of steps that communicate."""
+        return sum(s.is_collective for s in self.steps)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest per-rank working memory of any step (at least the src and dst local blocks)."""
+        return max((s.peak_bytes for s in self.steps), default=0)
+
+    def explain(self) -> str:
+        """EXPLAIN-style text: a header, then one line per step with axes, collective, dims and bytes."""
+        head = (f"Plan {_fmt(self.src)} -> {_fmt(self.dst)}  shape={tuple(self.global_shape)} "
+                f"mesh={tuple(self.mesh_shape)} itemsize={self.itemsize}\n"
+                f"  bytes/rank={self.bytes_per_rank} (lower bound {self.lower_bound})  "
+                f"collectives={self.num_collectives}  peak={self.peak_bytes}")
+        if not self.steps:
+            return head + "\n  (no steps: layouts already agree)"
+        lines = [head]
+        for i, s in enumerate(self.steps, 1):
+            axes = ",".join(str(a) for a in s.axes)
+            what = s.kind + (f"({s.op})" if s.op else "")
+            dims = "" if not s.dims else " dims=" + ",".join(str(d) for d in s.dims)
+            lines.append(f"  {i}. axes[{axes}] {what:<20} {_fmt(s.src)} -> {_fmt(s.dst)}{dims}  "
+                         f"bytes={s.bytes} peak={s.peak_bytes}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The plan as plain JSON-ready data."""
+        return {
+            "global_shape": list(self.global_shape),
+            "mesh_shape": list(self.mesh_shape),
+            "src": _fmt(self.src),
+            "dst": _fmt(self.dst),
+            "itemsize": self.itemsize,
+            "steps": [{"kind": s.kind, "axes": list(s.axes), "src": _fmt(s.src), "dst": _fmt(s.dst),
+                       "dims": list(s.dims), "op": s.op, "bytes": s.bytes, "peak_bytes": s.peak_bytes}
+                      for s in self.steps],
+            "bytes_per_rank": self.bytes_per_rank,
+            "lower_bound_bytes": self.lower_bound,
+            "num_collectives": self.num_collectives,
+            "peak_bytes": self.peak_bytes,
+        }
+
+
+def _fmt(pls: tuple[Placement, ...]) -> str:
+    return "(" + ", ".join(repr(p) for p in pls) + ")"
