@@ -11,3 +11,5 @@ from .mesh import DeviceMesh
 from .placement import B, Broadcast, Partial, PartialMax, PartialMin, PartialSum, Placement, S, Split, placements
 
 __version__ = "0.1.0"
+from .planner import lower_bound_bytes, plan
+from .steps import Plan, Step

@@ -134,4 +134,4 @@ class Plan:
 
 
 def _fmt(pls: tuple[Placement, ...]) -> str:
-    return "(" + ", ".join(repr(p) for p in pls) + ")"
+    return repr(tuple(pls))

@@ -1,0 +1,236 @@
+"""The redistribution planner: the cheapest sequence of moves from one placements tuple to another.
+
+Pure and deterministic: a function of (global_shape, mesh_shape, src, dst, itemsize) only, cached.
+The search is Dijkstra over placement states; each state is a canonical placements tuple (several
+axes splitting one dim nest in axis order). Moves come from `moves()`: per-axis and flattened
+(several axes as one group) collectives, exact point-to-point transfers and free local moves.
+The cost of a plan is lexicographic: (busiest rank's received bytes + latency per collective,
+number of collectives, peak bytes, then the order moves are generated in).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from functools import lru_cache
+from typing import Iterator, Sequence
+
+from .cost import Costing, is_canonical
+from .errors import PlanError
+from .layout import check_global_shape, splitters
+from .mesh import DeviceMesh, as_mesh_shape
+from .placement import Broadcast, Partial, Placement, Split, normalize
+from .steps import Plan, Step
+
+State = tuple[Placement, ...]
+
+
+def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", src, dst, itemsize: int = 4,
+         *, latency_bytes: int = 0) -> Plan:
+    """Plan the redistribution of a tensor of `global_shape` on a mesh from `src` to `dst` placements.
+
+    `latency_bytes` prices each collective as that many received bytes (0: bytes first, collectives as
+    the tie-breaker). Pure and cached: every rank computes the same plan without talking.
+
+    >>> import sbp
+    >>> p = sbp.plan((1024, 1024), (2, 2), "S(0), S(1)", "S(1), S(0)")
+    >>> p.bytes_per_rank == sbp.lower_bound_bytes((1024, 1024), (2, 2), "S(0), S(1)", "S(1), S(0)")
+    True
+    >>> print(sbp.plan((8, 8), (4,), "P", "S(0)").explain())  # doctest: +NORMALIZE_WHITESPACE
+    Plan (P(sum),) -> (S(0),)  shape=(8, 8) mesh=(4,) itemsize=4
+      bytes/rank=192 (lower bound 192)  collectives=1  peak=576
+      1. axes[0] reduce_scatter(sum)  (P(sum),) -> (S(0),) dims=0  bytes=192 peak=576
+    """
+    shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
+    if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
+        raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
+    return _plan_cached(shape, mshape, s, d, itemsize, latency_bytes)
+
+
+def lower_bound_bytes(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", src, dst,
+                      itemsize: int = 4) -> int:
+    """Bytes the busiest rank must receive for the change `src -> dst`.
+
+    Split/Broadcast sources: the bytes of a rank's destination block that its source block lacks (exact
+    intersections, maximised over ranks). Partial sources: the reduction bound, i.e. the cheapest ring
+    reduction of the contributors ((q-1)/q of the reduced data for reduce-scatter, 2(q-1)/q for
+    all-reduce) plus the exact bound of what is left to move.
+
+    >>> lower_bound_bytes((1024, 1024), (4,), "S(0)", "B")
+    3145728
+    >>> lower_bound_bytes((1024, 1024), (4,), "P", "B")
+    6291456
+    """
+    shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
+    return Costing(shape, mshape, itemsize).lower_bound(s, d)
+
+
+def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
+    shape = check_global_shape(global_shape)
+    mshape = as_mesh_shape(mesh_shape)
+    s = normalize(src, len(shape), len(mshape))
+    d = normalize(dst, len(shape), len(mshape))
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}")
+    for name, pls in (("src", s), ("dst", d)):
+        if not is_canonical(pls):
+            raise PlanError(f"{name} placements {pls} are not valid")  # pragma: no cover - normalize ensures
+    return shape, mshape, s, d
+
+
+@lru_cache(maxsize=4096)
+def _plan_cached(shape, mshape, src, dst, itemsize, latency_bytes) -> Plan:
+    costing = Costing(shape, mshape, itemsize)
+    cap = 2 * (costing.max_local_bytes(src) + costing.max_local_bytes(dst))
+    steps = _search(costing, src, dst, latency_bytes, cap)
+    if steps is None:  # no plan within the memory cap: allow more memory rather than fail
+        steps = _search(costing, src, dst, latency_bytes, None)
+    if steps is None:  # pragma: no cover - every pair is reachable by construction
+        raise PlanError(f"no plan from {src} to {dst} on mesh {mshape}")
+    return Plan(shape, mshape, src, dst, itemsize, tuple(steps), costing.lower_bound(src, dst))
+
+
+def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None) -> list[Step] | None:
+    """A* over states with lexicographic cost (bytes + latency, collectives, peak, move order).
+
+    The heuristic never overestimates: the exact move bound of `Costing.move_bound` (Partial treated
+    as already reduced), and for states still to be reduced at least the destination block, which every
+    rank must receive once from its other contributors. So the first time `dst` is popped its path is
+    optimal.
+    """
+    dst_bytes = costing.max_local_bytes(dst)
+
+    def h(state: State) -> tuple[int, int]:
+        lack = costing.move_bound(state, dst)
+        if any(isinstance(p, Partial) and p != q for p, q in zip(state, dst)):
+            # a rank whose block still has other contributors receives at least that block once
+            return max(lack, dst_bytes) + latency, 1
+        return lack + latency * (lack > 0), int(lack > 0)
+
+    start = (0, 0, costing.max_local_bytes(src))
+    best: dict[State, tuple] = {src: start}
+    h0 = h(src)
+    heap: list = [((h0[0], h0[1], start[2]), 0, start, src)]
+    back: dict[State, tuple[State, Step]] = {}
+    counter = itertools.count(1)
+    while heap:
+        _, _, cost, state = heapq.heappop(heap)
+        if best.get(state) != cost:
+            continue
+        if state == dst:
+            out = []
+            while state != src:
+                state, step = back[state]
+                out.append(step)
+            return out[::-1]
+        for step in moves(costing, state, dst):
+            if cap is not None and step.peak_bytes > cap:
+                continue
+            coll = int(step.is_collective)
+            new = (cost[0] + step.bytes + latency * coll, cost[1] + coll, max(cost[2], step.peak_bytes))
+            old = best.get(step.dst)
+            if old is None or new < old:
+                best[step.dst] = new
+                back[step.dst] = (state, step)
+                est = h(step.dst)
+                heapq.heappush(heap, ((new[0] + est[0], new[1] + est[1], new[2]), next(counter), new, step.dst))
+    return None
+
+
+def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
+    """Every move out of state `s`, in a fixed order (the final tie-breaker).
+
+    The move table (per group of axes A, all members changing the same way):
+
+    ===============  ================  =================  ============================================
+    from             to                move               valid when
+    ===============  ================  =================  ============================================
+    S(d) on A        B                 all_gather         A are the last splitters of d
+    P(op) on A       S(d)              reduce_scatter     every axis of A comes after d's splitters
+    P(op) on A       B                 all_reduce         always
+    S(d) on a        S(e)              all_to_all         a is d's last splitter, after e's splitters
+    B on a           S(d)              local (slice)      a comes after d's splitters
+    B or S(d) on a   P(op)             local (zero-fill)  for S(d): a is d's last splitter
+    S/B on A         S/B               transfer           A holds a self-contained block of the tensor
+    ===============  ================  =================  ============================================
+    """
+    ndim, naxes = costing.ndim, len(s)
+    spl = [splitters(s, d) for d in range(ndim)]
+    # all_gather: the trailing k splitters of a dim become B together.
+    for d in range(ndim):
+        for k in range(1, len(spl[d]) + 1):
+            axes = spl[d][-k:]
+            yield costing.step("all_gather", axes, s, _put(s, axes, Broadcast()), dims=(d,))
+    # reductions over same-op Partial axes, alone or flattened.
+    for op in ("sum", "min", "max"):
+        pax = tuple(a for a in range(naxes) if s[a] == Partial(op))
+        for axes in _subsets(pax):
+            yield costing.step("all_reduce", axes, s, _put(s, axes, Broadcast()), op=op)
+            for d in range(ndim):
+                if not spl[d] or axes[0] > spl[d][-1]:
+                    yield costing.step("reduce_scatter", axes, s, _put(s, axes, Split(d)), dims=(d,), op=op)
+    for a in range(naxes):
+        p = s[a]
+        last = isinstance(p, Split) and spl[p.dim][-1] == a
+        if last:
+            for e in range(ndim):
+                if e != p.dim and (not spl[e] or a > spl[e][-1]):
+                    yield costing.step("all_to_all", (a,), s, _put(s, (a,), Split(e)), dims=(p.dim, e))
+        if isinstance(p, Broadcast):
+            for d in range(ndim):
+                if not spl[d] or a > spl[d][-1]:
+                    yield costing.step("local", (a,), s, _put(s, (a,), Split(d)), dims=(d,))
+        if (isinstance(p, Broadcast) or last) and isinstance(dst[a], Partial):
+            yield costing.step("local", (a,), s, _put(s, (a,), dst[a]), op=dst[a].op)
+    yield from _transfers(costing, s, dst)
+
+
+def _transfers(costing: Costing, s: State, dst: State) -> Iterator[Step]:
+    """Exact transfers from `s` towards the Split/Broadcast projection of `dst`."""
+    if all(isinstance(p, Partial) for p in s):
+        return
+    choices = []
+    for a, (p, q) in enumerate(zip(s, dst)):
+        if isinstance(q, Partial):
+            # a Partial target axis is reached afterwards by a free local move from S or B
+            choices.append((p,) if isinstance(p, Partial) else tuple(dict.fromkeys((p, Broadcast()))))
+        elif isinstance(p, Partial):
+            choices.append((p,))  # must be reduced by a collective first; rides along unchanged
+        else:
+            choices.append((q,))
+    for t in itertools.product(*choices):
+        if t == s or not is_canonical(t):
+            continue
+        axes = tuple(a for a in range(len(s)) if s[a] != t[a])
+        for group in (axes, tuple(a for a in range(len(s)) if not isinstance(s[a], Partial))):
+            if _self_contained(s, t, group):
+                yield costing.step("transfer", group, s, t)
+                break
+
+
+def _self_contained(s: State, t: State, axes: tuple[int, ...]) -> bool:
+    """True when the group along `axes` holds one contiguous block in both `s` and `t`.
+
+    That needs every splitter outside the group to come before every splitter inside it, per dim.
+    """
+    if any(isinstance(s[a], Partial) or isinstance(t[a], Partial) for a in axes):
+        return False
+    for state in (s, t):
+        for d in {p.dim for p in state if isinstance(p, Split)}:
+            spl = splitters(state, d)
+            inside = [a for a in spl if a in axes]
+            outside = [a for a in spl if a not in axes]
+            if inside and outside and max(outside) > min(inside):
+                return False
+    return True
+
+
+def _put(s: State, axes: Sequence[int], p: Placement) -> State:
+    out = list(s)
+    for a in axes:
+        out[a] = p
+    return tuple(out)
+
+
+def _subsets(axes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    for k in range(1, len(axes) + 1):
+        yield from itertools.combinations(axes, k)
