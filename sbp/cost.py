@@ -18,11 +18,6 @@ from .steps import Step
 State = tuple[Placement, ...]
 
 
-def is_canonical(pls: State) -> bool:
-    """Every tuple of normalised placements is a valid state (nesting follows axis order)."""
-    return all(isinstance(p, (Split, Broadcast, Partial)) for p in pls)
-
-
 class Costing:
     """Prices moves for one (global_shape, mesh_shape, itemsize); caches block sizes per state.
 

@@ -47,7 +47,8 @@ class DeviceMesh:
             raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
         if self.names is not None:
-            names = tuple(self.names)
+            # a lone string is one name, not one name per character ("dp" is not ("d", "p"))
+            names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
             if len(names) != len(shape):
                 raise MeshError(f"mesh names {names} must have one name per axis of shape {shape}")
             if any(not isinstance(n, str) or not n for n in names):
@@ -219,6 +220,8 @@ def as_mesh_shape(mesh: "DeviceMesh | Sequence[int] | int") -> tuple[int, ...]:
     """
     if isinstance(mesh, DeviceMesh):
         return mesh.shape
+    if type(mesh) is tuple and mesh and all(type(n) is int and n > 0 for n in mesh):
+        return mesh
     if isinstance(mesh, str):
         try:
             mesh = tuple(int(p) for p in mesh.lower().split("x"))

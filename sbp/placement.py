@@ -6,6 +6,7 @@ Placements are immutable values. Dims may be negative until the placement meets 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Iterable, Union
 
@@ -183,6 +184,20 @@ def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int)
     >>> normalize("S(-1), B", ndim=2, mesh_ndim=2)
     (S(1), B)
     """
+    if isinstance(pls, tuple):
+        try:
+            return _normalize_cached(pls, ndim, mesh_ndim)
+        except TypeError:  # unhashable entries: validated (and refused) below
+            pass
+    return _normalize(pls, ndim, mesh_ndim)
+
+
+@lru_cache(maxsize=4096)
+def _normalize_cached(pls: tuple, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    return _normalize(pls, ndim, mesh_ndim)
+
+
+def _normalize(pls, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
     pls = placements(pls)
     if len(pls) != mesh_ndim:
         raise PlacementError(
