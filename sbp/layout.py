@@ -77,11 +77,13 @@ def _prepare(global_shape, mesh, pls, coord):
     shape = check_global_shape(global_shape)
     mesh_shape = as_mesh_shape(mesh)
     pls = normalize(pls, len(shape), len(mesh_shape))
-    coord = tuple(coord)
-    if len(coord) != len(mesh_shape) or any(
-        isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c, n in zip(coord, mesh_shape)
-    ):
-        raise ShapeError(f"coord {coord} is not in a mesh of shape {mesh_shape}")
+    try:
+        coord = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
+        ok = len(coord) == len(mesh_shape) and all(0 <= c < n for c, n in zip(coord, mesh_shape))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"coord {tuple(coord)} is not in a mesh of shape {mesh_shape}")
     return shape, mesh_shape, pls, coord
 
 

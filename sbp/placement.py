@@ -201,7 +201,7 @@ def _normalize(pls, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
     pls = placements(pls)
     if len(pls) != mesh_ndim:
         raise PlacementError(
-            f"placements {pls} have {len(pls)} entries but the mesh has {mesh_ndim} axes "
+            f"placements {pls} give {len(pls)} placement(s) but the mesh has {mesh_ndim} axes "
             f"(need exactly one placement per mesh axis)"
         )
     out = []

@@ -20,6 +20,7 @@ from .layout import check_global_shape, splitters
 from .mesh import DeviceMesh, as_mesh_shape
 from .placement import Broadcast, Partial, Placement, Split, normalize
 from .steps import Plan, Step
+from .transfer import self_contained
 
 State = tuple[Placement, ...]
 
@@ -199,26 +200,9 @@ def _transfers(costing: Costing, s: State, dst: State) -> Iterator[Step]:
             continue
         axes = tuple(a for a in range(len(s)) if s[a] != t[a])
         for group in (axes, tuple(a for a in range(len(s)) if not isinstance(s[a], Partial))):
-            if _self_contained(s, t, group):
+            if self_contained(s, t, group):
                 yield costing.step("transfer", group, s, t)
                 break
-
-
-def _self_contained(s: State, t: State, axes: tuple[int, ...]) -> bool:
-    """True when the group along `axes` holds one contiguous block in both `s` and `t`.
-
-    That needs every splitter outside the group to come before every splitter inside it, per dim.
-    """
-    if any(isinstance(s[a], Partial) or isinstance(t[a], Partial) for a in axes):
-        return False
-    for state in (s, t):
-        for d in {p.dim for p in state if isinstance(p, Split)}:
-            spl = splitters(state, d)
-            inside = [a for a in spl if a in axes]
-            outside = [a for a in spl if a not in axes]
-            if inside and outside and max(outside) > min(inside):
-                return False
-    return True
 
 
 def _put(s: State, axes: Sequence[int], p: Placement) -> State:

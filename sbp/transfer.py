@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .layout import Block, block, block_numel, intersect
+from .errors import PlanError
+from .layout import Block, block, block_numel, intersect, splitters
 from .mesh import DeviceMesh
-from .placement import Placement
+from .placement import Broadcast, Placement, Split
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,10 @@ def exchange(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tu
     >>> ex.recv
     (((1, ((2, 4),)),), ((0, ((0, 2),)),))
     """
+    if not self_contained(src, dst, axes):
+        raise PlanError(f"an exchange on mesh axes {axes} cannot turn {src} into {dst}: the group does not "
+                        f"hold one contiguous block (a Partial axis in it, or an axis outside it splitting a "
+                        f"dim after one inside it)")
     mesh = DeviceMesh(mesh_shape)
     members = []
     for rank in _group(mesh, axes, coord):
@@ -71,6 +76,26 @@ def exchange(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tu
             send[peer].append((i, piece))
     order = lambda pairs: tuple(sorted(pairs, key=lambda pb: pb[0]))
     return Exchange(tuple(members), tuple(order(r) for r in recv), tuple(order(s) for s in send), tuple(keep))
+
+
+def self_contained(src: tuple[Placement, ...], dst: tuple[Placement, ...], axes: tuple[int, ...]) -> bool:
+    """True when the group along `axes` holds one contiguous block in both states (and no Partial axis
+    is in the group): per dim, every splitter outside the group comes before every splitter inside it.
+
+    >>> from sbp import S, B
+    >>> self_contained((S(0), S(0)), (B, S(0)), (0,)), self_contained((S(0), S(0)), (B, S(0)), (0, 1))
+    (False, True)
+    """
+    if any(not isinstance(state[a], (Split, Broadcast)) for state in (src, dst) for a in axes):
+        return False
+    for state in (src, dst):
+        for d in {p.dim for p in state if isinstance(p, Split)}:
+            spl = splitters(state, d)
+            inside = [a for a in spl if a in axes]
+            outside = [a for a in spl if a not in axes]
+            if inside and outside and max(outside) > min(inside):
+                return False
+    return True
 
 
 def _group(mesh: DeviceMesh, axes: tuple[int, ...], coord: tuple[int, ...]) -> tuple[int, ...]:
