@@ -13,3 +13,10 @@ from .placement import B, Broadcast, Partial, PartialMax, PartialMin, PartialSum
 __version__ = "0.1.0"
 from .planner import lower_bound_bytes, plan
 from .steps import Plan, Step
+from .backends.dist import init_device_mesh, init_mesh
+from .crossmesh import CrossMeshPlan, plan_cross_mesh
+from .tensor import FallbackWarning, GlobalTensor
+from .api import distribute, from_local
+from .factories import empty, full, ones, rand, randn, zeros
+from .visualize import visualize
+from .interop import from_dtensor, to_dtensor

@@ -7,6 +7,7 @@ all_gather receives what the rank lacks, reduce_scatter ``(n-1)`` times its outp
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional
 
@@ -87,6 +88,12 @@ class Costing:
             out = self._lack[key] = max(n - c for n, c in zip(self.numels(t), common))
         return out
 
+    def _gathers_in_place(self, s: State, t: State, dim: int) -> bool:
+        ins = self.numels(s)
+        if len(set(ins)) > 1:
+            return False
+        return all(hi - lo <= 1 for per_coord in self.ranges(t)[:dim] for lo, hi in per_coord)
+
     def max_local_bytes(self, s: State) -> int:
         """The largest local tensor of state `s`, in bytes."""
         return max(self.numels(s)) * self.itemsize
@@ -105,12 +112,15 @@ class Costing:
                 recv, buffer = 0, 0
             case "all_gather":
                 recv = max(o - i for i, o in zip(ins, outs))
-                buffer = n * max(ins)
+                # equal pieces gathered along the outermost dim land in the output itself
+                buffer = 0 if self._gathers_in_place(s, t, dims[0]) else n * max(ins)
             case "reduce_scatter":
                 recv = (n - 1) * max(outs)
                 buffer = n * max(outs)
             case "all_reduce":
-                recv = 2 * (n - 1) * max(ins) // n
+                # ring: reduce_scatter then all_gather of balanced pieces; the rank with the
+                # largest piece receives (n - 1) pieces of its size plus everything else once
+                recv = max(-(-m // n) * (n - 2) + m for m in ins) if n > 1 else 0
                 buffer = 0
             case "all_to_all" | "transfer":
                 # inside a self-contained group every missing piece is held by some member
@@ -121,48 +131,76 @@ class Costing:
         return Step(kind, axes, s, t, dims, op, recv * self.itemsize, peak)
 
     # ---- lower bound -------------------------------------------------------------------------------
-    def lower_bound(self, s: State, d: State) -> int:
-        """See `sbp.lower_bound_bytes`."""
-        reduce_axes = [a for a in range(len(s)) if isinstance(s[a], Partial) and s[a] != d[a]]
-        if not reduce_axes:
-            return self.move_bound(s, d)
-        op = s[reduce_axes[0]].op
-        axes = tuple(a for a in reduce_axes if s[a].op == op)
-        best = None
-        outcomes = [(Broadcast(), "all_reduce", ())]
-        for dim in range(self.ndim):
-            spl = splitters(s, dim)
-            if not spl or axes[0] > spl[-1]:
-                outcomes.append((Split(dim), "reduce_scatter", (dim,)))
-        for p, kind, dims in outcomes:
-            r = tuple(p if a in axes else s[a] for a in range(len(s)))
-            cost = self.step(kind, axes, s, r, dims, op).bytes + self.lower_bound(r, d)
-            best = cost if best is None else min(best, cost)
-        return best
+    def reduction_bound(self, s: State, d: State) -> int:
+        """A bound for Partial sources that holds for any schedule, counted in elements.
+
+        Per element, the q contributions of the axes still to reduce need q - 1 receptions to meet,
+        and the result m - 1 more to reach the m ranks whose final block holds it (m = 1 when the
+        target is Partial too, whose ranks may hold zeros). The busiest rank receives at least the
+        total over the ranks' count; a rank whose target block still has other contributors receives
+        at least that block. Both `P -> S` ((q-1)/q) and `P -> B` (2(q-1)/q) meet it with one ring
+        collective.
+        """
+        pending = [a for a in range(len(s)) if isinstance(s[a], Partial) and s[a] != d[a]]
+        kept = [a for a in range(len(s)) if isinstance(s[a], Partial) and s[a] == d[a]]
+        q = math.prod(self.mesh.shape[a] for a in pending)
+        groups = math.prod(self.mesh.shape[a] for a in kept)
+        total_elems = math.prod(self.shape) * groups
+        if any(isinstance(y, Partial) for y in d):
+            # Partial targets (new or kept axes): contributions may be re-split, ranks may hold zeros
+            traffic, per_rank = total_elems * (q - 1), 0
+        else:
+            traffic = total_elems * (q - 2) + sum(self.numels(d))
+            per_rank = max(self.numels(d))
+        floor = -(-traffic // len(self.coords))
+        return max(self.move_bound(s, d), max(floor, per_rank) * self.itemsize)
+
+    def heuristic(self, s: State, d: State) -> int:
+        """A cheap bound for the search (never above the true cost): what ranks lack of their `d` blocks.
+
+        Targets with new Partial axes get 0: a zero-filled Partial rank needs no data at all.
+        """
+        if any(isinstance(q, Partial) and p != q for p, q in zip(s, d)):
+            return 0
+        return self.lack(s, d) * self.itemsize
 
     def move_bound(self, s: State, d: State) -> int:
-        """Exact bound when nothing needs reducing: what each rank lacks of its destination block.
+        """What the busiest rank must receive when nothing needs reducing (Partial source axes are
+        treated as already reduced, so for Partial states it is a lower bound).
 
-        Partial axes are treated as if already reduced, so for Partial states it is a lower bound.
+        Split/Broadcast targets: exactly what each rank lacks of its block (a transfer achieves it).
+        Partial targets: a rank may hold zeros or any share of a contribution, so per group of ranks
+        that differ only on the target's Partial axes, what no member holds of the group's block must
+        arrive at one of them: the busiest receives at least that, divided by the group's size.
         """
         key = (s, d)
         if key in self._bound:
             return self._bound[key]
-        candidates = [[]]
-        for p, q in zip(s, d):
-            if isinstance(q, Partial) and not isinstance(p, Partial):
-                options = [p, Broadcast()] if p != Broadcast() else [p]
-            else:
-                options = [q]
-            candidates = [c + [o] for c in candidates for o in options]
-        best = min((self.lack(s, t) for t in map(tuple, candidates) if self._local_to(t, d)), default=0)
+        new = [a for a, y in enumerate(d) if isinstance(y, Partial)]
+        if not new or s == d:
+            best = self.lack(s, d)
+        else:
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for i, c in enumerate(self.coords):
+                groups.setdefault(tuple(v for a, v in enumerate(c) if a not in new), []).append(i)
+            have, want = self._boxes(s), self._boxes(d)
+            best = 0
+            for members in groups.values():
+                target = want[members[0]]
+                held = sum(_overlap(target, b) for b in {have[i] for i in members})
+                lack = _overlap(target, target) - held
+                best = max(best, -(-lack // len(members)))
         self._bound[key] = best * self.itemsize
         return best * self.itemsize
 
-    @staticmethod
-    def _local_to(t: State, d: State) -> bool:
-        """True when `t -> d` needs only local zero-fill moves (S(d) must be its dim's last splitter)."""
-        for a, (p, q) in enumerate(zip(t, d)):
-            if p != q and isinstance(p, Split) and splitters(t, p.dim)[-1] != a:
-                return False
-        return True
+    def _boxes(self, s: State) -> list[tuple[tuple[int, int], ...]]:
+        """Per coord, its block as one (start, stop) per dim (distinct blocks of a state are disjoint)."""
+        per_dim = self.ranges(s)
+        return [tuple(r[i] for r in per_dim) for i in range(len(self.coords))]
+
+
+def _overlap(a, b) -> int:
+    n = 1
+    for (alo, ahi), (blo, bhi) in zip(a, b):
+        n *= max(0, min(ahi, bhi) - max(alo, blo))
+    return n

@@ -62,7 +62,7 @@ def lower_bound_bytes(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Seq
     6291456
     """
     shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
-    return Costing(shape, mshape, itemsize).lower_bound(s, d)
+    return _lower_bound(Costing(shape, mshape, itemsize), s, d)
 
 
 def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
@@ -84,7 +84,18 @@ def _plan_cached(shape, mshape, src, dst, itemsize, latency_bytes) -> Plan:
         steps = _search(costing, src, dst, latency_bytes, None)
     if steps is None:  # pragma: no cover - every pair is reachable by construction
         raise PlanError(f"no plan from {src} to {dst} on mesh {mshape}")
-    return Plan(shape, mshape, src, dst, itemsize, tuple(steps), costing.lower_bound(src, dst))
+    return Plan(shape, mshape, src, dst, itemsize, tuple(steps), _lower_bound(costing, src, dst))
+
+
+def _pending(s: State, d: State) -> bool:
+    return any(isinstance(p, Partial) and p != q for p, q in zip(s, d))
+
+
+def _lower_bound(costing: Costing, src: State, dst: State) -> int:
+    """Split/Broadcast sources: `Costing.move_bound` (exact). Partial sources: `Costing.reduction_bound`."""
+    if not _pending(src, dst):
+        return costing.move_bound(src, dst)
+    return costing.reduction_bound(src, dst)
 
 
 def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None) -> list[Step] | None:
@@ -98,7 +109,7 @@ def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | N
     dst_bytes = costing.max_local_bytes(dst)
 
     def h(state: State) -> tuple[int, int]:
-        lack = costing.move_bound(state, dst)
+        lack = costing.heuristic(state, dst)
         if any(isinstance(p, Partial) and p != q for p, q in zip(state, dst)):
             # a rank whose block still has other contributors receives at least that block once
             return max(lack, dst_bytes) + latency, 1
@@ -187,14 +198,17 @@ def _transfers(costing: Costing, s: State, dst: State) -> Iterator[Step]:
     if all(isinstance(p, Partial) for p in s):
         return
     choices = []
+    # with new Partial target axes, a Split target may be sliced locally after zero-filling (from B)
+    later_slice = any(isinstance(q, Partial) and p != q for p, q in zip(s, dst))
     for a, (p, q) in enumerate(zip(s, dst)):
         if isinstance(q, Partial):
-            # a Partial target axis is reached afterwards by a free local move from S or B
-            choices.append((p,) if isinstance(p, Partial) else tuple(dict.fromkeys((p, Broadcast()))))
+            # a Partial target axis is reached afterwards by a free local move from any S or B
+            options = (p, Broadcast(), *(Split(e) for e in range(costing.ndim)))
+            choices.append((p,) if isinstance(p, Partial) else tuple(dict.fromkeys(options)))
         elif isinstance(p, Partial):
             choices.append((p,))  # must be reduced by a collective first; rides along unchanged
         else:
-            choices.append((q,))
+            choices.append((q, Broadcast()) if later_slice and isinstance(q, Split) else (q,))
     for t in itertools.product(*choices):
         if t == s:
             continue

@@ -1,0 +1,237 @@
+"""Redistribution speed and traffic: sbp against DTensor (torch.distributed.tensor), same processes, same run.
+
+4 gloo ranks on 127.0.0.1 (the script launches them; or run it under
+``torchrun --standalone --nproc-per-node 4 benchmarks/redistribute.py``), a 1024x1024 fp32 tensor and an
+uneven 1023x1021 one, each case on a mesh of (4,) or (2, 2). Per case it prints:
+
+- ``sbp ms`` / ``DT ms``: median over iterations of the slowest rank's wall time (barrier before each);
+- ``ratio``: sbp / DTensor time (below 1: sbp is faster);
+- ``sbp B/rank``: the plan's bytes for the busiest rank (`plan.bytes_per_rank`), and ``counted`` the
+  bytes its communicator really saw the busiest rank receive (logical, without padding);
+- ``DT B/rank``: what DTensor's collectives delivered to the busiest rank, counted by a
+  `TorchDispatchMode` that sees every functional collective DTensor issues (`_c10d_functional.*`,
+  `_dtensor.shard_dim_alltoall`; `CommDebugMode` counts calls only) and prices it with the same
+  conventions as sbp's counters: all_gather receives the others' pieces, reduce_scatter (n-1) x its
+  output, all_reduce 2 (n-1)/n of the tensor, all_to_all what the peers send;
+- ``sbp/coll``: for plans of one collective, sbp's time over the time of the torch.distributed call
+  alone (timed inside sbp's communicator in the same iterations): sbp's own overhead.
+
+Timings on a shared 2-core machine are noisy; the byte columns are exact.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import sbp
+from sbp.backends.dist import DistComm
+from sbp.execute import redistribute_local
+
+WORLD = 4
+CASES = [((4,), "S(0)", "B"), ((4,), "S(0)", "S(1)"), ((4,), "P", "B"), ((4,), "P", "S(0)"),
+         ((2, 2), "S(0), S(1)", "S(1), S(0)"), ((2, 2), "S(0), S(0)", "S(1), S(1)"),
+         ((2, 2), "S(0), S(0)", "B, S(0)"), ((2, 2), "S(0), B", "B, S(0)"), ((2, 2), "P, P", "B, B")]
+SHAPES = [(1024, 1024), (1023, 1021)]
+
+
+# ---- counting DTensor's traffic -------------------------------------------------------------------
+
+class CountBytes(TorchDispatchMode):
+    """Received bytes of every functional collective issued under it (this rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received = 0
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        short = name.split(".")[-1]
+        size = lambda t: t.numel() * t.element_size()
+        if "_c10d_functional" in name or "_dtensor" in name:
+            if short == "all_gather_into_tensor":
+                self._add(short, size(out) - size(args[0]))
+            elif short == "reduce_scatter_tensor":
+                self._add(short, (args[2] - 1) * size(out))
+            elif short == "all_reduce":
+                n = _group_size(args[2])
+                self._add(short, 2 * (n - 1) * size(args[0]) // n)
+            elif short == "all_to_all_single":
+                me = _group_rank(args[3])
+                own = args[1][me] if args[1] else out.shape[0] // _group_size(args[3])
+                self._add(short, size(out) - own * size(out) // max(out.shape[0], 1) if out.numel() else 0)
+            elif short == "shard_dim_alltoall":
+                n = _group_size(args[3])
+                self._add(short, size(out) * (n - 1) // n)
+        return out
+
+    def _add(self, name: str, nbytes: int) -> None:
+        self.calls.append(name)
+        self.received += nbytes
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def _group_size(name: str) -> int:
+    return dist.get_world_size(_group(name))
+
+
+def _group_rank(name: str) -> int:
+    return dist.get_group_rank(_group(name), dist.get_rank())
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], object], iters: int, warmup: int = 3) -> list[float]:
+    """Per-iteration wall time of the slowest rank (seconds)."""
+    for _ in range(warmup):
+        fn()
+    mine = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        mine.append(time.perf_counter() - t0)
+    times = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def busiest(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _sync(t: torch.Tensor) -> torch.Tensor:
+    wait = getattr(t, "wait", None)
+    return wait() if callable(wait) else t
+
+
+# ---- one case -------------------------------------------------------------------------------------
+
+def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int) -> dict:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    src_pl, dst_pl = sbp.placements(src), sbp.placements(dst)
+    partial = any(isinstance(p, sbp.Partial) for p in src_pl)
+    to_torch = lambda pls: [Shard(p.dim) if isinstance(p, sbp.Split) else
+                            Partial() if isinstance(p, sbp.Partial) else Replicate() for p in pls]
+
+    # sbp: this rank's block (Partial: every rank contributes the block, so the value is 4x; timing only)
+    plan = sbp.plan(shape, mesh, src_pl, dst_pl, itemsize=4)
+    local = full[sbp.local_slices(shape, mesh, [sbp.B if isinstance(p, sbp.Partial) else p for p in src_pl],
+                                  mesh.coord)].contiguous()
+    counters = mesh.binding.counters
+    counters.reset()
+    out = redistribute_local(local, mesh, shape, src_pl, dst_pl)
+    counted = busiest(counters.received)
+    if not partial:
+        assert torch.equal(out, full[sbp.local_slices(shape, mesh, dst_pl, mesh.coord)]), (src, dst, shape)
+    coll_times: list[float] = []
+    sbp_times = _with_collective_timer(coll_times, lambda: timed(
+        lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl), iters))
+
+    # DTensor on the same processes
+    if partial:
+        dlocal = full[tuple(slice(0, n) for n in shape)].clone()
+        x = DTensor.from_local(dlocal, tmesh, to_torch(src_pl), run_check=False, shape=full.shape,
+                               stride=full.stride())
+    else:
+        from torch.distributed.tensor import distribute_tensor
+        x = distribute_tensor(full, tmesh, to_torch(src_pl))
+    target = to_torch(dst_pl)
+    run_dt = lambda: _sync(x.redistribute(tmesh, target).to_local())
+    with CountBytes() as counter:
+        run_dt()
+    dt_bytes = busiest(counter.received)
+    dt_times = timed(run_dt, iters)
+
+    sbp_ms, dt_ms = statistics.median(sbp_times) * 1e3, statistics.median(dt_times) * 1e3
+    single = plan.num_collectives == 1 and len(coll_times) >= iters
+    coll_ms = statistics.median(coll_times[-iters:]) * 1e3 if single else None
+    return {"sbp_ms": sbp_ms, "dt_ms": dt_ms, "plan_bytes": plan.bytes_per_rank, "counted": counted,
+            "dt_bytes": dt_bytes, "coll_ms": coll_ms, "steps": " + ".join(s.kind for s in plan.steps if s.is_collective),
+            "dt_calls": "+".join(counter.calls)}
+
+
+def _with_collective_timer(sink: list[float], fn: Callable[[], list[float]]) -> list[float]:
+    """Run `fn` while every torch.distributed call inside sbp's communicator is timed into `sink`."""
+    original = DistComm._call
+
+    def timed_call(self, what, axes, members, t, call):
+        t0 = time.perf_counter()
+        original(self, what, axes, members, t, call)
+        sink.append(time.perf_counter() - t0)
+
+    DistComm._call = timed_call
+    try:
+        return fn()
+    finally:
+        DistComm._call = original
+
+
+def main(iters: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    # DTensor warns (per rank) about its CPU all_to_all fallback and sequential gathers; the table shows it
+    for name in ("torch.distributed", "torch.distributed.tensor._redistribute", "torch._logging"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    meshes = {(4,): sbp.init_mesh((4,), device_type="cpu"), (2, 2): sbp.init_mesh((2, 2), device_type="cpu")}
+    tmeshes = {(4,): init_device_mesh("cpu", (4,)), (2, 2): init_device_mesh("cpu", (2, 2))}
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"torch {torch.__version__}, {WORLD} gloo ranks, fp32, median of {iters} iterations\n")
+        print(f"{'mesh':<5} {'shape':<10} {'change':<26} {'sbp ms':>7} {'DT ms':>7} {'ratio':>6} "
+              f"{'sbp B/rank':>11} {'counted':>9} {'DT B/rank':>10} {'sbp/coll':>8}  sbp | DTensor collectives")
+    for shape in SHAPES:
+        for mesh_shape, src, dst in CASES:
+            r = run_case(meshes[mesh_shape], tmeshes[mesh_shape], shape, src, dst, iters)
+            if rank == 0:
+                mesh_txt = "x".join(map(str, mesh_shape))
+                coll = f"{r['sbp_ms'] / r['coll_ms']:.2f}" if r["coll_ms"] else "-"
+                print(f"{mesh_txt:<5} {'x'.join(map(str, shape)):<10} {f'[{src}]->[{dst}]':<26} "
+                      f"{r['sbp_ms']:7.2f} {r['dt_ms']:7.2f} {r['sbp_ms'] / r['dt_ms']:6.2f} "
+                      f"{r['plan_bytes']:11d} {r['counted']:9d} {r['dt_bytes']:10d} {coll:>8}  "
+                      f"{r['steps']} | {r['dt_calls']}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _launch(rank: int, port: int, iters: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    main(iters)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=15, help="timed iterations per case (default 15)")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        main(args.iters)
+    else:
+        mp.start_processes(_launch, args=(_free_port(), args.iters), nprocs=WORLD, start_method="spawn")
+        sys.exit(0)

@@ -1,0 +1,157 @@
+"""Backends that run collectives: `threads` (ranks as threads in one process) and `dist` (torch.distributed).
+
+`BoundComm` is their shared half: group lookup along mesh axes, trivial single-member groups, argument
+checks and byte counting. A backend supplies the four raw collectives over a tuple of member ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..comm import (ChunkList, CallRecord, Counters, as_chunks, check_recv_shapes, count_all_gather,
+                    count_all_reduce, count_all_to_all, count_reduce_scatter, with_axes)
+from ..errors import CommError
+from ..mesh import DeviceMesh
+
+Members = tuple[int, ...]  # world ranks of one group, in member (row-major) order
+
+
+class BoundComm:
+    """A communicator bound to `mesh` (a pure value: shape and world ranks) for world rank `rank`.
+
+    Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_all_to_all` and `_rebind`.
+    """
+
+    backend = "abstract"
+
+    def __init__(self, mesh: DeviceMesh, rank: int, counters: Counters | None = None) -> None:
+        self.mesh = DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type)  # unbound copy
+        self.rank = rank
+        self.counters = counters if counters is not None else Counters()
+        self.coord = self.mesh.coord_of(rank) if rank in self.mesh.ranks else None
+        self._members: dict[tuple[int, ...], Members] = {}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} coord={self.coord} mesh={self.mesh}>"
+
+    # ---- groups ------------------------------------------------------------------------------------
+    def members(self, axes: Sequence[int]) -> Members:
+        """World ranks of this rank's group along `axes`, in member order."""
+        axes = tuple(axes)
+        found = self._members.get(axes)
+        if found is None:
+            if self.coord is None:
+                raise CommError(f"rank {self.rank} is outside mesh {self.mesh} and takes part in no collective")
+            found = next(g for g in self.mesh.groups(axes) if self.rank in g)
+            self._members[axes] = found
+        return found
+
+    def submesh_binding(self, mesh: DeviceMesh, axes: tuple[int, ...]) -> "BoundComm":
+        """Binding of `mesh`'s sub-mesh along `axes` that contains this rank; counters are shared."""
+        sub = DeviceMesh(tuple(mesh.shape[a] for a in axes),
+                         None if mesh.names is None else tuple(mesh.names[a] for a in axes),
+                         self.members(axes), mesh.device_type)
+        return self._rebind(sub)
+
+    def _rebind(self, mesh: DeviceMesh) -> "BoundComm":  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ---- collectives -------------------------------------------------------------------------------
+    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *,
+                   numels: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Every member's `t` in member order (shapes must be equal)."""
+        members = self.members(axes)
+        t = t.contiguous()
+        out = [t.clone()] if len(members) == 1 else self._all_gather(t, members, axes)
+        self._count(count_all_gather(members.index(self.rank), t.numel(), numels, len(members),
+                                     t.element_size()), axes)
+        return out
+
+    def reduce_scatter(self, chunks: ChunkList, axes: tuple[int, ...], op: str, *,
+                       numels: Sequence[int] | None = None) -> torch.Tensor:
+        """The `op`-reduction over members of the chunk meant for this rank."""
+        members = self.members(axes)
+        chunks = [c.contiguous() for c in as_chunks(chunks, len(members))]
+        if len(chunks) != len(members) or len({c.shape for c in chunks}) > 1:
+            raise ValueError(f"reduce_scatter needs {len(members)} chunks of one shape, "
+                             f"got shapes {[tuple(c.shape) for c in chunks]}")
+        index = members.index(self.rank)
+        out = chunks[0].clone() if len(members) == 1 else self._reduce_scatter(chunks, members, axes, op)
+        self._count(count_reduce_scatter(index, chunks[0].numel(), numels, len(members),
+                                         chunks[0].element_size()), axes)
+        return out
+
+    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
+        """The `op`-reduction of every member's `t`, as a new contiguous tensor."""
+        members = self.members(axes)
+        t = t.contiguous()
+        out = t.clone() if len(members) == 1 else self._all_reduce(t, members, axes, op)
+        self._count(count_all_reduce(members.index(self.rank), t.numel(), len(members), t.element_size()), axes)
+        return out
+
+    def all_to_all(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
+                   axes: tuple[int, ...]) -> list[torch.Tensor]:
+        """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
+        members = self.members(axes)
+        check_recv_shapes(send, recv_shapes, len(members))
+        send = [s.contiguous() for s in send]
+        index = members.index(self.rank)
+        recv_shapes = [tuple(s) for s in recv_shapes]
+        if len(members) == 1:
+            out = [send[0].clone().view(recv_shapes[0])]
+        else:
+            out = self._all_to_all(send, recv_shapes, members, axes)
+        numel = lambda shape: int(torch.Size(shape).numel())
+        self._count(count_all_to_all(index, [s.numel() for s in send], [numel(s) for s in recv_shapes],
+                                     send[0].element_size()), axes)
+        return out
+
+    def exchange(self, ranks: Sequence[int], send: dict[int, list[torch.Tensor]],
+                 recv_shapes: dict[int, list[Sequence[int]]], *, dtype: torch.dtype,
+                 device: "torch.device | str") -> dict[int, list[torch.Tensor]]:
+        """Point-to-point among world `ranks` (every one of them calls it; no group is needed).
+
+        `send[peer]` are the pieces for world rank `peer`; `recv_shapes[peer]` the shapes expected from it.
+        Returns the received pieces per peer, in the same order. Used by cross-mesh redistribution.
+        """
+        numel = lambda shape: int(torch.Size(shape).numel())
+        sent = sum(t.numel() for pieces in send.values() for t in pieces)
+        wanted = {peer: [tuple(s) for s in shapes] for peer, shapes in recv_shapes.items()}
+        got = self._exchange(tuple(ranks), {p: [t.contiguous() for t in ts] for p, ts in send.items()}, wanted,
+                             dtype, torch.device(device))
+        received = sum(numel(s) for shapes in wanted.values() for s in shapes)
+        size = torch.empty(0, dtype=dtype).element_size()
+        self.counters.record(CallRecord("exchange", (), sent * size, received * size, sent * size, received * size))
+        return got
+
+    def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
+                  dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
+        raise NotImplementedError  # pragma: no cover
+
+    def _count(self, call: CallRecord, axes: tuple[int, ...]) -> None:
+        self.counters.record(with_axes(call, axes))
+
+    # ---- raw collectives, over `members` (len >= 2) ---------------------------------------------------
+    def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
+        raise NotImplementedError  # pragma: no cover
+
+    def _reduce_scatter(self, chunks: list[torch.Tensor], members: Members, axes: tuple[int, ...],
+                        op: str) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover
+
+    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover
+
+    def _all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], members: Members,
+                    axes: tuple[int, ...]) -> list[torch.Tensor]:
+        raise NotImplementedError  # pragma: no cover
+
+
+def bound(mesh: DeviceMesh, comm: Any) -> DeviceMesh:
+    """`mesh` with `comm` as its binding (the value is unchanged; binding never affects equality).
+
+    >>> bound(DeviceMesh((2,)), None) == DeviceMesh((2,))
+    True
+    """
+    return DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type, comm)

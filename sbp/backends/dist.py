@@ -1,0 +1,220 @@
+"""torch.distributed backend: `init_mesh` binds a mesh to process groups; collectives run on NCCL or gloo.
+
+Process groups are created eagerly by `init_mesh`, one per group of every non-empty subset of mesh axes
+(a 2x2 mesh: the 2 + 2 groups of each axis and the flattened group of both; 2**ndim - 1 subsets in all),
+in one fixed order, by every rank of the world (also ranks outside the mesh: `new_group` is collective
+over the default group). That keeps group creation deterministic without relying on
+`use_local_synchronization` and leaves no lazily created group that some rank might create in another
+order. They live on the binding (no module-level state) and are shared with sub-meshes.
+
+Collectives used (all supported by gloo and NCCL in torch 2.13): `all_gather_single` /
+`all_gather_into_tensor` and `reduce_scatter_single` / `reduce_scatter_tensor` (flat buffers),
+`all_reduce` (SUM/MIN/MAX), `all_to_all_single` with per-peer split sizes, batched isend/irecv.
+A failure or timeout becomes `sbp.CommError` naming the collective, the mesh axes and the group.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Counters, joined
+from ..errors import CommError, MeshError
+from ..mesh import DeviceMesh
+from . import BoundComm, Members, bound
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# torch 2.13 renamed the *_into_tensor / *_tensor collectives; take the new names where they exist
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, *,
+              ranks: Sequence[int] | None = None, device_type: str | None = None,
+              timeout: "timedelta | float" = DEFAULT_TIMEOUT) -> DeviceMesh:
+    """A `DeviceMesh` bound to torch.distributed; every rank of the world must call it, in the same order.
+
+    Initialises the default process group from the torchrun environment (MASTER_ADDR, MASTER_PORT,
+    RANK, WORLD_SIZE) when it is not initialised yet. `device_type` None picks "cuda" when available,
+    else "cpu"; "cuda" uses NCCL, "cpu" gloo. Without `ranks` the mesh must cover the whole world;
+    with `ranks` (row-major) other ranks get a mesh whose `coord` is None. `timeout` (a timedelta or
+    seconds) bounds every collective on the mesh: a dead rank is an error, not a hang.
+
+    Under ``torchrun --nproc-per-node 4``, on rank 3:
+
+    >>> import sbp
+    >>> mesh = sbp.init_mesh((2, 2), names=("dp", "tp"))      # doctest: +SKIP
+    >>> mesh.coord, mesh["tp"].coord                         # doctest: +SKIP
+    ((1, 1), (1,))
+    """
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type not in ("cpu", "cuda"):
+        raise MeshError(f"device_type must be 'cpu' or 'cuda' (or None for automatic), got {device_type!r}")
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        _init_default(backend, device_type, timeout)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh(shape, names, None if ranks is None else tuple(ranks), device_type)
+    if ranks is None and mesh.size() != world:
+        raise MeshError(f"mesh of shape {mesh.shape} has {mesh.size()} ranks but the world has {world} "
+                        f"processes; pass ranks=[...] to put the mesh on part of the world")
+    if max(mesh.ranks) >= world:
+        raise MeshError(f"mesh ranks {list(mesh.ranks)} do not fit a world of {world} processes "
+                        f"(valid ranks: 0..{world - 1})")
+    groups = {}
+    for axes in _axis_subsets(mesh.ndim):
+        for members in mesh.groups(axes):
+            key = tuple(sorted(members))
+            if len(members) == 1 or key in groups:
+                continue
+            pg = dist.new_group(list(key), timeout=timeout, backend=backend)
+            groups[key] = pg if rank in key else None
+    return bound(mesh, DistComm(mesh, rank, {k: g for k, g in groups.items() if g is not None}, timeout))
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
+                     mesh_dim_names: Sequence[str] | None = None, *,
+                     timeout: "timedelta | float" = DEFAULT_TIMEOUT) -> DeviceMesh:
+    """The DTensor spelling of `init_mesh`.
+
+    >>> import sbp
+    >>> mesh = sbp.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))   # doctest: +SKIP
+    """
+    return init_mesh(mesh_shape, mesh_dim_names, device_type=device_type, timeout=timeout)
+
+
+def _init_default(backend: str, device_type: str, timeout: timedelta) -> None:
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise MeshError(f"torch.distributed is not initialised and the environment lacks {', '.join(missing)}; "
+                        f"launch with torchrun (or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or call "
+                        f"torch.distributed.init_process_group first")
+    if device_type == "cuda":
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def _axis_subsets(ndim: int) -> list[tuple[int, ...]]:
+    """Every non-empty subset of axes, singletons first (a fixed order every rank follows)."""
+    return [s for k in range(1, ndim + 1) for s in itertools.combinations(range(ndim), k)]
+
+
+class DistComm(BoundComm):
+    """A rank's communicator over torch.distributed process groups (one per flattened axis set)."""
+
+    backend = "dist"
+
+    def __init__(self, mesh: DeviceMesh, rank: int, groups: dict[Members, dist.ProcessGroup],
+                 timeout: timedelta, counters: Counters | None = None) -> None:
+        super().__init__(mesh, rank, counters)
+        self.timeout = timeout
+        self._groups = groups
+        self._orders: dict[Members, list[int]] = {}
+
+    def _rebind(self, mesh: DeviceMesh) -> "DistComm":
+        return DistComm(mesh, self.rank, self._groups, self.timeout, self.counters)
+
+    def bind(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Another mesh over the same world (`init_mesh` with this mesh's timeout; every rank calls it)."""
+        return init_mesh(mesh.shape, mesh.names, ranks=mesh.ranks, device_type=mesh.device_type, timeout=self.timeout)
+
+    def _group(self, members: Members) -> tuple[dist.ProcessGroup, list[int]]:
+        """The process group of `members` and, per group rank, the member index it is."""
+        pg = self._groups.get(tuple(sorted(members)))
+        if pg is None:
+            raise CommError(f"no process group for ranks {list(members)} on rank {self.rank}; was the mesh "
+                            f"made by sbp.init_mesh on every rank?")
+        order = self._orders.get(members)
+        if order is None:
+            order = [members.index(r) for r in dist.get_process_group_ranks(pg)]
+            self._orders[members] = order
+        return pg, order
+
+    def _call(self, what: str, axes: tuple[int, ...], members: Members, t: torch.Tensor,
+              fn: Callable[[], object]) -> None:
+        if t.device.type != self.mesh.device_type:
+            raise CommError(f"{what} on mesh axes {axes}: tensor is on {t.device} but the mesh is a "
+                            f"{self.mesh.device_type!r} mesh; move the local tensor to the mesh's device")
+        try:
+            fn()
+        except (RuntimeError, dist.DistError) as e:
+            raise CommError(f"{what} on mesh axes {axes} (group ranks {list(members)}) failed on rank "
+                            f"{self.rank} (timeout {self.timeout}): {e}") from e
+
+    def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
+        pg, order = self._group(members)
+        flat = t.reshape(-1)
+        out = t.new_empty(len(members) * flat.numel())  # concatenation form: gloo takes no stacked output
+        self._call("all_gather", axes, members, t, lambda: _all_gather_flat(out, flat, group=pg))
+        pieces = out.view((len(members),) + tuple(t.shape))
+        by_member: list[torch.Tensor] = [pieces[0]] * len(members)
+        for g, m in enumerate(order):
+            by_member[m] = pieces[g]
+        return by_member
+
+    def _reduce_scatter(self, chunks: list[torch.Tensor], members: Members, axes: tuple[int, ...],
+                        op: str) -> torch.Tensor:
+        pg, order = self._group(members)
+        ordered = [chunks[m] for m in order]
+        inp = joined(ordered)  # chunks cut from one contiguous local need no copy
+        if inp is None:
+            inp = torch.cat([c.reshape(-1) for c in ordered])
+        out = chunks[0].new_empty(chunks[0].numel())
+        self._call(f"reduce_scatter({op})", axes, members, inp,
+                   lambda: _reduce_scatter_flat(out, inp, op=_REDUCE_OPS[op], group=pg))
+        return out.view(chunks[0].shape)
+
+    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str) -> torch.Tensor:
+        pg, _ = self._group(members)
+        out = t.clone()
+        self._call(f"all_reduce({op})", axes, members, out,
+                   lambda: dist.all_reduce(out, op=_REDUCE_OPS[op], group=pg))
+        return out
+
+    def _all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], members: Members,
+                    axes: tuple[int, ...]) -> list[torch.Tensor]:
+        pg, order = self._group(members)
+        inp = torch.cat([send[m].reshape(-1) for m in order])
+        in_splits = [send[m].numel() for m in order]
+        out_splits = [int(torch.Size(recv_shapes[m]).numel()) for m in order]
+        out = inp.new_empty(sum(out_splits))
+        self._call("all_to_all", axes, members, inp,
+                   lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg))
+        by_member: list[torch.Tensor] = [out] * len(members)
+        for m, piece in zip(order, out.split(out_splits)):
+            by_member[m] = piece.view(recv_shapes[m])
+        return by_member
+
+    def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
+                  dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
+        """Batched isend/irecv on the default group: one flat buffer per peer, empty ones skipped (both
+        sides know every size, so they skip the same ones)."""
+        ops, inbox = [], {}
+        for peer in sorted(send):
+            pieces = [t.reshape(-1) for t in send[peer]]
+            if sum(t.numel() for t in pieces):
+                ops.append(dist.P2POp(dist.isend, torch.cat(pieces), peer))
+        for peer in sorted(recv_shapes):
+            sizes = [int(torch.Size(s).numel()) for s in recv_shapes[peer]]
+            inbox[peer] = torch.empty(sum(sizes), dtype=dtype, device=device)
+            if sum(sizes):
+                ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
+
+        def run() -> None:
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        self._call("exchange", (), tuple(ranks), next(iter(inbox.values()), torch.empty(0, device=device)), run)
+        out = {}
+        for peer, shapes in recv_shapes.items():
+            sizes = [int(torch.Size(s).numel()) for s in shapes]
+            out[peer] = [piece.view(s) for piece, s in zip(inbox[peer].split(sizes), shapes)]
+        return out

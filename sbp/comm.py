@@ -1,0 +1,212 @@
+"""The communicator interface the executor talks to, and the byte counters every backend shares.
+
+A communicator is bound to one mesh and one rank. Each collective runs on the group along `axes` (mesh
+axis indices) that contains this rank; with several axes the group is flattened row-major over them
+(`DeviceMesh.groups`). Lists of per-member tensors are always in that member order.
+
+Byte counting is *logical*: what the algorithm must move, not the padding a backend adds to make uneven
+pieces equal. Per call and rank:
+
+=================  ========================================  ==============================================
+collective         received                                  sent
+=================  ========================================  ==============================================
+all_gather         sum of the other members' pieces          own piece x (n - 1)
+reduce_scatter     own piece x (n - 1)                       sum of the pieces meant for the others
+all_reduce         2 (n - 1) / n of the tensor, rounded down    the same (the ring figure the planner prices)
+all_to_all         sum of what the peers send this rank      sum of what this rank sends to its peers
+=================  ========================================  ==============================================
+
+The padded figures (what really crossed the wire) are kept beside them as `wire_sent` / `wire_received`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+
+from .layout import split_sizes
+
+
+ChunkList = Union[Sequence[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One collective as seen by one rank: logical and on-the-wire bytes.
+
+    >>> CallRecord("all_gather", (0,), sent=12, received=36)
+    CallRecord(all_gather, axes=(0,), sent=12, received=36)
+    """
+
+    collective: str
+    axes: tuple[int, ...]
+    sent: int = 0
+    received: int = 0
+    wire_sent: int = 0
+    wire_received: int = 0
+
+    def __repr__(self) -> str:
+        return f"CallRecord({self.collective}, axes={self.axes}, sent={self.sent}, received={self.received})"
+
+
+@dataclass(slots=True)
+class Counters:
+    """Running totals of one rank's traffic, plus the log of calls (for tests and benchmarks).
+
+    >>> c = Counters()
+    >>> c.record(CallRecord("all_reduce", (0,), sent=8, received=8))
+    >>> c.sent, c.received, len(c.calls)
+    (8, 8, 1)
+    """
+
+    sent: int = 0
+    received: int = 0
+    wire_sent: int = 0
+    wire_received: int = 0
+    calls: list[CallRecord] = field(default_factory=list)
+
+    def record(self, call: CallRecord) -> None:
+        """Add one call to the totals and the log."""
+        self.sent += call.sent
+        self.received += call.received
+        self.wire_sent += call.wire_sent
+        self.wire_received += call.wire_received
+        self.calls.append(call)
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self.sent = self.received = self.wire_sent = self.wire_received = 0
+        self.calls.clear()
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What the executor needs from a backend. The object is also a mesh's `binding`.
+
+    Every method is called by every member of the group, in the same order (SPMD).
+    `numels` (optional) are the logical element counts of the members' pieces when the executor has
+    padded them to one size; they only feed the counters.
+    """
+
+    rank: int                              # world rank
+    coord: tuple[int, ...] | None          # coord in the bound mesh; None outside it
+    counters: Counters
+
+    def members(self, axes: tuple[int, ...]) -> tuple[int, ...]:
+        """World ranks of this rank's group along `axes`, in member (row-major) order."""
+
+    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *,
+                   numels: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Every member's `t` (equal shapes), in member order."""
+
+    def reduce_scatter(self, chunks: ChunkList, axes: tuple[int, ...], op: str, *,
+                       numels: Sequence[int] | None = None) -> torch.Tensor:
+        """`chunks[i]` (equal shapes; or a tensor stacked along dim 0) is meant for member i; returns the
+        `op`-reduction over the members of the chunk meant for this rank."""
+
+    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
+        """The `op`-reduction of every member's `t`, as a new tensor."""
+
+    def all_to_all(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
+                   axes: tuple[int, ...]) -> list[torch.Tensor]:
+        """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
+
+    def submesh_binding(self, mesh: Any, axes: tuple[int, ...]) -> "Communicator":
+        """The binding of `mesh`'s sub-mesh along `axes` (shares process groups and counters)."""
+
+
+# ---- shared helpers for backends ------------------------------------------------------------------
+
+REDUCE_FNS = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+
+
+def reduce_list(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Element-wise `op` over tensors, folded left to right (the same order on every rank).
+
+    >>> reduce_list([torch.tensor([1, 5]), torch.tensor([3, 2])], "max")
+    tensor([3, 5])
+    """
+    fn = REDUCE_FNS[op]
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        out = fn(out, t)
+    return out
+
+
+def joined(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flat tensor that equal-sized contiguous `chunks` are consecutive views of, or None.
+
+    Lets a backend or the executor skip a copy when pieces already lie side by side in one buffer.
+
+    >>> buf = torch.arange(6)
+    >>> joined([buf[0:3], buf[3:6]]).tolist(), joined([buf[3:6], buf[0:3]])
+    ([0, 1, 2, 3, 4, 5], None)
+    """
+    first = chunks[0]
+    n, step = first.numel(), first.numel() * first.element_size()
+    if n == 0 or any(not c.is_contiguous() or c.numel() != n or c.dtype != first.dtype for c in chunks):
+        return None
+    base = first.untyped_storage().data_ptr()
+    if any(c.untyped_storage().data_ptr() != base or c.data_ptr() != first.data_ptr() + i * step
+           for i, c in enumerate(chunks)):
+        return None
+    return first.as_strided((n * len(chunks),), (1,), first.storage_offset())
+
+
+def as_chunks(chunks: ChunkList, n: int) -> list[torch.Tensor]:
+    """A list of `n` chunks from a list or from a tensor stacked along dim 0."""
+    if isinstance(chunks, torch.Tensor):
+        return list(chunks.chunk(n, dim=0)) if chunks.shape[0] else [chunks] * n
+    return list(chunks)
+
+
+def count_all_gather(index: int, numel: int, numels: Sequence[int] | None, n: int, itemsize: int) -> CallRecord:
+    """Counts of an all_gather of `numel`-element (padded) pieces; `numels` the logical sizes."""
+    sizes = list(numels) if numels is not None else [numel] * n
+    others = sum(sizes) - sizes[index]
+    return CallRecord("all_gather", (), sent=sizes[index] * (n - 1) * itemsize, received=others * itemsize,
+                      wire_sent=numel * (n - 1) * itemsize, wire_received=numel * (n - 1) * itemsize)
+
+
+def count_reduce_scatter(index: int, numel: int, numels: Sequence[int] | None, n: int,
+                         itemsize: int) -> CallRecord:
+    """Counts of a reduce_scatter of `numel`-element (padded) chunks; `numels` the logical sizes."""
+    sizes = list(numels) if numels is not None else [numel] * n
+    return CallRecord("reduce_scatter", (), sent=(sum(sizes) - sizes[index]) * itemsize,
+                      received=sizes[index] * (n - 1) * itemsize,
+                      wire_sent=numel * (n - 1) * itemsize, wire_received=numel * (n - 1) * itemsize)
+
+
+def count_all_reduce(index: int, numel: int, n: int, itemsize: int) -> CallRecord:
+    """Counts of an all_reduce as a ring: a reduce_scatter then an all_gather of balanced pieces, so
+    ``2 (n-1) / n`` of the data when it divides evenly (the planner prices it the same way).
+
+    >>> count_all_reduce(0, 8, 4, 4).received   # 2 (n-1)/n x 8 elements x 4 bytes
+    48
+    >>> count_all_reduce(0, 35, 4, 1).received, count_all_reduce(3, 35, 4, 1).received  # pieces 9,9,9,8
+    (53, 51)
+    """
+    sizes = split_sizes(numel, n)
+    moved = (sizes[index] * (n - 1) + numel - sizes[index]) * itemsize if n > 1 else 0
+    return CallRecord("all_reduce", (), sent=moved, received=moved, wire_sent=moved, wire_received=moved)
+
+
+def count_all_to_all(index: int, send_numels: Sequence[int], recv_numels: Sequence[int],
+                     itemsize: int) -> CallRecord:
+    """Counts of an all_to_all: everything but the piece a rank sends itself."""
+    sent = (sum(send_numels) - send_numels[index]) * itemsize
+    received = (sum(recv_numels) - recv_numels[index]) * itemsize
+    return CallRecord("all_to_all", (), sent=sent, received=received, wire_sent=sent, wire_received=received)
+
+
+def with_axes(call: CallRecord, axes: tuple[int, ...]) -> CallRecord:
+    """The same record, labelled with the group's axes."""
+    return CallRecord(call.collective, tuple(axes), call.sent, call.received, call.wire_sent, call.wire_received)
+
+
+def check_recv_shapes(send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]], n: int) -> None:
+    """Both lists must have one entry per member."""
+    if len(send) != n or len(recv_shapes) != n:
+        raise ValueError(f"all_to_all needs one send tensor and one recv shape per member ({n}), "
+                         f"got {len(send)} and {len(recv_shapes)}")

@@ -1,0 +1,310 @@
+"""`GlobalTensor`: a `torch.Tensor` wrapper subclass holding this rank's local tensor of one global tensor.
+
+The wrapper reports the *global* shape, stride, dtype and device; the data lives in `_local` (a plain
+tensor holding this rank's block, or its Partial part). Autograd runs on the wrapper (see
+`sbp.autograd`); ATen ops reach `__torch_dispatch__`, which asks the op handler plugged in with
+`set_op_handler` (the rule table of `sbp.ops`) and otherwise uses `default_dispatch` (`sbp.local_ops`):
+a few layout-preserving ops run on the local tensor, everything else runs on the full tensor and returns
+a Broadcast result with a one-time warning naming the op. Also here: the local helpers every layer above
+shares (`local_from_full`, `redistribute_raw`, `grad_placements`, ...).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .errors import SbpError
+from .layout import local_slices
+from .mesh import DeviceMesh
+from .placement import Broadcast, Partial, Placement, normalize
+
+
+OpHandler = Callable[[Any, tuple, dict], Any]
+_op_handler: list[Optional[OpHandler]] = [None]  # the one plug-in point; set by sbp.ops, never a flag
+
+
+class FallbackWarning(UserWarning):
+    """An op has no sharding rule and ran on the full (Broadcast) tensor."""
+
+
+class GlobalTensor(torch.Tensor):
+    """One logical tensor spread over a device mesh; this object holds this rank's local tensor.
+
+    Build one with `sbp.distribute`, `sbp.from_local` or a factory (`sbp.zeros`, `sbp.randn`, ...), not
+    with the constructor, which trusts its arguments (normalised placements, checked global shape).
+
+    >>> import torch, sbp
+    >>> mesh = sbp.DeviceMesh((2, 2))                        # a pure value: no processes needed here
+    >>> x = GlobalTensor(torch.zeros(4, 12), mesh, (sbp.S(0), sbp.B), (8, 12))
+    >>> x
+    GlobalTensor(shape=(8, 12), placements=(S(0), B), mesh=(2, 2))
+    >>> x.shape, x.local_shape
+    (torch.Size([8, 12]), torch.Size([4, 12]))
+    """
+
+    _local: torch.Tensor
+    _mesh: DeviceMesh
+    _placements: tuple[Placement, ...]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results stay what dispatch returns
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                global_shape: Sequence[int], *, requires_grad: bool = False) -> "GlobalTensor":
+        shape = tuple(global_shape)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=_contiguous_strides(shape), dtype=local.dtype, device=local.device,
+            layout=local.layout, requires_grad=requires_grad)
+        self._local = local
+        self._mesh = mesh
+        self._placements = tuple(placements)
+        return self
+
+    # ---- metadata --------------------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """The normalised placements, one per mesh axis, e.g. ``(S(0), B)``."""
+        return self._placements
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh the tensor lives on."""
+        return self._mesh
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's local tensor (empty for a rank outside the mesh)."""
+        return self._local.shape
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        extra = "" if self.dtype == torch.float32 else f", dtype={self.dtype}"
+        if self.grad_fn is not None:
+            extra += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return (f"GlobalTensor(shape={tuple(self.shape)}, placements={_fmt(self._placements)}, "
+                f"mesh={self._mesh.shape}{extra})")
+
+    __str__ = __repr__  # printing the values would need a collective; show the layout instead
+
+    # ---- conversions (differentiable; see sbp.autograd) -----------------------------------------
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's local tensor (plain). Its gradient is taken as this rank's share with the tensor's
+        placements (`P(op)` parts as `P(sum)` parts), or with `grad_placements` when given.
+
+        >>> import sbp
+        >>> GlobalTensor(torch.ones(2, 3), sbp.DeviceMesh((2,)), (sbp.S(0),), (4, 3)).to_local().shape
+        torch.Size([2, 3])
+        """
+        from .autograd import to_local
+        return to_local(self, grad_placements)
+
+    def full(self) -> torch.Tensor:
+        """The whole logical tensor as a plain tensor on every rank (a planned redistribution to all-`B`).
+
+        The gradient flowing into it is taken as Broadcast: every rank computed the same loss.
+
+        >>> import sbp
+        >>> GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)).full()
+        tensor([1., 1.])
+        """
+        from .autograd import full
+        return full(self)
+
+    full_tensor = full
+
+    def redistribute(self, placements, *, mesh: Optional[DeviceMesh] = None) -> "GlobalTensor":
+        """The same logical tensor with other placements (objects or a string like ``"S(0), B"``).
+
+        Runs the planner's cheapest plan; differentiable (the backward is a planned redistribution too).
+        With `mesh`, moves to another mesh (other ranks and/or shape; `sbp.crossexec`).
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     x = sbp.distribute(torch.arange(6.), mesh, "S(0)")
+        ...     return x.redistribute("B").to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+        """
+        from .autograd import redistribute, redistribute_cross
+        if mesh is None or mesh == self._mesh:
+            pls = normalize(placements, self.ndim, self._mesh.ndim)
+            return self if pls == self._placements else redistribute(self, pls)
+        if not isinstance(mesh, DeviceMesh):
+            raise SbpError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
+        return redistribute_cross(self, mesh, normalize(placements, self.ndim, mesh.ndim))
+
+    # ---- autograd integration --------------------------------------------------------------------
+    def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
+        """As `torch.Tensor.requires_grad_`; a leaf also gets the leaf rule: gradients arriving with other
+        placements (e.g. `P(sum)` from a data-parallel axis) are redistributed to `grad_placements(leaf)`."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf and not getattr(self, "_sbp_leaf_rule", False):
+            install_leaf_rule(self)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "GlobalTensor":
+        if id(self) in memo:
+            return memo[id(self)]
+        # the mesh is a value bound to process groups: share it, copy only the data
+        out = GlobalTensor(copy.deepcopy(self._local.detach(), memo), self._mesh, self._placements,
+                           tuple(self.shape))
+        if self.requires_grad:
+            out.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
+
+    def __tensor_flatten__(self):
+        return ["_local"], (self._mesh, self._placements, tuple(self.shape))
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        mesh, pls, shape = meta
+        return GlobalTensor(inner["_local"], mesh, pls, shape)
+
+    # ---- ATen dispatch -----------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _op_handler[0]
+        if handler is not None:
+            out = handler(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return default_dispatch(func, args, kwargs)
+
+
+# ---- the plug-in point for an operator rule table ----------------------------------------------------
+def set_op_handler(handler: Optional[OpHandler]) -> Optional[OpHandler]:
+    """Plug in the operator handler (the rule table of `sbp.ops`); returns the previous one.
+
+    The handler is called as ``handler(func, args, kwargs)`` for every ATen op on a `GlobalTensor`; it
+    returns the result, or `NotImplemented` to let `default_dispatch` handle the op.
+
+    >>> previous = set_op_handler(None)   # no handler: default_dispatch only
+    >>> _ = set_op_handler(previous)
+    """
+    previous, _op_handler[0] = _op_handler[0], handler
+    return previous
+
+
+# ---- local helpers shared by dispatch, distribute, autograd and the factories ----------------------
+def full_local(x: GlobalTensor) -> torch.Tensor:
+    """The whole logical tensor as a plain tensor, without autograd (a planned redistribution to all-`B`).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: full_local(sbp.distribute(torch.arange(3), mesh, "S(0)")).tolist(), (2,))
+    [[0, 1, 2], [0, 1, 2]]
+    """
+    return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+
+
+def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:
+    """Redistribute without recording autograd: the executor runs the planned steps on the local tensor.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.arange(4), mesh, "B")
+    ...     return redistribute_raw(x, (sbp.S(0),)).to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [[0, 1], [2, 3]]
+    """
+    if dst == x._placements:
+        return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
+    from .execute import redistribute_local
+    local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
+    return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
+
+
+def sum_holds_value(mesh: DeviceMesh, placements: tuple[Placement, ...], coord: tuple[int, ...]) -> bool:
+    """Whether `coord` holds the value (rather than zeros) when a Broadcast value becomes `placements`:
+    `P(sum)` axes keep it at coord 0 only, `P(min|max)`, `S` and `B` axes everywhere.
+
+    >>> import sbp
+    >>> mesh, pls = sbp.DeviceMesh((2, 2)), (Partial("sum"), Partial("max"))
+    >>> [sum_holds_value(mesh, pls, c) for c in mesh.coords()]
+    [True, True, False, False]
+    """
+    return all(c == 0 for p, c in zip(placements, coord) if isinstance(p, Partial) and p.op == "sum")
+
+
+def local_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """This rank's local tensor of `full` laid out with `placements` (no communication, a fresh copy).
+
+    `S` slices (layout maths), `B` keeps, `P(sum)` keeps the value at coord 0 and zeros elsewhere,
+    `P(min|max)` keep the value. A rank outside the mesh gets an empty tensor.
+
+    >>> import sbp, sbp.testing
+    >>> pls = (sbp.S(0), Partial("sum"))
+    >>> sbp.testing.spmd(lambda mesh: local_from_full(torch.arange(4), mesh, pls).tolist(), (2, 2))
+    [[0, 1], [0, 0], [2, 3], [0, 0]]
+    """
+    coord = mesh.coord
+    if coord is None:
+        return empty_outside(full.ndim, full.dtype, full.device)
+    piece = full[local_slices(tuple(full.shape), mesh.shape, placements, coord)]
+    if not sum_holds_value(mesh, placements, coord):
+        return torch.zeros_like(piece, memory_format=torch.contiguous_format)
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def empty_outside(ndim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The local tensor of a rank outside the mesh: empty, with the tensor's ndim, dtype and device.
+
+    >>> empty_outside(2, torch.float32, "cpu").shape
+    torch.Size([0, 0])
+    """
+    return torch.empty((0,) * ndim if ndim else (0,), dtype=dtype, device=device)
+
+
+def grad_placements(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Placements of the gradient of a value with placements `pls`: `S`/`B` unchanged, `P(op)` -> `B`.
+
+    >>> from sbp import S, B, Partial
+    >>> grad_placements((S(0), Partial("max")))
+    (S(0), B)
+    """
+    return tuple(Broadcast() if isinstance(p, Partial) else p for p in pls)
+
+
+def install_leaf_rule(leaf: GlobalTensor) -> None:
+    """Register the hook that gives a leaf's `.grad` the placements `grad_placements(leaf.placements)`
+    (`requires_grad_` calls it; gradients in other layouts are redistributed before they accumulate).
+
+    >>> import sbp
+    >>> leaf = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)).requires_grad_()
+    >>> leaf._sbp_leaf_rule
+    True
+    """
+    mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
+
+    def to_leaf_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if isinstance(grad, GlobalTensor):
+            if grad._placements == want and grad._mesh == mesh:
+                return None
+            from .autograd import redistribute
+            return redistribute(grad, want)
+        return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, shape)
+
+    leaf.register_hook(to_leaf_layout)
+    leaf._sbp_leaf_rule = True
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _fmt(pls: tuple[Placement, ...]) -> str:
+    return "(" + ", ".join(repr(p) for p in pls) + ("," if len(pls) == 1 else "") + ")"
+
+
+# the default rules construct GlobalTensors, so they import this module: bind them last
+from .local_ops import default_dispatch, fallback  # noqa: E402,F401 - re-exported

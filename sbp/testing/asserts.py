@@ -1,0 +1,70 @@
+"""`assert_layout_equivalent`: two global tensors (or a global and a plain one) hold the same logical tensor."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..placement import Partial
+
+
+def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optional[bool] = None,
+                             rtol: Optional[float] = None, atol: Optional[float] = None) -> None:
+    """Fail unless `x` and `y` are the same logical tensor, whatever their layouts.
+
+    Either may be a `GlobalTensor` or a plain tensor (the full value). An SPMD call: the full tensors are
+    gathered (planned redistributions), so every rank compares the same values and all fail together.
+    Comparison is exact unless a Partial placement is involved (reduction order may differ), then
+    `torch.testing.assert_close` with `rtol` / `atol`; `exact=` forces either. The message names the
+    placements, the max abs difference and where it is.
+
+    >>> import torch
+    >>> assert_layout_equivalent(torch.ones(2), torch.ones(2))
+    >>> assert_layout_equivalent(torch.ones(2), torch.zeros(2))
+    Traceback (most recent call last):
+    ...
+    AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,): max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
+    """
+    from ..tensor import GlobalTensor
+
+    def describe(t: torch.Tensor) -> str:
+        if isinstance(t, GlobalTensor):
+            return f"{_fmt(t.placements)} on mesh {t.mesh.shape}"
+        return "plain"
+
+    what = f"x ({describe(x)}) vs y ({describe(y)})"
+    if tuple(x.shape) != tuple(y.shape):
+        raise AssertionError(f"not the same logical tensor: {what}: global shapes {tuple(x.shape)} != {tuple(y.shape)}")
+    if x.dtype != y.dtype:
+        raise AssertionError(f"not the same logical tensor: {what}: dtypes {x.dtype} != {y.dtype}")
+    with torch.no_grad():
+        fx = x.full() if isinstance(x, GlobalTensor) else x.detach()
+        fy = y.full() if isinstance(y, GlobalTensor) else y.detach()
+    partial = any(isinstance(t, GlobalTensor) and any(isinstance(p, Partial) for p in t.placements) for t in (x, y))
+    if exact is None:
+        exact = not partial or not fx.dtype.is_floating_point
+    if exact and torch.equal(fx, fy):
+        return
+    if not exact:
+        try:
+            torch.testing.assert_close(fx, fy, rtol=rtol, atol=atol, equal_nan=True)
+            return
+        except AssertionError:
+            pass
+    raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: {_where(fx, fy)}")
+
+
+def _where(fx: torch.Tensor, fy: torch.Tensor) -> str:
+    if fx.numel() == 0:
+        return "empty tensors differ"  # pragma: no cover - equal shapes make empty tensors equal
+    diff = (fx.double() - fy.double()).abs() if not fx.dtype.is_complex else (fx - fy).abs()
+    diff = torch.where(torch.isnan(fx) & torch.isnan(fy), torch.zeros_like(diff), diff)
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    flat = int(diff.reshape(-1).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), fx.shape)) if fx.ndim else ()
+    return (f"max abs diff {diff.reshape(-1)[flat].item()} at index {index} "
+            f"(x={fx[index].item()}, y={fy[index].item()})")
+
+
+def _fmt(pls) -> str:
+    return "(" + ", ".join(repr(p) for p in pls) + ")"

@@ -1,0 +1,268 @@
+"""`spmd(fn, mesh_shape)`: run `fn(mesh)` on every rank of a fresh bound mesh and collect the results.
+
+Two backends: ``"threads"`` (ranks are threads of this process; starts in microseconds; the default)
+and ``"gloo"`` (one process per rank on 127.0.0.1, real torch.distributed). Gloo workers are started
+once per world size (from a forkserver, see `_context`) and reused by later calls, so `fn` and its
+results travel pickled: `fn` must be a module-level function (or a `functools.partial` of one).
+The pool registry below is the one piece of module-level state in sbp: a process-lifetime resource
+(like an open file), never a behaviour flag; it is shut down at exit. A pool is discarded (its
+workers killed) when a run leaves a rank stuck in a collective, a worker died, or a collective
+failed; an exception that every rank got past is harmless.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import pickle
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Sequence
+
+from ..errors import CommError, SbpError
+from ..mesh import DeviceMesh
+
+BACKENDS = ("threads", "gloo")
+FAILURE_GRACE_S = 0.5  # after one rank fails, how long to wait for the others' reports before giving up
+
+
+class SpmdError(SbpError):
+    """A rank of an `spmd` run raised; the message names the rank, the original is chained (`__cause__`)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", backend: str = "threads",
+         names: Sequence[str] | None = None, timeout: float = 60.0) -> list[Any]:
+    """Run `fn(mesh)` on every rank of a bound mesh of `mesh_shape`; return the results in rank order.
+
+    A rank that raises makes the whole call raise `SpmdError` naming that rank and chaining its
+    exception; the other ranks' pending collectives fail fast instead of waiting. `timeout` (seconds)
+    bounds every collective.
+
+    >>> import sbp, sbp.testing, torch
+    >>> def fn(mesh):
+    ...     return mesh.binding.all_reduce(torch.tensor([mesh.rank]), (0,), "sum").item()
+    >>> spmd(fn, (4,))
+    [6, 6, 6, 6]
+
+    With ``backend="gloo"`` `fn` must live in an importable module (it travels pickled):
+
+    >>> spmd(fn, (4,), backend="gloo")     # doctest: +SKIP
+    [6, 6, 6, 6]
+    """
+    if backend not in BACKENDS:
+        raise SbpError(f"spmd backend must be one of {BACKENDS}, got {backend!r}")
+    mesh = DeviceMesh(mesh_shape, names)
+    if backend == "threads":
+        from ..backends.threads import spmd_threads
+        results, errors, order = spmd_threads(fn, mesh, timeout)
+        if order:
+            rank = _first_cause({r: (errors[r], "") for r in order}, fallback=order[0])
+            raise SpmdError(f"rank {rank} of {mesh.size()} raised {type(errors[rank]).__name__}: {errors[rank]}",
+                            rank) from errors[rank]
+        return results
+    try:
+        payload = pickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001 - any pickling failure means the same thing
+        raise SbpError(f"spmd(backend='gloo') sends fn to worker processes pickled, but {fn!r} cannot be "
+                       f"pickled ({e}); use a module-level function") from e
+    return _POOLS.run(payload, mesh, timeout)
+
+
+def submesh(world: DeviceMesh, shape: "int | Sequence[int]", names: Sequence[str] | None = None, *,
+            ranks: Sequence[int]) -> DeviceMesh:
+    """A mesh over some ranks of `world`'s processes, bound like `world` (threads or gloo); every rank of
+    `world` must call it, in the same order (on gloo it creates process groups).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda w: submesh(w, (2,), ranks=[3, 1]).coord, (4,))
+    [None, (1,), None, (0,)]
+    """
+    return world.binding.bind(DeviceMesh(shape, names, tuple(ranks), world.device_type))
+
+
+# ---- gloo worker pool -----------------------------------------------------------------------------
+
+class _RemoteError(Exception):
+    """Stands in for a worker's exception that could not be pickled back."""
+
+
+class _Pool:
+    """`size` worker processes joined in one gloo world through a TCPStore hosted by this process."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        import torch.distributed as dist  # only the gloo backend needs it
+
+        self.size = size
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        ctx = _context()
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, size, self.store.port, theirs, timeout),
+                               name=f"sbp-gloo-{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def run(self, payload: bytes, mesh: DeviceMesh, timeout: float) -> tuple[list[Any], dict[int, tuple], bool]:
+        """Send the job to every worker.
+
+        Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back).
+        """
+        for conn in self.conns:
+            conn.send((payload, mesh.shape, mesh.names, timeout))
+        results: list[Any] = [None] * self.size
+        errors: dict[int, tuple] = {}
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        deadline = time.monotonic() + timeout + 30.0  # worker start-up and group creation on top
+        while pending:
+            left = deadline - time.monotonic()
+            if errors:
+                left = min(left, FAILURE_GRACE_S)
+            ready = wait(list(pending) + list(sentinels), timeout=max(left, 0))
+            if not ready:
+                if not errors:
+                    for rank in pending.values():
+                        errors[rank] = (CommError(f"rank {rank} did not finish within {timeout:g} s "
+                                                  f"(+30 s start-up)"), "")
+                break
+            for obj in ready:
+                if obj in pending:
+                    rank = pending[obj]
+                    try:
+                        status, *rest = obj.recv()
+                    except EOFError:
+                        continue  # the process died; its sentinel reports it
+                    del pending[obj]
+                    if status == "ok":
+                        results[rank] = rest[0]
+                    else:
+                        errors[rank] = (rest[0], rest[1])
+                else:
+                    rank = sentinels.pop(obj)
+                    conn = self.conns[rank]
+                    if conn in pending and not conn.poll():
+                        del pending[conn]
+                        code = self.procs[rank].exitcode
+                        errors[rank] = (CommError(f"rank {rank}'s worker process died (exit code {code})"), "")
+        return results, errors, bool(pending)
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers: politely (they leave their process group), or at once after a failure,
+        when some may be stuck in a collective that will never complete."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            if force:
+                proc.kill()
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+def _context() -> mp.context.BaseContext:
+    """Workers come from a forkserver that imported torch once: a clean process (never a fork of the
+    caller, which may hold threads), and four times faster to start than four `spawn`s importing torch
+    each. Like `spawn`, it sends `fn` pickled and re-imports the caller's main module. Where there is no
+    forkserver (Windows), plain `spawn`."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "sbp.backends.dist"])  # read only when the forkserver starts
+    return ctx
+
+
+class _Pools:
+    """One reusable pool per world size; a pool whose run failed is closed and replaced next time."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, _Pool] = {}
+        atexit.register(self.close_all)
+
+    def run(self, payload: bytes, mesh: DeviceMesh, timeout: float) -> list[Any]:
+        size = mesh.size()
+        pool = self._pools.get(size)
+        if pool is None:
+            pool = self._pools[size] = _Pool(size, timeout)
+        results, errors, stuck = pool.run(payload, mesh, timeout)
+        if not errors:
+            return results
+        if stuck or any(isinstance(e, CommError) for e, _ in errors.values()):
+            # a rank still inside a collective, or a timed-out process group: the pool is unusable
+            del self._pools[size]
+            pool.close(force=True)
+        rank = _first_cause(errors)
+        exc, text = errors[rank]
+        message = f"rank {rank} of {size} raised {type(exc).__name__}: {exc}"
+        if text:
+            message += f"\n--- traceback on rank {rank} ---\n{text}"
+        raise SpmdError(message, rank) from exc
+
+    def close_all(self) -> None:
+        while self._pools:
+            _, pool = self._pools.popitem()
+            pool.close()
+
+
+def _first_cause(errors: dict[int, tuple], fallback: int | None = None) -> int:
+    """The rank to blame: the lowest one whose error is not a CommError (those are usually knock-on);
+    else `fallback` (the first to fail) or the lowest rank."""
+    own = [r for r, (e, _) in errors.items() if not isinstance(e, CommError)]
+    if own:
+        return min(own)
+    return min(errors) if fallback is None else fallback
+
+
+_POOLS = _Pools()
+
+
+def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -> None:
+    """Worker main loop: join the gloo world, then run jobs until told to stop (None)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..backends.dist import init_mesh
+
+    torch.set_num_threads(1)  # several ranks share the cores
+    delta = timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=delta)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=delta)
+    meshes: dict[tuple, DeviceMesh] = {}
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            break
+        if job is None:
+            break
+        payload, shape, names, job_timeout = job
+        try:
+            fn = pickle.loads(payload)
+            key = (shape, names, job_timeout)
+            if key not in meshes:
+                meshes[key] = init_mesh(shape, names, device_type="cpu", timeout=job_timeout)
+            mesh = meshes[key]
+            mesh.binding.counters.reset()
+            reply = ("ok", fn(mesh))
+        except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank
+            reply = ("err", e, traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception as e:  # noqa: BLE001 - the result or the exception did not pickle
+            text = reply[2] if reply[0] == "err" else ""
+            conn.send(("err", _RemoteError(f"could not send the result back: {e}"), text))
+    dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Hypothesis strategies for layouts: mesh shapes, placements and global shapes (incl. zero-size ones).
+
+>>> from hypothesis import given
+>>> @given(layouts())
+... def test_layout(case):
+...     mesh_shape, global_shape, pls = case
+...     assert len(pls) == len(mesh_shape)
+>>> test_layout()
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from ..placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
+
+
+def meshes(*, min_axes: int = 1, max_axes: int = 3, max_axis_size: int = 4, max_size: int = 8) -> st.SearchStrategy:
+    """Mesh shapes with `min_axes`..`max_axes` axes of size 1..`max_axis_size`, at most `max_size` ranks.
+
+    >>> from hypothesis import find
+    >>> find(meshes(), lambda shape: len(shape) == 3 and 2 in shape)
+    (1, 1, 2)
+    """
+    def fits(shape: tuple[int, ...]) -> bool:
+        return math.prod(shape) <= max_size
+
+    sizes = st.integers(1, max_axis_size)
+    return st.lists(sizes, min_size=min_axes, max_size=max_axes).map(tuple).filter(fits)
+
+
+def placements(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
+               ops: Sequence[str] = REDUCE_OPS) -> st.SearchStrategy:
+    """Placements tuples for a mesh of `mesh_ndim` axes and a tensor of `tensor_ndim` dims.
+
+    Each axis draws `S(d)` (0 <= d < tensor_ndim), `B`, or (with `partial`) `P(op)` for op in `ops`.
+
+    >>> from hypothesis import find
+    >>> find(placements(2, 2), lambda pls: Split(1) in pls and Partial("max") in pls)
+    (S(1), P(max))
+    """
+    one: list[st.SearchStrategy] = [st.just(Broadcast())]
+    if tensor_ndim > 0:
+        one.append(st.integers(0, tensor_ndim - 1).map(Split))
+    if partial and ops:
+        one.append(st.sampled_from(tuple(ops)).map(Partial))
+    return st.tuples(*[st.one_of(one)] * mesh_ndim)
+
+
+def global_shapes(*, min_dims: int = 1, max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy:
+    """Global shapes of `min_dims`..`max_dims` dims with sides 0..`max_side` (zero-size and smaller than
+    the mesh included).
+
+    >>> from hypothesis import find
+    >>> find(global_shapes(), lambda shape: 0 in shape)
+    (0,)
+    """
+    return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
+
+
+@st.composite
+def layouts(draw, *, mesh_shape: "tuple[int, ...] | None" = None, partial: bool = True, max_dims: int = 3,
+            max_side: int = 9) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...]]:
+    """``(mesh_shape, global_shape, placements)`` that fit together; `mesh_shape` fixed or drawn.
+
+    >>> from hypothesis import find
+    >>> find(layouts(mesh_shape=(2, 2)), lambda case: len(case[1]) == 2)
+    ((2, 2), (0, 0), (B, B))
+    """
+    mshape = mesh_shape if mesh_shape is not None else draw(meshes())
+    shape = draw(global_shapes(max_dims=max_dims, max_side=max_side))
+    return tuple(mshape), shape, draw(placements(len(mshape), len(shape), partial=partial))

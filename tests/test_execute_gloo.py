@@ -1,0 +1,166 @@
+"""The executor on torch.distributed (gloo, 4 processes on 127.0.0.1): a smoke subset of the conformance
+table plus what only real process groups show (init_mesh rules, meshes over part of the world, timeouts).
+
+Multi-process tier: the workers start once (a few seconds) and are reused; cases are batched into few
+calls. Functions run on the workers must be module-level (they travel pickled).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from datetime import timedelta
+
+import pytest
+import torch
+
+import sbp
+import sbp.testing
+from sbp.execute import redistribute_local
+
+import conformance as conf
+
+spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=60)
+
+PAIRS_1D = [("S(0)", "B"), ("S(0)", "S(1)"), ("S(1)", "S(0)"), ("B", "S(1)"), ("P(sum)", "B"), ("P(sum)", "S(0)"),
+            ("P(sum)", "S(1)"), ("P(min)", "B"), ("P(max)", "S(0)"), ("P(min)", "P(max)"), ("S(0)", "P(max)"),
+            ("B", "P(sum)"), ("S(1)", "P(min)"), ("P(max)", "S(1)")]
+PAIRS_2D = [("S(0), S(1)", "S(1), S(0)"), ("S(0), S(0)", "S(1), S(1)"), ("S(0), S(0)", "B, S(0)"),
+            ("S(0), B", "B, S(0)"), ("P(sum), P(sum)", "B, B"), ("P(sum), P(sum)", "S(0), S(1)"),
+            ("S(0), S(1)", "B, B"), ("B, B", "S(0), S(0)"), ("P(sum), S(0)", "S(1), P(sum)"),
+            ("S(1), P(sum)", "B, S(0)"), ("S(0), S(0)", "P(sum), P(sum)"), ("B, S(1)", "S(1), S(1)")]
+CASES = ([conf.Case((4,), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_1D]
+         + [conf.Case((2, 2), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_2D])
+
+
+@pytest.fixture(scope="module")
+def gloo_results() -> dict[str, list]:
+    """Run every case on gloo in two calls (one per mesh shape); per case, the per-rank results."""
+    out = {}
+    for mesh_shape in ((4,), (2, 2)):
+        cases = [c for c in CASES if c.mesh_shape == mesh_shape]
+        per_rank = spmd(functools.partial(conf.run_cases, cases), mesh_shape)
+        for i, case in enumerate(cases):
+            out[case.id] = [rank_results[i] for rank_results in per_rank]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_conformance_gloo(case: conf.Case, gloo_results) -> None:
+    conf.check_case(case, gloo_results[case.id])
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_every_collective_kind_forced(mesh_shape) -> None:
+    conf.check_hand_steps(mesh_shape, spmd(conf.run_hand_steps, mesh_shape))
+
+
+# ---- what only real process groups show ------------------------------------------------------------
+
+def _mesh_rules(mesh: sbp.DeviceMesh) -> dict:
+    """Runs on every rank of a 4-process world; returns what each rank saw."""
+    seen = {}
+    try:
+        sbp.init_mesh((3,))
+    except sbp.MeshError as e:
+        seen["size_error"] = str(e)
+    pair = sbp.init_mesh((2,), ranks=[2, 3], timeout=timedelta(seconds=30))  # every rank calls it
+    local = torch.full((2, 3), float(mesh.rank)) if pair.coord is not None else torch.empty(0)
+    seen["pair_coord"] = pair.coord
+    seen["pair_out"] = redistribute_local(local, pair, (4, 3), "S(0)", "B")
+    square = sbp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = square["tp"]
+    seen["tp_out"] = redistribute_local(torch.tensor([float(mesh.rank)]), tp, (2,), "S(0)", "B").tolist()
+    seen["calls"] = [c.collective for c in square.binding.counters.calls]
+    return seen
+
+
+def test_init_mesh_rules_and_meshes_over_part_of_the_world() -> None:
+    seen = spmd(_mesh_rules, (4,))
+    assert all("(3,) has 3 ranks but the world has 4 processes" in s["size_error"] for s in seen)
+    assert [s["pair_coord"] for s in seen] == [None, None, (0,), (1,)]
+    assert seen[0]["pair_out"].numel() == 0
+    assert seen[3]["pair_out"].tolist() == [[2.0] * 3] * 2 + [[3.0] * 3] * 2
+    assert [s["tp_out"] for s in seen] == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+    assert all(len(s["calls"]) == 1 for s in seen)  # one collective, counted on the parent mesh's counters
+
+
+def test_point_to_point_exchange_among_some_ranks() -> None:
+    from test_execute_threads import _exchange_among_some_ranks
+    out = spmd(_exchange_among_some_ranks, (4,))
+    assert out[1] is None
+    assert out[0] == ({2: [[2.0] * 3, []], 3: [[3.0] * 4, []]}, 7 * 4)
+
+
+def _raise_on_rank_1(mesh: sbp.DeviceMesh) -> int:
+    if mesh.rank == 1:
+        raise KeyError("boom on purpose")
+    return os.getpid()
+
+
+def _raise_on_rank_1_while_others_wait(mesh: sbp.DeviceMesh) -> int:
+    if mesh.rank == 1:
+        raise KeyError("boom on purpose")
+    return mesh.binding.all_reduce(torch.ones(1), (0,), "sum").item()  # never completes
+
+
+def _pid(mesh: sbp.DeviceMesh) -> int:
+    return os.getpid()
+
+
+def test_rank_exception_is_reported_with_its_rank_and_the_workers_are_reused() -> None:
+    with pytest.raises(sbp.testing.SpmdError, match=r"rank 1 of 4 raised KeyError.*boom on purpose") as info:
+        spmd(_raise_on_rank_1, (4,))
+    assert isinstance(info.value.__cause__, KeyError)
+    pids = spmd(_pid, (4,))
+    assert spmd(_pid, (4,)) == pids and len(set(pids)) == 4 and os.getpid() not in pids
+
+
+def _sum_of_ranks(mesh: sbp.DeviceMesh) -> int:
+    return mesh.binding.all_reduce(torch.tensor([mesh.rank]), (0,), "sum").item()
+
+
+def test_rank_exception_with_others_stuck_fails_fast_and_the_pool_is_replaced() -> None:
+    before = spmd(_pid, (4,))
+    with pytest.raises(sbp.testing.SpmdError, match=r"rank 1 of 4 raised KeyError"):
+        spmd(_raise_on_rank_1_while_others_wait, (4,))
+    assert spmd(_sum_of_ranks, (4,)) == [6, 6, 6, 6]
+    assert not set(spmd(_pid, (4,))) & set(before)
+
+
+def _dead_rank(mesh: sbp.DeviceMesh) -> str:
+    """Rank 3 never joins the all_gather: the others must get a CommError after the mesh's timeout."""
+    short = sbp.init_mesh((4,), timeout=timedelta(seconds=2))
+    if mesh.rank == 3:
+        return "skipped"
+    try:
+        short.binding.all_gather(torch.zeros(4), (0,))
+    except sbp.CommError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dead_rank_is_a_comm_error_not_a_hang() -> None:
+    seen = spmd(_dead_rank, (4,))
+    assert seen[3] == "skipped"
+    for message in seen[:3]:
+        assert message.startswith("all_gather on mesh axes (0,) (group ranks [0, 1, 2, 3]) failed on rank"), message
+
+
+def test_unpicklable_fn_is_refused_with_advice() -> None:
+    with pytest.raises(sbp.SbpError, match="module-level function"):
+        spmd(lambda mesh: None, (4,))
+
+
+def test_example_tour_runs_on_four_gloo_ranks() -> None:
+    """examples/redistribute.py launches its own 4 ranks; every rank must check all its layouts."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "redistribute.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # ranks print concurrently, so lines may interleave: look for each rank's message anywhere
+    assert sorted(re.findall(r"rank (\d): all 8 layouts checked", done.stdout)) == ["0", "1", "2", "3"]

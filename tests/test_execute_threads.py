@@ -1,0 +1,262 @@
+"""The executor on the in-process (threads) backend: the full conformance table and executor edge cases.
+
+In-process SPMD tier: every rank is a thread, so the whole table runs in seconds.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import sbp
+import sbp.testing
+from sbp import B, Partial, S
+from sbp.execute import execute, execute_step, identity, redistribute_local
+from sbp.steps import Plan, Step
+
+import conformance as conf
+
+spmd = sbp.testing.spmd
+
+
+def _run_and_check(case: conf.Case) -> None:
+    per_rank = spmd(functools.partial(conf.run_case, case), case.mesh_shape)
+    conf.check_case(case, per_rank)
+
+
+@pytest.mark.parametrize("case", conf.cases_1d(), ids=lambda c: c.id)
+def test_conformance_1d(case: conf.Case) -> None:
+    _run_and_check(case)
+
+
+@pytest.mark.parametrize("case", conf.cases_2d(), ids=lambda c: c.id)
+def test_conformance_2x2(case: conf.Case) -> None:
+    _run_and_check(case)
+
+
+@pytest.mark.parametrize("case", conf.cases_3d(), ids=lambda c: c.id)
+def test_conformance_2x2x2(case: conf.Case) -> None:
+    _run_and_check(case)
+
+
+@pytest.mark.parametrize("src, dst", [("S(0), S(0)", "B, B"), ("S(0), S(0)", "S(1), S(1)"), ("B, B", "S(0), S(0)"),
+                                      ("P, P", "S(0), S(0)"), ("S(0), S(0)", "S(0), B"), ("S(0), S(0)", "P, P")])
+def test_nested_uneven_split(src: str, dst: str) -> None:
+    """10 rows nested over 2x2 are 3,2,3,2 (not the flat 3,3,2,2): sizes must come from layout maths."""
+    case = conf.Case((2, 2), src, dst, shapes=((10, 3), (5, 6)), variants=conf.FEW_VARIANTS)
+    _run_and_check(case)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_every_collective_kind_forced(mesh_shape) -> None:
+    conf.check_hand_steps(mesh_shape, spmd(conf.run_hand_steps, mesh_shape))
+
+
+# ---- hand-built steps: local moves over several axes at once ---------------------------------------
+
+def _step_result(step: Step, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict:
+    g = torch.arange(float(torch.Size(shape).numel())).view(shape)
+
+    def fn(mesh):
+        local = conf.source_local(g, mesh.shape, step.src, mesh.coord, seed=1)
+        return execute_step(step, local, mesh, shape)
+
+    per_rank = spmd(fn, mesh_shape)
+    locals_ = dict(zip(sbp.DeviceMesh(mesh_shape).coords(), per_rank))
+    return g, conf.logical(locals_, mesh_shape, step.dst)
+
+
+@pytest.mark.parametrize("src, dst", [((B, B), (S(0), S(1))), ((B, B), (S(0), S(0))), ((S(0), S(1)), (Partial(), Partial())),
+                                      ((B, B), (Partial("sum"), Partial("max"))),
+                                      ((S(0), S(0)), (Partial("sum"), Partial("max"))),
+                                      ((B, S(0)), (S(1), Partial("min")))])
+def test_local_step_on_several_axes(src, dst) -> None:
+    step = Step("local", (0, 1), src, dst)
+    g, got = _step_result(step, (7, 6), (2, 2))
+    assert torch.equal(got, g)
+
+
+def test_local_step_that_is_not_local_is_refused() -> None:
+    step = Step("local", (0,), (S(0),), (S(1),))
+    with pytest.raises(sbp.testing.SpmdError) as info:
+        _step_result(step, (4, 4), (2,))
+    assert isinstance(info.value.__cause__, sbp.PlanError)
+
+
+def test_identity_elements() -> None:
+    assert identity("min", torch.int32) == torch.iinfo(torch.int32).max
+    assert identity("max", torch.bfloat16) == float("-inf")
+    assert identity("sum", torch.int64) == 0
+
+
+# ---- execute / redistribute_local ------------------------------------------------------------------
+
+def _redistribute_strings(mesh):
+    g = torch.arange(12.).view(3, 4)
+    local = g[sbp.local_slices(g.shape, mesh, "S(1), S(0)", mesh.coord)]
+    return redistribute_local(local, mesh, (3, 4), "S(1), S(0)", [B, S(-1)])
+
+
+def test_redistribute_local_takes_strings_and_objects() -> None:
+    per_rank = spmd(_redistribute_strings, (2, 2))
+    g = torch.arange(12.).view(3, 4)
+    for coord, local in zip(sbp.DeviceMesh((2, 2)).coords(), per_rank):
+        assert torch.equal(local, g[sbp.local_slices((3, 4), (2, 2), "B, S(1)", coord)])
+
+
+def test_rank_outside_the_mesh_keeps_its_local_and_takes_no_part() -> None:
+    def fn(mesh):
+        sub = mesh.binding.bind(sbp.DeviceMesh((2,), ranks=(2, 3)))
+        empty = torch.empty(0)
+        local = torch.full((2, 3), float(mesh.rank)) if sub.coord is not None else empty
+        out = redistribute_local(local, sub, (4, 3), "S(0)", "B")
+        return out, out is empty, len(mesh.binding.counters.calls)
+
+    (o0, same0, calls0), _, (o2, same2, calls2), _ = spmd(fn, (4,))
+    assert same0 and calls0 == 0 and o0.numel() == 0
+    assert not same2 and calls2 == 1 and o2.tolist() == [[2.0] * 3] * 2 + [[3.0] * 3] * 2
+
+
+def test_submesh_binding_runs_collectives_on_its_group() -> None:
+    def fn(mesh):
+        tp = mesh["tp"]
+        local = torch.tensor([float(mesh.rank)])
+        return redistribute_local(local, tp, (2,), "S(0)", "B").tolist()
+
+    assert spmd(fn, (2, 2), names=("dp", "tp")) == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+
+
+def test_wrong_local_shape_is_a_shape_error() -> None:
+    def fn(mesh):
+        return execute(sbp.plan((8, 4), mesh, "S(0)", "B"), torch.zeros(3, 4), mesh)
+
+    with pytest.raises(sbp.SbpError, match=r"rank 0 of 2 raised ShapeError.*local shape \(3, 4\).*\(4, 4\)"):
+        spmd(fn, (2,))
+
+
+def test_unbound_mesh_is_a_mesh_error() -> None:
+    with pytest.raises(sbp.MeshError, match="pure value"):
+        execute(sbp.plan((4,), (2,), "S(0)", "B"), torch.zeros(2), sbp.DeviceMesh((2,)))
+
+
+def test_plan_for_another_mesh_shape_is_refused() -> None:
+    def fn(mesh):
+        return execute(sbp.plan((4,), (4,), "S(0)", "B"), torch.zeros(2), mesh)
+
+    with pytest.raises(sbp.SbpError) as info:
+        spmd(fn, (2,))
+    assert isinstance(info.value.__cause__, sbp.MeshError)
+
+
+def test_zero_size_everywhere_makes_no_call() -> None:
+    def fn(mesh):
+        out = redistribute_local(torch.zeros(0, 4), mesh, (0, 4), "S(0)", "B")
+        return tuple(out.shape), len(mesh.binding.counters.calls)
+
+    assert spmd(fn, (4,)) == [((0, 4), 0)] * 4
+
+
+def test_output_is_contiguous_and_does_not_alias_input_after_a_collective() -> None:
+    def fn(mesh):
+        local = conf.strided(torch.ones(2, 3))
+        out = redistribute_local(local, mesh, (4, 3), "S(0)", "B")
+        return out.is_contiguous(), out.data_ptr() != local.data_ptr()
+
+    assert spmd(fn, (2,)) == [(True, True)] * 2
+
+
+# ---- the threads backend and spmd ------------------------------------------------------------------
+
+def test_missing_rank_is_a_comm_error_naming_the_collective_and_axes() -> None:
+    def fn(mesh):
+        if mesh.rank == 3:
+            return None
+        return mesh.binding.all_gather(torch.zeros(2), (0,))
+
+    with pytest.raises(sbp.SbpError, match=r"all_gather on axes \(0,\) timed out.*waiting for ranks \[3\]") as info:
+        spmd(fn, (4,), timeout=0.3)
+    assert isinstance(info.value.__cause__, sbp.CommError)
+
+
+def test_rank_exception_names_the_rank_and_chains_the_original() -> None:
+    def fn(mesh):
+        if mesh.rank == 2:
+            raise KeyError("boom")
+        return mesh.binding.all_reduce(torch.ones(1), (0,), "sum")  # the others must not hang
+
+    with pytest.raises(sbp.testing.SpmdError, match="rank 2 of 4 raised KeyError") as info:
+        spmd(fn, (4,), timeout=30)
+    assert isinstance(info.value.__cause__, KeyError) and info.value.rank == 2
+
+
+def test_disagreeing_collectives_are_a_rank_mismatch() -> None:
+    def fn(mesh):
+        if mesh.rank == 0:
+            return mesh.binding.all_reduce(torch.ones(1), (0,), "sum")
+        return mesh.binding.all_gather(torch.ones(1), (0,))
+
+    with pytest.raises(sbp.SbpError) as info:
+        spmd(fn, (2,), timeout=5)
+    assert isinstance(info.value.__cause__, sbp.RankMismatchError)
+
+
+def test_communicator_collectives_and_counters() -> None:
+    def fn(mesh):
+        comm = mesh.binding
+        r = mesh.rank
+        gathered = comm.all_gather(torch.tensor([r, r]), (0, 1))
+        scattered = comm.reduce_scatter(torch.arange(8).view(4, 2) * (r + 1), (0, 1), "max")
+        reduced = comm.all_reduce(torch.tensor([float(r)], dtype=torch.bfloat16), (1,), "min")
+        exchanged = comm.all_to_all([torch.full((p,), r) for p in range(4)], [(r,)] * 4, (0, 1))
+        c = comm.counters
+        return (torch.stack(gathered)[:, 0].tolist(), scattered.tolist(), reduced.item(),
+                [e.tolist() for e in exchanged], (c.sent, c.received, [k.collective for k in c.calls]))
+
+    results = spmd(fn, (2, 2))
+    for r, (gathered, scattered, reduced, exchanged, (sent, received, calls)) in enumerate(results):
+        assert gathered == [0, 1, 2, 3]
+        assert scattered == [[8 * r, 8 * r + 4]]
+        assert reduced == (0.0 if r < 2 else 2.0)
+        assert exchanged == [[p] * r for p in range(4)]
+        assert calls == ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
+    assert sum(s for *_, (s, _, _) in results) == sum(rv for *_, (_, rv, _) in results)
+
+
+def test_init_mesh_outside_torchrun_names_the_missing_environment(monkeypatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(sbp.MeshError, match="lacks MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; launch with torchrun"):
+        sbp.init_mesh((2,), device_type="cpu")
+
+
+def test_spmd_rejects_unknown_backend() -> None:
+    with pytest.raises(sbp.SbpError, match="backend must be one of"):
+        spmd(lambda mesh: None, (2,), backend="mpi")
+
+
+def test_plan_without_steps_returns_the_local() -> None:
+    def fn(mesh):
+        p = Plan((4,), (2,), (S(0),), (S(0),), 4, ())
+        return execute(p, torch.ones(2), mesh).tolist()
+
+    assert spmd(fn, (2,)) == [[1.0, 1.0]] * 2
+
+
+def _exchange_among_some_ranks(world):
+    """Ranks 0, 2, 3 swap pieces point-to-point; rank 1 takes no part."""
+    ranks = [0, 2, 3]
+    me = world.rank
+    if me not in ranks:
+        return None
+    send = {p: [torch.full((me + 1,), float(me)), torch.zeros(0)] for p in ranks if p != me}
+    shapes = {p: [(p + 1,), (0,)] for p in ranks if p != me}
+    got = world.binding.exchange(ranks, send, shapes, dtype=torch.float32, device="cpu")
+    return {p: [t.tolist() for t in pieces] for p, pieces in got.items()}, world.binding.counters.received
+
+
+def test_point_to_point_exchange_among_some_ranks() -> None:
+    out = spmd(_exchange_among_some_ranks, (4,))
+    assert out[1] is None
+    assert out[0] == ({2: [[2.0] * 3, []], 3: [[3.0] * 4, []]}, 7 * 4)
+    assert out[3][0] == {0: [[0.0], []], 2: [[2.0] * 3, []]}
