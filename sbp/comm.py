@@ -112,8 +112,9 @@ class Communicator(Protocol):
                    axes: tuple[int, ...]) -> list[torch.Tensor]:
         """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
 
-    def submesh_binding(self, mesh: Any, axes: tuple[int, ...]) -> "Communicator":
-        """The binding of `mesh`'s sub-mesh along `axes` (shares process groups and counters)."""
+    def submesh_binding(self, mesh: Any, axes: tuple[int, ...], members: Any = None) -> "Communicator":
+        """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group);
+        shares process groups and counters."""
 
 
 # ---- shared helpers for backends ------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Collectives are priced with ring formulas on the exact (uneven) block sizes from layout maths:
 all_gather receives what the rank lacks, reduce_scatter ``(n-1)`` times its output piece, all_reduce
 ``2(n-1)/n`` of its data; all_to_all and transfers receive exactly the intersections listed by
-`sbp.transfer.exchange`. Peak memory is input + output + communication buffers on the busiest rank.
+`sbp.transfer.exchange`. Peak memory is input + output + communication buffers on the busiest rank,
+counted in logical elements: the padding that makes uneven pieces equal (less than one slab per
+member) is not counted.
 """
 from __future__ import annotations
 
@@ -113,10 +115,10 @@ class Costing:
             case "all_gather":
                 recv = max(o - i for i, o in zip(ins, outs))
                 # equal pieces gathered along the outermost dim land in the output itself
-                buffer = 0 if self._gathers_in_place(s, t, dims[0]) else n * max(ins)
+                buffer = 0 if self._gathers_in_place(s, t, dims[0]) else max(outs)
             case "reduce_scatter":
                 recv = (n - 1) * max(outs)
-                buffer = n * max(outs)
+                buffer = max(ins)  # the input cut into the members' pieces
             case "all_reduce":
                 # ring: reduce_scatter then all_gather of balanced pieces; the rank with the
                 # largest piece receives (n - 1) pieces of its size plus everything else once

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -48,7 +49,11 @@ class DeviceMesh:
         object.__setattr__(self, "shape", shape)
         if self.names is not None:
             # a lone string is one name, not one name per character ("dp" is not ("d", "p"))
-            names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
+            try:
+                names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
+            except TypeError:
+                raise MeshError(f"mesh names must be a tuple of strings, one per axis of shape {shape}, "
+                                f"got {self.names!r}") from None
             if len(names) != len(shape):
                 raise MeshError(f"mesh names {names} must have one name per axis of shape {shape}")
             if any(not isinstance(n, str) or not n for n in names):
@@ -58,7 +63,11 @@ class DeviceMesh:
                 raise MeshError(f"mesh axis names must be unique, got {names} (duplicated: {', '.join(dup)})")
             object.__setattr__(self, "names", names)
         size = math.prod(shape)
-        ranks = tuple(range(size)) if self.ranks is None else tuple(self.ranks)
+        try:
+            ranks = tuple(range(size)) if self.ranks is None else tuple(self.ranks)
+        except TypeError:
+            raise MeshError(f"mesh ranks must be a sequence of {size} distinct world ranks (row-major), "
+                            f"got {self.ranks!r}") from None
         if len(ranks) != size:
             raise MeshError(f"mesh of shape {shape} needs {size} ranks, got {len(ranks)}: {list(ranks)}")
         if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
@@ -118,8 +127,8 @@ class DeviceMesh:
 
     def index_of(self, coord: Sequence[int]) -> int:
         """The flat row-major index of a coord."""
-        if len(coord) != self.ndim or any(not 0 <= c < n for c, n in zip(coord, self.shape)):
-            raise MeshError(f"coord {tuple(coord)} is not in a mesh of shape {self.shape}")
+        if not _is_coord(coord, self.shape):
+            raise MeshError(bad_coord(coord, self.shape))
         index = 0
         for c, n in zip(coord, self.shape):
             index = index * n + c
@@ -159,6 +168,10 @@ class DeviceMesh:
         """Normalise one axis reference or several into a sorted tuple of distinct axis indices."""
         if isinstance(refs, (int, str)):
             refs = (refs,)
+        try:
+            refs = tuple(refs)
+        except TypeError:
+            raise MeshError(f"mesh axes must be an axis (index or name) or a sequence of them, got {refs!r}") from None
         axes = tuple(sorted({self.axis(r) for r in refs}))
         return axes
 
@@ -172,10 +185,11 @@ class DeviceMesh:
     def submesh(self, axes: "int | str | Iterable[int | str]", coord: Sequence[int]) -> "DeviceMesh":
         """The sub-mesh along `axes` through `coord` (other axes fixed at `coord`'s values)."""
         axes = self.axes(axes)
+        rank = self.rank_of(coord)
         for group in self.groups(axes):
-            if self.rank_of(coord) in group:
+            if rank in group:
                 names = None if self.names is None else tuple(self.names[a] for a in axes)
-                binding = None if self.binding is None else self.binding.submesh_binding(self, axes)
+                binding = None if self.binding is None else self.binding.submesh_binding(self, axes, group)
                 return DeviceMesh(tuple(self.shape[a] for a in axes), names, group, self.device_type, binding)
         raise MeshError(f"coord {tuple(coord)} is not in a mesh of shape {self.shape}")  # pragma: no cover
 
@@ -210,6 +224,26 @@ class DeviceMesh:
         names = f", names={self.names}" if self.names else ""
         ranks = "" if self.ranks == tuple(range(self.size())) else f", ranks={list(self.ranks)}"
         return f"DeviceMesh({self.shape}{names}{ranks})"
+
+
+def bad_coord(coord: Any, shape: tuple[int, ...]) -> str:
+    """The message for a coord that is not in a mesh of `shape`.
+
+    >>> bad_coord(None, (2, 2))
+    'coord None is not in a mesh of shape (2, 2) (a coord is a tuple of 2 ints, one per axis)'
+    """
+    try:
+        return f"coord {tuple(coord)} is not in a mesh of shape {shape}"
+    except TypeError:
+        return f"coord {coord!r} is not in a mesh of shape {shape} (a coord is a tuple of {len(shape)} ints, one per axis)"
+
+
+def _is_coord(coord: Any, shape: tuple[int, ...]) -> bool:
+    try:
+        coord = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
+    except TypeError:
+        return False
+    return len(coord) == len(shape) and all(0 <= c < n for c, n in zip(coord, shape))
 
 
 def as_mesh_shape(mesh: "DeviceMesh | Sequence[int] | int") -> tuple[int, ...]:

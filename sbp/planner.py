@@ -106,12 +106,13 @@ def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | N
     rank must receive once from its other contributors. So the first time `dst` is popped its path is
     optimal.
     """
-    dst_bytes = costing.max_local_bytes(dst)
+    # a rank whose block still has other contributors receives it at least once (unless the target
+    # is Partial too: such a rank may end with zeros)
+    dst_bytes = 0 if any(isinstance(q, Partial) for q in dst) else costing.max_local_bytes(dst)
 
     def h(state: State) -> tuple[int, int]:
         lack = costing.heuristic(state, dst)
         if any(isinstance(p, Partial) and p != q for p, q in zip(state, dst)):
-            # a rank whose block still has other contributors receives at least that block once
             return max(lack, dst_bytes) + latency, 1
         return lack + latency * (lack > 0), int(lack > 0)
 
@@ -170,9 +171,13 @@ def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
             axes = spl[d][-k:]
             yield costing.step("all_gather", axes, s, _put(s, axes, Broadcast()), dims=(d,))
     # reductions over same-op Partial axes, alone or flattened.
+    # The logical value nests in axis order, so an axis is reduced only when every Partial axis after
+    # it has the same op (inner reductions first).
     for op in ("sum", "min", "max"):
         pax = tuple(a for a in range(naxes) if s[a] == Partial(op))
         for axes in _subsets(pax):
+            if any(isinstance(s[b], Partial) and s[b].op != op for b in range(axes[0] + 1, naxes)):
+                continue
             yield costing.step("all_reduce", axes, s, _put(s, axes, Broadcast()), op=op)
             for d in range(ndim):
                 if not spl[d] or axes[0] > spl[d][-1]:
@@ -189,7 +194,9 @@ def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
                 if not spl[d] or a > spl[d][-1]:
                     yield costing.step("local", (a,), s, _put(s, (a,), Split(d)), dims=(d,))
         if (isinstance(p, Broadcast) or last) and isinstance(dst[a], Partial):
-            yield costing.step("local", (a,), s, _put(s, (a,), dst[a]), op=dst[a].op)
+            # embedding into min/max's identity must not meet a later sum (int overflow, inf - inf)
+            if not (last and dst[a].op != "sum" and any(s[b] == Partial("sum") for b in range(a + 1, naxes))):
+                yield costing.step("local", (a,), s, _put(s, (a,), dst[a]), op=dst[a].op)
     yield from _transfers(costing, s, dst)
 
 

@@ -47,11 +47,13 @@ class BoundComm:
             self._members[axes] = found
         return found
 
-    def submesh_binding(self, mesh: DeviceMesh, axes: tuple[int, ...]) -> "BoundComm":
-        """Binding of `mesh`'s sub-mesh along `axes` that contains this rank; counters are shared."""
+    def submesh_binding(self, mesh: DeviceMesh, axes: tuple[int, ...],
+                        members: Members | None = None) -> "BoundComm":
+        """Binding of `mesh`'s sub-mesh along `axes` made of `members` (default: the group containing this
+        rank; another group gives a binding for which this rank is outside); counters are shared."""
         sub = DeviceMesh(tuple(mesh.shape[a] for a in axes),
                          None if mesh.names is None else tuple(mesh.names[a] for a in axes),
-                         self.members(axes), mesh.device_type)
+                         self.members(axes) if members is None else tuple(members), mesh.device_type)
         return self._rebind(sub)
 
     def _rebind(self, mesh: DeviceMesh) -> "BoundComm":  # pragma: no cover - abstract

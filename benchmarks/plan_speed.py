@@ -1,0 +1,127 @@
+"""How fast is planning? sbp's planner vs DTensor's, cold and cached, on a 2x2x2 mesh.
+
+Cold: every cache is cleared before each call (sbp: the plan and layout caches; DTensor: its planner
+instances and `_gen_transform_infos`). Cached: the same call repeated. Pairs are a fixed random sample
+of src/dst placements (Split/Broadcast only, and with Partial). DTensor runs on a fake process group
+(no processes); its DTensorSpecs are built outside the timed region, while sbp's time includes parsing
+and normalising the placements. DTensor's greedy planner is its default; the graph-based one is
+``use_graph_based_transform=True``.
+
+    python benchmarks/plan_speed.py [--samples 200] [--shape 1024x1024] [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import _redistribute as R
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import sbp
+import sbp.layout
+import sbp.planner
+import sbp.transfer
+
+MESH = (2, 2, 2)
+
+
+def sample_pairs(ndim: int, partial: bool, count: int, seed: int) -> list[tuple[tuple, tuple]]:
+    """A fixed random sample of (src, dst) placements (src != dst); DTensor's placement names alongside."""
+    one = [sbp.B] + [sbp.S(d) for d in range(ndim)] + ([sbp.Partial("sum")] if partial else [])
+    states = list(itertools.product(one, repeat=len(MESH)))
+    pairs = [(s, d) for s in states for d in states if s != d]
+    if partial:  # keep pairs that involve a Partial
+        pairs = [(s, d) for s, d in pairs if any(isinstance(p, sbp.Partial) for p in s + d)]
+    rng = random.Random(seed)
+    return rng.sample(pairs, min(count, len(pairs)))
+
+
+def to_dtensor(pls: tuple) -> tuple:
+    return tuple(Shard(p.dim) if isinstance(p, sbp.Split) else DPartial("sum") if isinstance(p, sbp.Partial)
+                 else Replicate() for p in pls)
+
+
+def timed(fn: Callable[[], object], before: Callable[[], None], repeat: int) -> float:
+    """Best of `repeat` runs of fn (µs), `before` run untimed ahead of each."""
+    best = float("inf")
+    for _ in range(repeat):
+        before()
+        t0 = time.perf_counter_ns()
+        fn()
+        best = min(best, time.perf_counter_ns() - t0)
+    return best / 1000
+
+
+def clear_sbp() -> None:
+    sbp.planner._plan_cached.cache_clear()
+    sbp.layout.block.cache_clear()
+    sbp.transfer.exchange.cache_clear()
+
+
+def clear_dtensor() -> None:
+    R.clear_redistribute_planner_cache()
+    R._gen_transform_infos.cache_clear()
+
+
+def nothing() -> None:
+    pass
+
+
+def summary(times: list[float]) -> tuple[float, float]:
+    times = sorted(times)
+    return statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=200)
+    ap.add_argument("--shape", default="1024x1024")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    shape = tuple(int(n) for n in args.shape.split("x"))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    mesh = TorchMesh("cpu", torch.arange(8).reshape(MESH))
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), torch.float32)
+
+    rows = []
+    for label, partial in (("Split/Broadcast", False), ("with Partial", True)):
+        pairs = sample_pairs(len(shape), partial, args.samples, seed=0)
+        specs = [(DTensorSpec(mesh, to_dtensor(s), meta), DTensorSpec(mesh, to_dtensor(d), meta)) for s, d in pairs]
+        cols = {name: [] for name in ("sbp cold", "sbp cached", "greedy cold", "greedy cached", "graph cold")}
+        for (s, d), (ds, dd) in zip(pairs, specs):
+            cols["sbp cold"].append(timed(lambda: sbp.plan(shape, MESH, s, d), clear_sbp, args.repeat))
+            cols["sbp cached"].append(timed(lambda: sbp.plan(shape, MESH, s, d), nothing, args.repeat))
+            cols["greedy cold"].append(timed(lambda: R._gen_transform_infos_non_cached(ds, dd), clear_dtensor,
+                                             args.repeat))
+            R._gen_transform_infos(ds, dd)
+            cols["greedy cached"].append(timed(lambda: R._gen_transform_infos(ds, dd), nothing, args.repeat))
+            cols["graph cold"].append(timed(
+                lambda: R._gen_transform_infos_non_cached(ds, dd, use_graph_based_transform=True), clear_dtensor,
+                args.repeat))
+        rows.append((label, len(pairs), {k: summary(v) for k, v in cols.items()}))
+    dist.destroy_process_group()
+
+    print(f"planning time, mesh {MESH}, shape {shape}, best of {args.repeat} per pair; median / p90 in µs")
+    head = f"{'pairs':<20}{'n':>5}" + "".join(f"{k:>20}" for k in rows[0][2]) + f"{'greedy/sbp':>12}{'graph/sbp':>11}"
+    print(head)
+    print("-" * len(head))
+    for label, n, stats in rows:
+        cells = "".join(f"{m:>10.1f} /{p:>7.1f}" + " " for m, p in stats.values())
+        ratio_greedy = stats["greedy cold"][0] / stats["sbp cold"][0]
+        ratio_graph = stats["graph cold"][0] / stats["sbp cold"][0]
+        print(f"{label:<20}{n:>5}{cells}{ratio_greedy:>11.2f}x{ratio_graph:>10.2f}x")
+    print("ratios: DTensor cold median / sbp cold median (above 1: sbp plans faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""``python -m sbp`` (and the ``sbp`` console script): the command line of `sbp.cli`."""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from .cli import main as _main
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``sbp`` with `argv` (default: ``sys.argv[1:]``) and return the exit status.
+
+    >>> main(["plan", "--mesh", "2x2", "--shape", "8x8", "--src", "S0,S1", "--dst", "B,B", "--json"]) == 0
+    ... # doctest: +ELLIPSIS
+    {"global_shape": [8, 8], ...}
+    True
+    """
+    return _main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
