@@ -134,6 +134,13 @@ class Costing:
 
     # ---- lower bound -------------------------------------------------------------------------------
     def reduction_bound(self, s: State, d: State) -> int:
+        key = ("reduce", s, d)
+        out = self._bound.get(key)
+        if out is None:
+            out = self._bound[key] = self._reduction_bound(s, d)
+        return out
+
+    def _reduction_bound(self, s: State, d: State) -> int:
         """A bound for Partial sources that holds for any schedule, counted in elements.
 
         Per element, the q contributions of the axes still to reduce need q - 1 receptions to meet,
@@ -160,10 +167,10 @@ class Costing:
     def heuristic(self, s: State, d: State) -> int:
         """A cheap bound for the search (never above the true cost): what ranks lack of their `d` blocks.
 
-        Targets with new Partial axes get 0: a zero-filled Partial rank needs no data at all.
+        Targets with new Partial axes get `move_bound`'s per-group bound: a zero-filled rank needs nothing.
         """
         if any(isinstance(q, Partial) and p != q for p, q in zip(s, d)):
-            return 0
+            return self.move_bound(s, d)  # the per-group bound (zero-filled ranks need nothing)
         return self.lack(s, d) * self.itemsize
 
     def move_bound(self, s: State, d: State) -> int:

@@ -101,19 +101,14 @@ def _lower_bound(costing: Costing, src: State, dst: State) -> int:
 def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None) -> list[Step] | None:
     """A* over states with lexicographic cost (bytes + latency, collectives, peak, move order).
 
-    The heuristic never overestimates: the exact move bound of `Costing.move_bound` (Partial treated
-    as already reduced), and for states still to be reduced at least the destination block, which every
-    rank must receive once from its other contributors. So the first time `dst` is popped its path is
-    optimal.
+    The heuristic never overestimates: what ranks lack of their destination blocks
+    (`Costing.heuristic`), and for states still to be reduced `Costing.reduction_bound`, which holds
+    for any schedule. So the first time `dst` is popped its path is optimal.
     """
-    # a rank whose block still has other contributors receives it at least once (unless the target
-    # is Partial too: such a rank may end with zeros)
-    dst_bytes = 0 if any(isinstance(q, Partial) for q in dst) else costing.max_local_bytes(dst)
-
     def h(state: State) -> tuple[int, int]:
+        if _pending(state, dst):
+            return costing.reduction_bound(state, dst) + latency, 1
         lack = costing.heuristic(state, dst)
-        if any(isinstance(p, Partial) and p != q for p, q in zip(state, dst)):
-            return max(lack, dst_bytes) + latency, 1
         return lack + latency * (lack > 0), int(lack > 0)
 
     start = (0, 0, costing.max_local_bytes(src))
@@ -202,7 +197,7 @@ def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
 
 def _transfers(costing: Costing, s: State, dst: State) -> Iterator[Step]:
     """Exact transfers from `s` towards the Split/Broadcast projection of `dst`."""
-    if all(isinstance(p, Partial) for p in s):
+    if _pending(s, dst):  # reduce first: moving contributions around costs more than moving results
         return
     choices = []
     # with new Partial target axes, a Split target may be sliced locally after zero-filling (from B)
@@ -216,14 +211,43 @@ def _transfers(costing: Costing, s: State, dst: State) -> Iterator[Step]:
             choices.append((p,))  # must be reduced by a collective first; rides along unchanged
         else:
             choices.append((q, Broadcast()) if later_slice and isinstance(q, Split) else (q,))
-    for t in itertools.product(*choices):
-        if t == s:
-            continue
+    targets = [t for t in itertools.product(*choices) if t != s]
+    if later_slice:
+        # only targets from which dst follows by free local moves, and of those the cheapest
+        targets = [t for t in targets if _reaches_locally(t, dst)]
+        least = min((costing.lack(s, t) for t in targets), default=0)
+        targets = [t for t in targets if costing.lack(s, t) == least]
+    for t in targets:
         axes = tuple(a for a in range(len(s)) if s[a] != t[a])
         for group in (axes, tuple(a for a in range(len(s)) if not isinstance(s[a], Partial))):
             if self_contained(s, t, group):
                 yield costing.step("transfer", group, s, t)
                 break
+
+
+def _reaches_locally(t: State, d: State) -> bool:
+    """Whether local moves (B -> S(e) after e's splitters, S(e) -> P as e's last splitter, B -> P) turn
+    `t` into `d`. Greedy, outermost possible move first: zero-fills only enable moves, and slicing the
+    outermost axis first never blocks a slice further in."""
+    state = list(t)
+    progress = True
+    while progress and tuple(state) != d:
+        progress = False
+        for a, (p, q) in enumerate(zip(state, d)):
+            if p == q:
+                continue
+            if isinstance(p, Broadcast) and isinstance(q, Split):
+                spl = splitters(state, q.dim)
+                ok = not spl or a > spl[-1]
+            elif isinstance(q, Partial) and isinstance(p, Split):
+                ok = splitters(state, p.dim)[-1] == a
+            else:
+                ok = isinstance(p, Broadcast) and isinstance(q, Partial)
+            if ok:  # rescan from axis 0 after every move
+                state[a] = q
+                progress = True
+                break
+    return tuple(state) == d
 
 
 def _put(s: State, axes: Sequence[int], p: Placement) -> State:
