@@ -5,12 +5,14 @@ The search is Dijkstra over placement states; each state is a canonical placemen
 axes splitting one dim nest in axis order). Moves come from `moves()`: per-axis and flattened
 (several axes as one group) collectives, exact point-to-point transfers and free local moves.
 The cost of a plan is lexicographic: (busiest rank's received bytes + latency per collective,
-number of collectives, peak bytes, then the order moves are generated in).
+number of collectives, number of point-to-point transfers, peak bytes, then the order moves are
+generated in).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from functools import lru_cache
 from typing import Iterator, Sequence
 
@@ -99,7 +101,10 @@ def _lower_bound(costing: Costing, src: State, dst: State) -> int:
 
 
 def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None) -> list[Step] | None:
-    """A* over states with lexicographic cost (bytes + latency, collectives, peak, move order).
+    """A* over states with lexicographic cost (bytes + latency, collectives, transfers, peak, move order).
+
+    Among plans equal in bytes and collectives, ring collectives win over point-to-point transfers
+    (NCCL and gloo run them as tuned rings), then the smaller peak memory.
 
     The heuristic never overestimates: what ranks lack of their destination blocks
     (`Costing.heuristic`), and for states still to be reduced `Costing.reduction_bound`, which holds
@@ -111,10 +116,13 @@ def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | N
         lack = costing.heuristic(state, dst)
         return lack + latency * (lack > 0), int(lack > 0)
 
-    start = (0, 0, costing.max_local_bytes(src))
+    # never materialise the whole tensor on a rank in passing (unless an end point holds it already)
+    whole = math.prod(costing.shape) * costing.itemsize
+    whole_cap = max(costing.max_local_bytes(src), costing.max_local_bytes(dst), whole - 1)
+    start = (0, 0, 0, costing.max_local_bytes(src))
     best: dict[State, tuple] = {src: start}
     h0 = h(src)
-    heap: list = [((h0[0], h0[1], start[2]), 0, start, src)]
+    heap: list = [((h0[0], h0[1], 0, start[3]), 0, start, src)]
     back: dict[State, tuple[State, Step]] = {}
     counter = itertools.count(1)
     while heap:
@@ -128,16 +136,18 @@ def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | N
                 out.append(step)
             return out[::-1]
         for step in moves(costing, state, dst):
-            if cap is not None and step.peak_bytes > cap:
+            if cap is not None and (step.peak_bytes > cap or (step.dst != dst and
+                                                             costing.max_local_bytes(step.dst) > whole_cap)):
                 continue
             coll = int(step.is_collective)
-            new = (cost[0] + step.bytes + latency * coll, cost[1] + coll, max(cost[2], step.peak_bytes))
+            new = (cost[0] + step.bytes + latency * coll, cost[1] + coll, cost[2] + (step.kind == "transfer"),
+                   max(cost[3], step.peak_bytes))
             old = best.get(step.dst)
             if old is None or new < old:
                 best[step.dst] = new
                 back[step.dst] = (state, step)
                 est = h(step.dst)
-                heapq.heappush(heap, ((new[0] + est[0], new[1] + est[1], new[2]), next(counter), new, step.dst))
+                heapq.heappush(heap, ((new[0] + est[0], new[1] + est[1], new[2], new[3]), next(counter), new, step.dst))
     return None
 
 
