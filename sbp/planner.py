@@ -28,11 +28,13 @@ State = tuple[Placement, ...]
 
 
 def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", src, dst, itemsize: int = 4,
-         *, latency_bytes: int = 0) -> Plan:
+         *, latency_bytes: int = 0, dst_mesh: "DeviceMesh | None" = None) -> Plan:
     """Plan the redistribution of a tensor of `global_shape` on a mesh from `src` to `dst` placements.
 
     `latency_bytes` prices each collective as that many received bytes (0: bytes first, collectives as
-    the tie-breaker). Pure and cached: every rank computes the same plan without talking.
+    the tie-breaker). Pure and cached: every rank computes the same plan without talking. With
+    `dst_mesh` (another `DeviceMesh`: other ranks and/or shape) it returns `sbp.plan_cross_mesh`'s
+    `CrossMeshPlan` for moving from `mesh_shape` (then a `DeviceMesh`, or a shape over ranks 0..n-1).
 
     >>> import sbp
     >>> p = sbp.plan((1024, 1024), (2, 2), "S(0), S(1)", "S(1), S(0)")
@@ -43,6 +45,10 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
       bytes/rank=192 (lower bound 192)  collectives=1  peak=576
       1. axes[0] reduce_scatter(sum)  (P(sum),) -> (S(0),) dims=0  bytes=192 peak=576
     """
+    if dst_mesh is not None:
+        from .crossmesh import plan_cross_mesh
+        src_mesh = mesh_shape if isinstance(mesh_shape, DeviceMesh) else DeviceMesh(as_mesh_shape(mesh_shape))
+        return plan_cross_mesh(global_shape, src_mesh, src, dst_mesh, dst, itemsize)
     shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
     if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
         raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
