@@ -201,8 +201,9 @@ def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
                 if e != p.dim and (not spl[e] or a > spl[e][-1]):
                     yield costing.step("all_to_all", (a,), s, _put(s, (a,), Split(e)), dims=(p.dim, e))
         if isinstance(p, Broadcast):
+            # slicing pays off only towards the target's split there, or before a zero-fill into P
             for d in range(ndim):
-                if not spl[d] or a > spl[d][-1]:
+                if (not spl[d] or a > spl[d][-1]) and (dst[a] == Split(d) or isinstance(dst[a], Partial)):
                     yield costing.step("local", (a,), s, _put(s, (a,), Split(d)), dims=(d,))
         if (isinstance(p, Broadcast) or last) and isinstance(dst[a], Partial):
             # embedding into min/max's identity must not meet a later sum (int overflow, inf - inf)
