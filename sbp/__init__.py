@@ -20,3 +20,9 @@ from .api import distribute, from_local
 from .factories import empty, full, ones, rand, randn, zeros
 from .visualize import visualize
 from .interop import from_dtensor, to_dtensor
+from . import nn
+from .checkpoint import load, save
+from . import ops as _ops  # installs the operator rules (sbp.ops) into GlobalTensor dispatch
+from .ops import strict
+from .errors import DTypeError
+from .debug import debug

@@ -2,7 +2,9 @@
 
 Both are SPMD calls: every rank of the mesh makes them in the same order. The only communication is a
 scatter for ``distribute(..., src=rank)`` and one small all_gather of local shapes (more with
-``check=True``) for `from_local`.
+``check=True``) for `from_local`. Those metadata collectives also carry the ranks' src, dtype and
+placements, so ranks that disagree get a `RankMismatchError` at no extra cost; under `sbp.debug()` every
+call checks (see `sbp.debug`).
 """
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import MeshError, RankMismatchError, ShapeError, SbpError
+from .debug import agree, is_enabled, mesh_gather, mismatch
+from .errors import DTypeError, MeshError, RankMismatchError, ShapeError, SbpError
 from .layout import check_global_shape, local_shape, local_slices, splitters
 from .mesh import DeviceMesh
 from .placement import Broadcast, normalize
-from .tensor import GlobalTensor, empty_outside, local_from_full, sum_holds_value
+from .tensor import (GlobalTensor, check_local_device, check_partial_dtype, empty_outside, local_from_full,
+                     mesh_device, sum_holds_value)
 
 # every dtype a global tensor may have, by a stable code for metadata collectives
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -54,12 +58,20 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     _check_bound(mesh, "distribute")
     if isinstance(tensor, GlobalTensor):
         raise SbpError("distribute needs a plain torch.Tensor, got a GlobalTensor; use x.redistribute(placements)")
+    if requires_grad is not None and not isinstance(requires_grad, bool):
+        raise SbpError(f"distribute(requires_grad=...) must be None or a bool, got {requires_grad!r}")
+    mesh_device(mesh, "distribute")
     if src is None:
         if not isinstance(tensor, torch.Tensor):
             raise SbpError(f"distribute needs a torch.Tensor on every rank when src=None, got {type(tensor).__name__}; "
                            f"pass src=rank to scatter from one rank")
-        tensor = _to_mesh_device(tensor.detach(), mesh)
         pls = normalize(placements, tensor.ndim, mesh.ndim)
+        check_partial_dtype(pls, tensor.dtype, "distribute")
+        if is_enabled() and mesh.coord is not None:
+            gather, members = mesh_gather(mesh)
+            agree(gather, members, "distribute", {"mesh": mesh, "dtype": tensor.dtype, "global shape":
+                  tuple(tensor.shape), "placements": pls, "src": None}, device=mesh.device_type)
+        tensor = _to_mesh_device(tensor.detach(), mesh)
         local = local_from_full(tensor, mesh, pls)
         shape = tuple(tensor.shape)
         grad = tensor.requires_grad if requires_grad is None else requires_grad
@@ -67,6 +79,9 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
         local, pls, shape, grad = _scatter(tensor, mesh, placements, src)
         grad = grad if requires_grad is None else requires_grad
     out = GlobalTensor(local, mesh, pls, shape)
+    if grad and not (out.dtype.is_floating_point or out.dtype.is_complex):
+        raise DTypeError(f"distribute(requires_grad=True): only floating point and complex tensors can require "
+                         f"gradients, got {out.dtype}")
     return out.requires_grad_(True) if grad else out
 
 
@@ -84,17 +99,32 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
         pls = normalize(placements, tensor.ndim, mesh.ndim)
         return empty_outside(tensor.ndim, tensor.dtype, tensor.device), pls, tuple(tensor.shape), False
     comm, axes = mesh.binding, tuple(range(mesh.ndim))
+    gather, members = mesh_gather(mesh)
+    # every rank sends the src it was given (free agreement check); only src fills in ndim, dtype, grad.
+    # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
     if me == src:
         tensor = _to_mesh_device(tensor.detach(), mesh)
-        meta = _ints([tensor.ndim, _dtype_code(tensor.dtype), int(tensor.requires_grad)], mesh)
+        code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
+        meta = [src, tensor.ndim, code, int(tensor.requires_grad)]
     else:
-        meta = _ints([-1, -1, 0], mesh)
+        meta = [src, -1, -1, 0]
+    rows = [t.tolist() for t in comm.all_gather(_ints(meta, mesh), axes)]
+    if len({r[0] for r in rows}) > 1:
+        raise mismatch("distribute", "src", [r[0] for r in rows], members)
     src_index = mesh.ranks.index(src)
-    ndim, code, grad = comm.all_gather(meta, axes)[src_index].tolist()
+    _, ndim, code, grad = rows[src_index]
+    if code < 0:
+        raise DTypeError(f"distribute(src={src}): rank {src}'s tensor has a dtype that cannot be scattered "
+                         f"{'(' + str(tensor.dtype) + ') ' if me == src else ''}(supported: "
+                         f"{', '.join(map(str, DTYPES))})")
     dtype = DTYPES[code]
-    dims = _ints(list(tensor.shape) if me == src else [0] * ndim, mesh)
-    shape = tuple(comm.all_gather(dims, axes)[src_index].tolist())
     pls = normalize(placements, ndim, mesh.ndim)
+    check_partial_dtype(pls, dtype, "distribute")
+    # the shape gather carries every rank's placements too (free agreement check)
+    fields = {"placements": pls, **({"mesh": mesh} if is_enabled() else {})}
+    shapes = agree(gather, members, "distribute", fields, list(tensor.shape) if me == src else [0] * ndim,
+                   device=mesh.device_type)
+    shape = tuple(shapes[src_index])
     device = torch.device(mesh.device_type)
     holds = [sum_holds_value(mesh, pls, c) for c in mesh.coords()]
     blocks = [local_shape(shape, mesh.shape, pls, c) for c in mesh.coords()]
@@ -134,7 +164,9 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     _check_bound(mesh, "from_local")
     if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor):
         raise SbpError(f"from_local needs this rank's plain local torch.Tensor, got {type(local).__name__}")
+    check_local_device(local, mesh, "from_local")
     pls = normalize(placements, local.ndim, mesh.ndim)
+    check_partial_dtype(pls, local.dtype, "from_local")
     coord = mesh.coord
     if global_shape is not None:
         global_shape = check_global_shape(global_shape)
@@ -149,8 +181,9 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         shapes = None
         if check:
             shapes = _check_ranks(local, mesh, pls, global_shape)
+        if shapes is None and (global_shape is None or is_enabled()):
+            shapes = _gather_shapes(local, mesh, pls, global_shape)
         if global_shape is None:
-            shapes = shapes if shapes is not None else _gather_shapes(local, mesh)
             global_shape = _infer_global_shape(shapes, mesh, pls)
         _check_local_shapes(global_shape, mesh, pls, shapes, local)
     from .autograd import from_local_autograd
@@ -158,10 +191,25 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
 
 
 # ---- from_local helpers ------------------------------------------------------------------------------
-def _gather_shapes(local: torch.Tensor, mesh: DeviceMesh) -> list[tuple[int, ...]]:
-    """Every mesh member's local shape, in row-major coord order (one all_gather over the whole mesh)."""
-    got = mesh.binding.all_gather(_ints(list(local.shape), mesh), tuple(range(mesh.ndim)))
-    return [tuple(t.tolist()) for t in got]
+SHAPE_SLOTS = 16  # local shapes travel padded to this many dims, so ranks that disagree on ndim still meet
+
+
+def _gather_shapes(local: torch.Tensor, mesh: DeviceMesh, pls, global_shape) -> list[tuple[int, ...]]:
+    """Every mesh member's local shape, in row-major coord order (one all_gather over the whole mesh).
+
+    The same collective carries digests of the dtype and placements (and, under `sbp.debug()`, of the
+    mesh and global_shape), so ranks that disagree get a `RankMismatchError` naming them at no extra cost.
+    """
+    gather, members = mesh_gather(mesh)
+    fields = {"dtype": local.dtype, "placements": pls}
+    if is_enabled():
+        fields.update({"mesh": mesh, "global_shape": global_shape})
+    shape = list(local.shape)
+    payload = [len(shape)] + shape + [0] * (max(SHAPE_SLOTS, len(shape)) - len(shape))
+    rows = agree(gather, members, "from_local", fields, payload, device=mesh.device_type)
+    if len({r[0] for r in rows}) > 1:
+        raise mismatch("from_local", "the local tensor's ndim", [r[0] for r in rows], members)
+    return [tuple(r[1:1 + r[0]]) for r in rows]
 
 
 def _infer_global_shape(shapes: list[tuple[int, ...]], mesh: DeviceMesh, pls) -> tuple[int, ...]:
@@ -189,12 +237,12 @@ def _check_local_shapes(global_shape, mesh: DeviceMesh, pls, shapes, local: torc
 def _check_ranks(local: torch.Tensor, mesh: DeviceMesh, pls, global_shape) -> list[tuple[int, ...]]:
     """check=True: compare ndim, dtype, placements, global_shape and Broadcast values across ranks."""
     axes = tuple(range(mesh.ndim))
-    meta = _ints([local.ndim, _dtype_code(local.dtype), _digest(repr(pls).encode()),
+    meta = _ints([local.ndim, _digest(str(local.dtype).encode()), _digest(repr(pls).encode()),
                   _digest(repr(global_shape).encode()), _digest(_bytes_of(local))], mesh)
     rows = [t.tolist() for t in mesh.binding.all_gather(meta, axes)]
     for col, what in ((0, "ndim"), (1, "dtype"), (2, "placements"), (3, "global_shape")):
         _agree(mesh, [r[col] for r in rows], what)
-    shapes = _gather_shapes(local, mesh)
+    shapes = _gather_shapes(local, mesh, pls, global_shape)
     b_axes = [a for a, p in enumerate(pls) if isinstance(p, Broadcast)]
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, c in enumerate(mesh.coords()):
@@ -229,12 +277,6 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    if dtype not in DTYPES:
-        raise SbpError(f"dtype {dtype} is not supported for global tensors (supported: {', '.join(map(str, DTYPES))})")
-    return DTYPES.index(dtype)
-
-
 def _check_bound(mesh: DeviceMesh, what: str) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"{what} needs an sbp.DeviceMesh, got {type(mesh).__name__}")
@@ -244,4 +286,10 @@ def _check_bound(mesh: DeviceMesh, what: str) -> None:
 
 
 def _to_mesh_device(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return t if t.device.type == mesh.device_type else t.to(mesh.device_type)
+    if t.device.type == mesh.device_type:
+        return t
+    try:
+        return t.to(mesh.device_type)
+    except (RuntimeError, NotImplementedError, AssertionError) as e:  # e.g. a meta tensor has no data
+        raise MeshError(f"distribute: cannot move the tensor from {t.device} to the mesh's device "
+                        f"{mesh.device_type!r} ({e}); pass a tensor with data on {mesh.device_type!r}") from None

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from .crossmesh import CrossMeshPlan, plan_cross_mesh
+from .debug import agree, is_enabled, peer_gather, plan_signature
 from .errors import MeshError
 from .layout import block, block_shape, relative
 from .mesh import DeviceMesh
@@ -99,6 +100,11 @@ def redistribute_cross(local: torch.Tensor, src_mesh: DeviceMesh, global_shape: 
     rank = comm.rank
     if rank not in plan.ranks:
         return local
+    if is_enabled():  # every rank of both meshes: same arguments, same plan (sbp.debug)
+        agree(peer_gather(comm, plan.ranks), plan.ranks, "redistribute(mesh=...)", {
+            "src mesh": src_mesh, "dst mesh": dst_mesh, "dtype": local.dtype, "global shape": tuple(global_shape),
+            "src placements": plan.src, "dst placements": plan.dst, "plan": plan_signature(plan)},
+            device=local.device)
     from .execute import execute
     if rank in src_mesh.ranks:
         local = execute(plan.pre, local, src_mesh)

@@ -47,3 +47,7 @@ class CheckpointError(SbpError):
 
 class UnsupportedOpError(SbpError):
     """An operator has no sharding rule and `sbp.strict()` is active."""
+
+
+class DTypeError(SbpError):
+    """A dtype is not a torch dtype, is not supported by a call, or cannot hold a value (never truncated)."""

@@ -15,11 +15,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .errors import SbpError
+from .errors import DTypeError, MeshError, SbpError
 from .layout import check_global_shape, local_slices
 from .mesh import DeviceMesh
 from .placement import Broadcast, normalize
-from .tensor import GlobalTensor, empty_outside, sum_holds_value
+from .tensor import GlobalTensor, check_partial_dtype, empty_outside, mesh_device, sum_holds_value
 
 CHUNK = 1 << 16  # elements per random chunk; part of the values' definition: never change it lightly
 
@@ -67,7 +67,8 @@ def full(global_shape: Shape, fill_value, mesh: Optional[DeviceMesh] = None, pla
     >>> full((2,), 7.0)
     tensor([7., 7.])
     """
-    return _make(global_shape, mesh, placements, dtype, requires_grad, fill_value, _constant(fill_value))
+    return _make(global_shape, mesh, placements, dtype, requires_grad, fill_value, _constant(fill_value),
+                 check_value=True)
 
 
 def rand(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *, seed: Optional[int] = None,
@@ -105,22 +106,37 @@ def _constant(value) -> Fill:
 
 
 def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, requires_grad: bool,
-          sample_value, fill: Fill):
+          sample_value, fill: Fill, check_value: bool = False):
     shape = check_global_shape((global_shape,) if isinstance(global_shape, int) else global_shape)
+    _check_dtype(dtype)
+    if check_value:
+        sample_value = _as_number(sample_value)
+        fill = _constant(sample_value)
+    if check_value and not isinstance(sample_value, (bool, int, float, complex)):
+        raise DTypeError(f"full: fill_value must be a Python number (bool, int, float or complex), "
+                         f"got {sample_value!r} ({type(sample_value).__name__})")
     if dtype is None:
-        dtype = torch.get_default_dtype() if isinstance(sample_value, float) or not isinstance(
-            sample_value, (bool, int)) else (torch.bool if isinstance(sample_value, bool) else torch.int64)
+        dtype = (torch.bool if isinstance(sample_value, bool) else torch.int64 if isinstance(sample_value, int)
+                 else torch.complex64 if isinstance(sample_value, complex) else torch.get_default_dtype())
+    if check_value:
+        _check_fill(sample_value, dtype)
+    if not isinstance(requires_grad, bool):
+        raise SbpError(f"requires_grad must be a bool, got {requires_grad!r}")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise DTypeError(f"requires_grad=True needs a floating point or complex dtype (only those have "
+                         f"gradients), got {dtype}")
     if mesh is None:
         if placements is not None:
             raise SbpError(f"placements {placements!r} need a mesh; pass mesh= or drop placements")
         out = fill(tuple(slice(0, n) for n in shape), shape, dtype)
         return out.requires_grad_(requires_grad)
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
-        raise SbpError(f"factories need an sbp.DeviceMesh bound to processes (sbp.init_mesh or sbp.testing.spmd), "
-                       f"got {mesh!r}")
+        raise MeshError(f"factories need an sbp.DeviceMesh bound to processes (sbp.init_mesh or sbp.testing.spmd), "
+                        f"got {mesh!r}")
     pls = normalize((Broadcast(),) * mesh.ndim if placements is None else placements, len(shape), mesh.ndim)
+    check_partial_dtype(pls, dtype, "factory")
     coord = mesh.coord
-    device = torch.device(mesh.device_type)
+    device = mesh_device(mesh, "factory")
     if coord is None:
         local = empty_outside(len(shape), dtype, device)
     else:
@@ -135,9 +151,12 @@ def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, re
 
 
 def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requires_grad):
+    _check_dtype(dtype)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     if not dtype.is_floating_point:
-        raise SbpError(f"random factories need a floating dtype, got {dtype}")
+        raise DTypeError(f"random factories need a floating dtype, got {dtype}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise SbpError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if seed is None:
         seed = _agreed_seed(mesh, generator)
     elif isinstance(seed, bool) or not isinstance(seed, int):
@@ -161,6 +180,51 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
         return out.view(block)
 
     return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise DTypeError(f"dtype must be a torch.dtype (e.g. torch.float32) or None, got {dtype!r}")
+
+
+def _as_number(value):
+    """A Python number from numpy scalars and one-element tensors (torch.full accepts them too)."""
+    if isinstance(value, (bool, int, float, complex)) or not callable(getattr(value, "item", None)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        return value
+    try:
+        number = value.item()
+    except (TypeError, ValueError):
+        return value
+    return number if isinstance(number, (bool, int, float, complex)) else value
+
+
+def _check_fill(value, dtype: torch.dtype) -> None:
+    """`value` must be representable in `dtype`: no silent truncation (1.5 -> int64) or overflow (300 -> uint8).
+    Rounding a float to the nearest value of a float dtype is not truncation."""
+    def refuse(why: str) -> DTypeError:
+        return DTypeError(f"full: fill_value {value!r} cannot be represented as {dtype} ({why}); "
+                          f"pass a value the dtype holds exactly or another dtype")
+
+    if isinstance(value, complex) and not dtype.is_complex:
+        if value.imag != 0:
+            raise refuse("a complex number with an imaginary part needs a complex dtype")
+        value = value.real
+    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex):
+        if isinstance(value, float) and not value.is_integer():
+            raise refuse("not an integer")
+        if dtype == torch.bool:
+            if value not in (0, 1):
+                raise refuse("bool holds only 0/False and 1/True")
+            return
+        info = torch.iinfo(dtype)
+        if not info.min <= value <= info.max:
+            raise refuse(f"out of range {info.min}..{info.max}")
+    elif isinstance(value, (int, float)) and abs(value) != float("inf") and value == value:
+        finfo = torch.finfo(dtype)
+        if abs(value) > finfo.max:
+            raise refuse(f"beyond its largest finite value {finfo.max}")
 
 
 def _chunk(draw, seed: int, k: int, size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -69,6 +69,9 @@ def from_dtensor(dt: Any, mesh: Optional[DeviceMesh] = None) -> GlobalTensor:
 
     if not isinstance(dt, DTensor):
         raise SbpError(f"from_dtensor needs a torch.distributed.tensor.DTensor, got {type(dt).__name__}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"from_dtensor(mesh=...) needs a bound sbp.DeviceMesh over the DTensor's ranks (or None "
+                        f"to make one), got {type(mesh).__name__}")
     torch_mesh = dt.device_mesh
     pls = tuple(_from_torch(p, axis) for axis, p in enumerate(dt.placements))
     pls = tuple(Split(p.dim % dt.ndim) if isinstance(p, Split) else p for p in pls)

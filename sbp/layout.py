@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from .errors import ShapeError
-from .mesh import DeviceMesh, as_mesh_shape
+from .mesh import DeviceMesh, as_mesh_shape, bad_coord
 from .placement import Placement, Split, normalize
 
 Block = tuple[tuple[int, int], ...]  # one half-open (start, stop) per dim
@@ -78,13 +78,13 @@ def _prepare(global_shape, mesh, pls, coord):
     mesh_shape = as_mesh_shape(mesh)
     pls = normalize(pls, len(shape), len(mesh_shape))
     try:
-        coord = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
-        ok = len(coord) == len(mesh_shape) and all(0 <= c < n for c, n in zip(coord, mesh_shape))
+        ints = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
+        ok = len(ints) == len(tuple(coord)) == len(mesh_shape) and all(0 <= c < n for c, n in zip(ints, mesh_shape))
     except TypeError:
         ok = False
     if not ok:
-        raise ShapeError(f"coord {tuple(coord)} is not in a mesh of shape {mesh_shape}")
-    return shape, mesh_shape, pls, coord
+        raise ShapeError(bad_coord(coord, mesh_shape))
+    return shape, mesh_shape, pls, ints
 
 
 def local_slices(global_shape: Sequence[int], mesh: "DeviceMesh | Sequence[int]", placements,

@@ -235,7 +235,7 @@ def bad_coord(coord: Any, shape: tuple[int, ...]) -> str:
     try:
         return f"coord {tuple(coord)} is not in a mesh of shape {shape}"
     except TypeError:
-        return f"coord {coord!r} is not in a mesh of shape {shape} (a coord is a tuple of {len(shape)} ints, one per axis)"
+        return f"coord {coord!r} is not in a mesh of shape {shape} (a coord is a tuple of {len(shape)} int{'s' if len(shape) != 1 else ''}, one per axis)"
 
 
 def _is_coord(coord: Any, shape: tuple[int, ...]) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import SbpError
+from .errors import MeshError, PlacementError, SbpError
 from .layout import local_slices
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, normalize
@@ -129,12 +129,24 @@ class GlobalTensor(torch.Tensor):
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
         from .autograd import redistribute, redistribute_cross
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
         if mesh is None or mesh == self._mesh:
             pls = normalize(placements, self.ndim, self._mesh.ndim)
-            return self if pls == self._placements else redistribute(self, pls)
-        if not isinstance(mesh, DeviceMesh):
-            raise SbpError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
-        return redistribute_cross(self, mesh, normalize(placements, self.ndim, mesh.ndim))
+            check_partial_dtype(pls, self.dtype, "redistribute")
+            if pls == self._placements:
+                _debug_check(self, pls)  # redistribute_raw checks every other call
+                return self
+            return redistribute(self, pls)
+        if mesh.binding is None:
+            raise MeshError(f"redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, "
+                            f"sbp.testing.submesh); {mesh!r} is a pure value")
+        if mesh.device_type != self._mesh.device_type:
+            raise MeshError(f"redistribute(mesh=...) moves between meshes of one device type; the tensor is on a "
+                            f"{self._mesh.device_type!r} mesh, the target mesh is {mesh.device_type!r}")
+        pls = normalize(placements, self.ndim, mesh.ndim)
+        check_partial_dtype(pls, self.dtype, "redistribute")
+        return redistribute_cross(self, mesh, pls)
 
     # ---- autograd integration --------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
@@ -213,11 +225,72 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTenso
     >>> sbp.testing.spmd(fn, (2,))
     [[0, 1], [2, 3]]
     """
+    _debug_check(x, dst)
     if dst == x._placements:
         return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
     from .execute import redistribute_local
     local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
     return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
+
+
+def check_partial_dtype(placements: tuple[Placement, ...], dtype: torch.dtype, what: str) -> None:
+    """Refuse Partial placements a dtype cannot represent: `P(sum)` of bools (a sum of bools is no bool;
+    it would saturate silently) and `P(min|max)` of complex numbers (they have no order).
+
+    >>> check_partial_dtype((Partial("sum"),), torch.bool, "distribute")
+    Traceback (most recent call last):
+    ...
+    sbp.errors.PlacementError: distribute: P(sum) cannot hold a torch.bool tensor: a sum of bools is not a bool (valid for bool: S(d), B, P(min), P(max); or convert to an integer dtype first)
+    """
+    for p in placements:
+        if isinstance(p, Partial):
+            if p.op == "sum" and dtype == torch.bool:
+                raise PlacementError(f"{what}: P(sum) cannot hold a torch.bool tensor: a sum of bools is not a bool "
+                                     f"(valid for bool: S(d), B, P(min), P(max); or convert to an integer dtype first)")
+            if p.op != "sum" and dtype.is_complex:
+                raise PlacementError(f"{what}: {p!r} needs ordered values; {dtype} has no min/max "
+                                     f"(valid for complex: S(d), B, P(sum))")
+
+
+def mesh_device(mesh: DeviceMesh, what: str) -> torch.device:
+    """The torch device of a mesh's local tensors; a CUDA mesh needs CUDA in this process.
+
+    >>> import sbp
+    >>> mesh_device(sbp.DeviceMesh((2,)), "zeros")
+    device(type='cpu')
+    """
+    if mesh.device_type == "cuda" and not torch.cuda.is_available():
+        raise MeshError(f"{what}: the mesh's device_type is 'cuda' but CUDA is not available in this process "
+                        f"(torch.cuda.is_available() is False); use a mesh with device_type='cpu'")
+    return torch.device(mesh.device_type)
+
+
+def check_local_device(local: torch.Tensor, mesh: DeviceMesh, what: str) -> None:
+    """A local tensor must live on its mesh's device type (collectives cannot move it silently).
+
+    >>> import sbp
+    >>> check_local_device(torch.ones(1), sbp.DeviceMesh((2,), device_type="cuda"), "from_local")
+    Traceback (most recent call last):
+    ...
+    sbp.errors.MeshError: from_local: the local tensor is on cpu but the mesh's device_type is 'cuda'; move it first (local.to('cuda'))
+    """
+    if local.device.type != mesh.device_type:
+        raise MeshError(f"{what}: the local tensor is on {local.device} but the mesh's device_type is "
+                        f"{mesh.device_type!r}; move it first (local.to({mesh.device_type!r}))")
+
+
+def _debug_check(x: "GlobalTensor", dst: tuple[Placement, ...]) -> None:
+    """Under `sbp.debug()`: every rank of the mesh redistributes the same tensor the same way."""
+    from .debug import agree, is_enabled, mesh_gather, plan_signature  # sbp.debug is also the function
+    if not is_enabled() or x._mesh.binding is None or x._mesh.coord is None:
+        return
+    from .execute import _plan
+    signature = "none: layouts agree" if dst == x._placements else plan_signature(
+        _plan(tuple(x.shape), tuple(x._mesh.shape), x._placements, dst, x._local.element_size()))
+    gather, members = mesh_gather(x._mesh)
+    agree(gather, members, "redistribute", {
+        "mesh": x._mesh, "dtype": x.dtype, "global shape": tuple(x.shape), "src placements": x._placements,
+        "dst placements": dst, "plan": signature}, device=x._local.device)
 
 
 def sum_holds_value(mesh: DeviceMesh, placements: tuple[Placement, ...], coord: tuple[int, ...]) -> bool:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 from .errors import SbpError
 from .layout import check_global_shape, local_slices
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, as_mesh_shape
 from .placement import Partial, normalize
 
 
@@ -26,12 +26,16 @@ def visualize(x=None, *, global_shape: Optional[Sequence[int]] = None, mesh: Opt
     dp=1      rank 2: [5:10, 0:12] P(sum) part  rank 3: [5:10, 0:12] P(sum) part
     """
     if x is not None:
+        from .tensor import GlobalTensor
+        if not isinstance(x, GlobalTensor):
+            raise SbpError(f"visualize(x) needs an sbp.GlobalTensor, got {type(x).__name__}; for a layout without "
+                           f"data pass global_shape=, mesh= and placements=")
         global_shape, mesh, placements = tuple(x.shape), x.mesh, x.placements
     if global_shape is None or mesh is None or placements is None:
         raise SbpError("visualize needs a GlobalTensor, or global_shape=, mesh= and placements=")
     shape = check_global_shape(global_shape)
     if not isinstance(mesh, DeviceMesh):
-        mesh = DeviceMesh(tuple(mesh))
+        mesh = DeviceMesh(as_mesh_shape(mesh))
     pls = normalize(placements, len(shape), mesh.ndim)
     ops = sorted({p.op for p in pls if isinstance(p, Partial)})
     mark = (" " + ",".join(f"P({op})" for op in ops) + " part") if ops else ""

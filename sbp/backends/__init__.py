@@ -59,6 +59,17 @@ class BoundComm:
     def _rebind(self, mesh: DeviceMesh) -> "BoundComm":  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def axis_names(self, axes: Sequence[int]) -> str:
+        """The names of `axes` for messages, e.g. `` ('dp', 'tp')``; empty for an unnamed mesh.
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.binding.axis_names((1,)), (1, 2), names=("dp", "tp"))[0]
+        " ('tp')"
+        """
+        if self.mesh.names is None or not axes:
+            return ""
+        return " (" + ", ".join(repr(self.mesh.names[a]) for a in axes) + ")"
+
     # ---- collectives -------------------------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *,
                    numels: Sequence[int] | None = None) -> list[torch.Tensor]:

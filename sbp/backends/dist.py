@@ -56,12 +56,16 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type not in ("cpu", "cuda"):
         raise MeshError(f"device_type must be 'cpu' or 'cuda' (or None for automatic), got {device_type!r}")
-    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise MeshError("init_mesh(device_type='cuda') needs CUDA, but torch.cuda.is_available() is False "
+                        "in this process; use device_type='cpu' (gloo)")
+    timeout = as_timeout(timeout)
+    # a pure value first: bad shapes, names or ranks fail before any process group exists
+    mesh = DeviceMesh(shape, names, ranks, device_type)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         _init_default(backend, device_type, timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = DeviceMesh(shape, names, None if ranks is None else tuple(ranks), device_type)
     if ranks is None and mesh.size() != world:
         raise MeshError(f"mesh of shape {mesh.shape} has {mesh.size()} ranks but the world has {world} "
                         f"processes; pass ranks=[...] to put the mesh on part of the world")
@@ -77,6 +81,23 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
             pg = dist.new_group(list(key), timeout=timeout, backend=backend)
             groups[key] = pg if rank in key else None
     return bound(mesh, DistComm(mesh, rank, {k: g for k, g in groups.items() if g is not None}, timeout))
+
+
+def as_timeout(timeout: "timedelta | float") -> timedelta:
+    """A collective timeout from a `timedelta` or seconds; it must be positive.
+
+    >>> as_timeout(2.5)
+    datetime.timedelta(seconds=2, microseconds=500000)
+    """
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise MeshError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise MeshError(f"timeout must be a positive, finite duration (collectives fail after it), got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
@@ -140,13 +161,14 @@ class DistComm(BoundComm):
 
     def _call(self, what: str, axes: tuple[int, ...], members: Members, t: torch.Tensor,
               fn: Callable[[], object]) -> None:
+        names = self.axis_names(axes)
         if t.device.type != self.mesh.device_type:
-            raise CommError(f"{what} on mesh axes {axes}: tensor is on {t.device} but the mesh is a "
+            raise CommError(f"{what} on mesh axes {axes}{names}: tensor is on {t.device} but the mesh is a "
                             f"{self.mesh.device_type!r} mesh; move the local tensor to the mesh's device")
         try:
             fn()
-        except (RuntimeError, dist.DistError) as e:
-            raise CommError(f"{what} on mesh axes {axes} (group ranks {list(members)}) failed on rank "
+        except (RuntimeError, ValueError, TypeError, dist.DistError) as e:
+            raise CommError(f"{what} on mesh axes {axes}{names} (group ranks {list(members)}) failed on rank "
                             f"{self.rank} (timeout {self.timeout}): {e}") from e
 
     def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:

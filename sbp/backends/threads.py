@@ -9,6 +9,7 @@ computes bit-identical results.
 """
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from ..comm import Counters, reduce_list
-from ..errors import CommError, RankMismatchError
+from ..errors import CommError, MeshError, RankMismatchError
 from ..mesh import DeviceMesh
 from . import BoundComm, Members, bound
 
@@ -49,7 +50,8 @@ class ThreadWorld:
     def bind(self, mesh: DeviceMesh, rank: int, counters: Counters | None = None) -> DeviceMesh:
         """`mesh` bound to this world as seen by `rank` (which may lie outside the mesh)."""
         if any(r >= self.size for r in mesh.ranks):
-            raise CommError(f"mesh ranks {list(mesh.ranks)} do not fit a world of {self.size} thread-ranks")
+            raise MeshError(f"mesh ranks {list(mesh.ranks)} do not fit a world of {self.size} thread-ranks "
+                            f"(valid ranks: 0..{self.size - 1})")
         return bound(mesh, ThreadComm(self, mesh, rank, counters))
 
     def abort(self, reason: str) -> None:
@@ -112,7 +114,7 @@ class ThreadComm(BoundComm):
         return self.world.bind(mesh, self.rank, self.counters)
 
     def _meet(self, members: Members, axes: tuple[int, ...], what: str, payload: Any) -> list[Any]:
-        return self.world.meet(self.rank, members, f"{what} on axes {axes}", payload)
+        return self.world.meet(self.rank, members, f"{what} on axes {axes}{self.axis_names(axes)}", payload)
 
     def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
         items = self._meet(members, axes, "all_gather", t.clone())
@@ -164,6 +166,7 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
     """Run `fn(bound mesh)` on one thread per rank.
 
     Returns (results, exceptions) in rank order and the ranks that raised, in the order they raised.
+    Each rank runs in a copy of the caller's context, so context variables (`sbp.debug()`) carry over.
     """
     world = ThreadWorld(mesh.size(), timeout)
     results: list[Any] = [None] * mesh.size()
@@ -178,8 +181,8 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
             order.append(rank)
             world.abort(f"rank {rank} raised {type(e).__name__}")
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"sbp-rank-{r}", daemon=True)
-               for r in range(mesh.size())]
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(main, r), name=f"sbp-rank-{r}",
+                                daemon=True) for r in range(mesh.size())]
     for t in threads:
         t.start()
     for t in threads:

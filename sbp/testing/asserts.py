@@ -25,7 +25,15 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     ...
     AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,): max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
     """
+    from ..errors import SbpError
     from ..tensor import GlobalTensor
+
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise SbpError(f"assert_layout_equivalent compares tensors (GlobalTensor or plain torch.Tensor); "
+                           f"{name} is a {type(t).__name__}")
+    if exact is not None and not isinstance(exact, bool):
+        raise SbpError(f"assert_layout_equivalent(exact=...) must be None or a bool, got {exact!r}")
 
     def describe(t: torch.Tensor) -> str:
         if isinstance(t, GlobalTensor):

@@ -20,7 +20,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
-from ..errors import CommError, SbpError
+from ..errors import CommError, MeshError, SbpError
 from ..mesh import DeviceMesh
 
 BACKENDS = ("threads", "gloo")
@@ -56,6 +56,11 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
     """
     if backend not in BACKENDS:
         raise SbpError(f"spmd backend must be one of {BACKENDS}, got {backend!r}")
+    if not callable(fn):
+        raise SbpError(f"spmd runs fn(mesh) on every rank; fn must be callable, got {type(fn).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise SbpError(f"spmd timeout must be a positive number of seconds (it bounds every collective), "
+                       f"got {timeout!r}")
     mesh = DeviceMesh(mesh_shape, names)
     if backend == "threads":
         from ..backends.threads import spmd_threads
@@ -82,7 +87,9 @@ def submesh(world: DeviceMesh, shape: "int | Sequence[int]", names: Sequence[str
     >>> sbp.testing.spmd(lambda w: submesh(w, (2,), ranks=[3, 1]).coord, (4,))
     [None, (1,), None, (0,)]
     """
-    return world.binding.bind(DeviceMesh(shape, names, tuple(ranks), world.device_type))
+    if world.binding is None:
+        raise MeshError(f"submesh needs the bound world mesh that spmd passes to fn, got the pure value {world!r}")
+    return world.binding.bind(DeviceMesh(shape, names, ranks, world.device_type))
 
 
 # ---- gloo worker pool -----------------------------------------------------------------------------
@@ -116,8 +123,9 @@ class _Pool:
 
         Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back).
         """
+        from ..debug import is_enabled
         for conn in self.conns:
-            conn.send((payload, mesh.shape, mesh.names, timeout))
+            conn.send((payload, mesh.shape, mesh.names, timeout, is_enabled()))
         results: list[Any] = [None] * self.size
         errors: dict[int, tuple] = {}
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
@@ -136,24 +144,28 @@ class _Pool:
                 break
             for obj in ready:
                 if obj in pending:
-                    rank = pending[obj]
+                    rank = pending.pop(obj)
                     try:
                         status, *rest = obj.recv()
-                    except EOFError:
-                        continue  # the process died; its sentinel reports it
-                    del pending[obj]
+                    except EOFError:  # the worker died without a reply (a closed pipe stays readable:
+                        errors[rank] = self._died(rank)  # it must leave `pending`, or `wait` spins on it)
+                        continue
                     if status == "ok":
                         results[rank] = rest[0]
                     else:
                         errors[rank] = (rest[0], rest[1])
-                else:
+                elif obj in sentinels:
                     rank = sentinels.pop(obj)
                     conn = self.conns[rank]
-                    if conn in pending and not conn.poll():
+                    if conn in pending and not conn.poll():  # else its reply (or EOF) is read above
                         del pending[conn]
-                        code = self.procs[rank].exitcode
-                        errors[rank] = (CommError(f"rank {rank}'s worker process died (exit code {code})"), "")
+                        errors[rank] = self._died(rank)
         return results, errors, bool(pending)
+
+    def _died(self, rank: int) -> tuple[CommError, str]:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        return CommError(f"rank {rank}'s worker process died (exit code {proc.exitcode})"), ""
 
     def close(self, force: bool = False) -> None:
         """Stop the workers: politely (they leave their process group), or at once after a failure,
@@ -236,6 +248,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
     import torch.distributed as dist
 
     from ..backends.dist import init_mesh
+    from ..debug import debug
 
     torch.set_num_threads(1)  # several ranks share the cores
     delta = timedelta(seconds=timeout)
@@ -249,7 +262,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
             break
         if job is None:
             break
-        payload, shape, names, job_timeout = job
+        payload, shape, names, job_timeout, debug_checks = job
         try:
             fn = pickle.loads(payload)
             key = (shape, names, job_timeout)
@@ -257,7 +270,8 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
                 meshes[key] = init_mesh(shape, names, device_type="cpu", timeout=job_timeout)
             mesh = meshes[key]
             mesh.binding.counters.reset()
-            reply = ("ok", fn(mesh))
+            with debug(debug_checks):  # the caller's sbp.debug() setting travels with the job
+                reply = ("ok", fn(mesh))
         except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank
             reply = ("err", e, traceback.format_exc())
         try:

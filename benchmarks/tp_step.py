@@ -1,0 +1,225 @@
+"""Tensor-parallel train step: sbp.nn.parallelize against DTensor's parallelize_module, same model, same run.
+
+The model is examples/train_tp.py's GPT (hidden size >= 512) on 4 gloo ranks on 127.0.0.1 (TP over 4),
+with the equivalent plans: sbp's `tp_plan()` and DTensor's ColwiseParallel (q, k, v, fc; the LM head
+with Replicate output) / RowwiseParallel (attention and MLP output projections; the vocab-parallel
+embedding) on the same modules. One step = forward, cross-entropy, backward, SGD (momentum) step.
+Per case it prints:
+
+- ``sbp ms`` / ``DT ms``: median over steps of the slowest rank's step time (barrier before each step);
+- ``ratio``: sbp / DTensor time (below 1: sbp is faster);
+- ``sbp MiB`` / ``DT MiB``: peak memory of the busiest rank during the timed steps, as the growth of the
+  process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` after the model
+  is built and sharded) over its resident set at that moment: activations, gradients, optimizer state,
+  communication buffers and allocator slack. Python-level tracers (tracemalloc) do not see torch's
+  allocations, and torch has no CPU allocator statistics, so RSS is the honest measure on CPU; it
+  includes memory the allocator keeps cached, so read it to a few MiB;
+- ``loss diff``: |sbp loss - DTensor loss| at the first step (both start from the same weights).
+
+Times come from one set of 4 processes holding both models, their steps alternating (sbp, DTensor, sbp,
+...), so a burst of load on the machine hits both alike. Memory comes from two more sets of processes,
+one per framework, so one's cached memory does not hide the other's. Timings on a shared 2-core
+machine are still noisy; compare ratios within one run.
+
+    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import pathlib
+import re
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD = 4
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def example():
+    """examples/train_tp.py as a module (its model, data and plan)."""
+    spec = importlib.util.spec_from_file_location("train_tp", ROOT / "examples" / "train_tp.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_tp", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def memory_kib() -> dict[str, int]:
+    status = open("/proc/self/status").read()
+    return {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM")}
+
+
+def reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def dtensor_plan(layers: int) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(layers):
+        plan |= {f"blocks.{i}.attn.{m}": ColwiseParallel() for m in "qkv"}
+        plan |= {f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                 f"blocks.{i}.mlp.proj": RowwiseParallel()}
+    return plan
+
+
+def loss_value(loss) -> torch.Tensor:
+    for attr in ("full", "full_tensor"):
+        if hasattr(loss, attr):
+            return getattr(loss, attr)()
+    return loss
+
+
+def build(framework: str, ex, dim: int, args):
+    """The example's model, sharded by `framework`; returns (step function, parameters per rank)."""
+    data, vocab = ex.encode()
+    cfg = ex.Config(vocab=vocab, dim=dim, heads=dim // 64, layers=args.layers, block=args.block)
+    model = ex.build(cfg, seed=0)
+    if framework == "sbp":
+        import sbp
+        import sbp.nn
+        sbp.nn.parallelize(model, sbp.init_mesh((WORLD,), device_type="cpu"), ex.tp_plan())
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), dtensor_plan(args.layers))
+    params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    idx, targets = next(ex.batches(data, args.batch, cfg.block, 1, seed=0))
+
+    def step() -> float:
+        logits = model(idx)
+        if hasattr(logits, "to_local") and not hasattr(logits, "full"):  # a DTensor output stays Replicate
+            logits = logits.to_local()
+        loss = loss_value(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, params
+
+
+def timed(step) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def time_case(ex, dim: int, args) -> dict:
+    """Both models in the same processes, their steps alternating, so load on the machine hits both alike."""
+    steps = {fw: build(fw, ex, dim, args)[0] for fw in ("sbp", "dtensor")}
+    losses = {fw: step() for fw, step in steps.items()}
+    for _ in range(args.warmup - 1):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {fw: [] for fw in steps}
+    for _ in range(args.steps):
+        for fw, step in steps.items():
+            times[fw].append(timed(step))
+    return {"times": times, "loss": losses}
+
+
+def memory_case(framework: str, ex, dim: int, args) -> dict:
+    """One framework alone in its processes: growth of the peak RSS over the timed steps."""
+    step, params = build(framework, ex, dim, args)
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    reset = reset_peak()
+    base = memory_kib()["VmRSS"]
+    for _ in range(max(2, args.steps // 2)):
+        timed(step)
+    return {"peak_kib": memory_kib()["VmHWM"] - (base if reset else 0), "params": params, "peak_reset": reset}
+
+
+def worker(rank: int, port: int, mode: str, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    ex = example()
+    for dim in args.dims:
+        result = time_case(ex, dim, args) if mode == "time" else memory_case(mode, ex, dim, args)
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            queue.put((dim, gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(mode: str, args) -> dict[int, list[dict]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(free_port(), mode, args, queue), nprocs=WORLD, start_method="spawn")
+    out = {}
+    while not queue.empty():
+        dim, per_rank = queue.get()
+        out[dim] = per_rank
+    return out
+
+
+def slowest_median(per_rank: list[dict], framework: str) -> float:
+    """Median over steps of the slowest rank's time for that step (ms)."""
+    steps = len(per_rank[0]["times"][framework])
+    return statistics.median(max(r["times"][framework][i] for r in per_rank) for i in range(steps)) * 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", default="512,1024", help="model widths (hidden size), comma separated")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per framework (default 8)")
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    args.dims = [int(d) for d in args.dims.split(",")]
+    if any(d % 64 or d < 64 for d in args.dims):
+        p.error("--dims must be multiples of 64 (heads of 64 features)")
+    timing = measure("time", args)
+    memory = {fw: measure(fw, args) for fw in ("sbp", "dtensor")}
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks (TP=4), fp32, {args.layers} layers, batch {args.batch} x "
+          f"{args.block} tokens, median of {args.steps} steps after {args.warmup} warm-up\n")
+    print(f"{'case':<14} {'sbp ms':>8} {'DT ms':>8} {'ratio':>6} {'sbp MiB':>8} {'DT MiB':>8} {'mem ratio':>9} "
+          f"{'params/rank':>11} {'loss diff':>9}")
+    for dim in args.dims:
+        t, sm, dm = timing[dim], memory["sbp"][dim], memory["dtensor"][dim]
+        s_ms, d_ms = slowest_median(t, "sbp"), slowest_median(t, "dtensor")
+        s_mib, d_mib = max(r["peak_kib"] for r in sm) / 1024, max(r["peak_kib"] for r in dm) / 1024
+        loss_diff = abs(t[0]["loss"]["sbp"] - t[0]["loss"]["dtensor"])
+        print(f"{f'gpt-d{dim}':<14} {s_ms:8.1f} {d_ms:8.1f} {s_ms / d_ms:6.2f} {s_mib:8.1f} {d_mib:8.1f} "
+              f"{s_mib / d_mib if d_mib else float('nan'):9.2f} {sm[0]['params']:11,d} {loss_diff:9.1e}")
+    if not all(r["peak_reset"] for fw in memory.values() for rs in fw.values() for r in rs):
+        print("\n(note: /proc/self/clear_refs was not writable: MiB columns are whole-process peaks)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Train a small GPT-style transformer with tensor parallelism (and optionally data parallelism) on CPUs.
+
+The model code below is plain PyTorch; one `sbp.nn.parallelize` call with a `{module path: style}`
+plan makes it run tensor-parallel (Megatron layout: q/k/v and fc colwise, attention output and MLP
+output rowwise, vocab-parallel embedding). The corpus is a few paragraphs stored in this file, read
+character by character.
+
+    python examples/train_tp.py                      # 4 gloo processes on 127.0.0.1, TP over 4 ranks
+    python examples/train_tp.py --mesh 2x2           # DP x TP: batch S(0) on dp, TP on the last axis
+    python examples/train_tp.py --check              # also train on one process and compare
+    python examples/train_tp.py --sequence-parallel  # layer norms on S(1): all_gather + reduce_scatter
+    torchrun --standalone --nproc-per-node 4 examples/train_tp.py
+
+Without torchrun's environment the script launches itself: it picks a free port at run time and
+spawns one process per rank. Rank 0 prints the loss per step with a text progress bar.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CORPUS = """\
+It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of
+foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light,
+it was the season of Darkness, it was the spring of hope, it was the winter of despair.
+In the beginning the mesh was without form, and every rank held the whole tensor. Then the planner said:
+let there be shards; and the rows were split among the ranks, and each rank kept only its block.
+A broadcast value is the same on every rank; a partial value is a sum not yet taken; a split value is a
+row of bricks, each rank laying its own. To gather is to collect the bricks, to reduce is to add the
+partial sums, and to scatter is to give each rank the part that is its own.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly
+quick daft zebras jump! Sphinx of black quartz, judge my vow.
+"""
+
+
+# ---- the model: unchanged PyTorch ----------------------------------------------------------------------
+
+@dataclass
+class Config:
+    vocab: int = 64
+    block: int = 32          # context length T
+    dim: int = 64            # C
+    heads: int = 4
+    layers: int = 2
+    mlp_ratio: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.heads
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.block, cfg.block, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)        # (B, T, C); under TP each rank's local heads
+        b, t = q.shape[:2]                                # shapes of the tensor itself: local under TP
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))  # (B, h, T, hd)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)                          # (B, h, T, T)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)                                    # (B, T, h*hd)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.dim)
+        self.wpe = nn.Embedding(cfg.block, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))    # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))              # (B, T, V)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# ---- the tensor-parallel plan ---------------------------------------------------------------------------
+
+def tp_plan(sequence_parallel: bool = False) -> dict:
+    """Megatron's layout as an sbp plan. q/k/v return local heads (attention runs on plain local
+    tensors, one rank's heads each); the attention output projection takes them back as `S(-1)`."""
+    from sbp.nn import Colwise, Embedding, Rowwise, SequenceParallel
+
+    plan = {
+        "wte": "embedding",
+        "blocks.*.attn.[qkv]": Colwise(use_local_output=True),
+        "blocks.*.attn.proj": Rowwise(local_input=True),
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "lm_head": Colwise(output_placement="B"),
+    }
+    if sequence_parallel:  # the residual stream lives on S(1); each norm gathers once for its consumers
+        plan.update({
+            "wte": Embedding(output_placement="S(1)"),
+            "blocks.*.ln[12]": SequenceParallel(output_placement="B"),
+            "ln_f": SequenceParallel(output_placement="B"),
+            "blocks.*.attn.proj": Rowwise(local_input=True, output_placement="S(1)"),
+            "blocks.*.mlp.proj": Rowwise(output_placement="S(1)"),
+        })
+    return plan
+
+
+# ---- data and training ------------------------------------------------------------------------------------
+
+def encode(text: str = CORPUS) -> tuple[torch.Tensor, int]:
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([lookup[c] for c in text], dtype=torch.int64), len(chars)
+
+
+def batches(data: torch.Tensor, batch: int, block: int, steps: int, seed: int):
+    """The same (B, T) windows on every rank: every rank passes the full batch (a plain tensor is Broadcast)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        start = torch.randint(0, len(data) - block - 1, (batch,), generator=g)
+        idx = torch.stack([data[s:s + block] for s in start.tolist()])
+        yield idx, torch.stack([data[s + 1:s + block + 1] for s in start.tolist()])
+
+
+def build(cfg: Config, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg).to(dtype)
+
+
+def make_optimizer(model: nn.Module, name: str, lr: float | None) -> torch.optim.Optimizer:
+    """SGD with momentum by default. AdamW works as well, but `--check` compares rounding-level noise there:
+    the key bias has an exactly zero gradient (softmax ignores a shift shared by all keys), and Adam scales
+    its ~1e-9 rounding noise up to lr-sized steps, which differ between any two summation orders."""
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr or 3e-3, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=lr or 0.5, momentum=0.9)
+
+
+def scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor (a global loss is gathered; its gradient enters as Broadcast)."""
+    return loss.full() if hasattr(loss, "placements") else loss
+
+
+def train(model: nn.Module, data: torch.Tensor, args, *, on_step=None) -> list[float]:
+    opt = make_optimizer(model, args.optimizer, args.lr)
+    losses = []
+    for step, (idx, targets) in enumerate(batches(data, args.batch, model.cfg.block, args.steps, args.seed)):
+        t0 = time.perf_counter()
+        loss = scalar(model(idx, targets))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1], time.perf_counter() - t0)
+    return losses
+
+
+def progress(total: int):
+    def show(step: int, loss: float, seconds: float) -> None:
+        done = step + 1
+        bar = "#" * (20 * done // total) + "." * (20 - 20 * done // total)
+        print(f"step {done:3d}/{total} [{bar}] loss {loss:.4f}  {seconds * 1000:6.1f} ms", flush=True)
+    return show
+
+
+def worker(args) -> None:
+    """One rank: build the full model (same seed everywhere), parallelize it, train, optionally check."""
+    import sbp
+    import sbp.nn
+
+    torch.set_num_threads(1)
+    shape = tuple(int(n) for n in args.mesh.split("x"))
+    names = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else None
+    mesh = sbp.init_mesh(shape, names, device_type="cpu")
+    data, vocab = encode()
+    cfg = Config(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, block=args.block)
+    model = build(cfg, args.seed)
+    sbp.nn.parallelize(model, mesh, tp_plan(args.sequence_parallel))
+    rank0 = mesh.rank == 0
+    if rank0:
+        print(f"sbp TP: mesh {shape} {names}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+              f"{args.steps} steps of batch {args.batch} x {cfg.block} chars", flush=True)
+    t0 = time.perf_counter()
+    losses = train(model, data, args, on_step=progress(args.steps) if rank0 else None)
+    if rank0:
+        print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: "
+              f"{len(mesh.binding.counters.calls)}", flush=True)
+    if args.check:
+        params = {name: p.full() for name, p in model.named_parameters()}  # every rank takes part
+        if rank0:
+            ref = build(cfg, args.seed)
+            ref_losses = train(ref, data, args)
+            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+            param_diff, worst = max(((params[n] - p.detach()).abs().max().item(), n) for n, p in ref.named_parameters())
+            ok = loss_diff <= args.tol and param_diff <= args.tol
+            print(f"check against one process: max |loss diff| {loss_diff:.3e}, max |param diff| {param_diff:.3e} "
+                  f"({worst}) after {args.steps} steps -> {'OK' if ok else 'MISMATCH'} (tolerance {args.tol:g})",
+                  flush=True)
+            if not ok:
+                sys.exit(1)
+
+
+# ---- launching ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        worker(args)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mesh", default="4", help="mesh shape: '4' (TP) or '2x2' (DP x TP); default 4")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="default: 0.5 for sgd, 3e-3 for adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--check", action="store_true", help="also train on one process and compare")
+    p.add_argument("--tol", type=float, default=1e-5)
+    args = p.parse_args(argv)
+    try:
+        shape = [int(n) for n in args.mesh.lower().split("x")]
+        assert shape and all(n > 0 for n in shape)
+    except (ValueError, AssertionError):
+        p.error(f"--mesh {args.mesh!r}: write it like '4' or '2x2'")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    world = math.prod(int(n) for n in args.mesh.lower().split("x"))
+    if "RANK" in os.environ:  # torchrun (or another launcher) started us
+        worker(args)
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        return
+    import torch.multiprocessing as mp
+    try:
+        mp.start_processes(_spawned, args=(world, free_port(), args), nprocs=world, start_method="spawn")
+    except mp.ProcessExitedException as e:  # a rank failed (or --check found a mismatch): its output says why
+        sys.exit(e.exit_code or 1)
+
+
+if __name__ == "__main__":
+    main()

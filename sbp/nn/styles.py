@@ -1,0 +1,176 @@
+"""Tensor-parallel styles: what one module's parameters, input and output look like on the tp axis.
+
+A style is a frozen value. It names the placement, *on the tensor-parallel mesh axis*, of each parameter
+and of the module's input and output; every other mesh axis holds parameters Broadcast and keeps the
+batch `S(0)` (data parallelism). `sbp.nn.parallelize` reads the style and does the work.
+
+=====================  ==========  ==========  ==========  ============  ====================================
+style                  weight      bias        input       output        collectives (forward / backward)
+=====================  ==========  ==========  ==========  ============  ====================================
+``Colwise()``          ``S(0)``    ``S(0)``    ``B``       ``S(-1)``     none / all_reduce of the input grad
+``Rowwise()``          ``S(1)``    ``B``       ``S(-1)``   ``B``         all_reduce of the output / none
+``Embedding()``        ``S(0)``    --          ``B``       ``B``         all_reduce of the output / none
+``SequenceParallel()`` ``B``       ``B``       ``S(1)``    ``S(1)``      none (the neighbours switch to
+                                                                         all_gather / reduce_scatter)
+=====================  ==========  ==========  ==========  ============  ====================================
+
+`nn.Linear` computes ``y = x @ W.T + b`` with W of shape (out, in): `Colwise` splits the *output*
+features (rows of W), `Rowwise` the *input* features (columns of W).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+from torch import nn
+
+from ..errors import SbpError
+from ..placement import Broadcast, Placement, Split, placements
+
+PlacementLike = Union[Placement, str]
+
+
+def _one(value: PlacementLike, what: str) -> Placement:
+    pls = placements(value)
+    if len(pls) != 1:
+        raise SbpError(f"{what} must be one placement (the tensor-parallel axis only), got {value!r}")
+    return pls[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Style:
+    """Base of the tensor-parallel styles; use `Colwise`, `Rowwise`, `Embedding` or `SequenceParallel`.
+
+    Fields (placements are on the tp axis; strings like ``"S(1)"`` are accepted):
+
+    - `input_placement`: what the module computes on. A global input is redistributed to it; a plain
+      input is the full value (Broadcast on every rank), or this rank's local block when `local_input`.
+    - `output_placement`: what the output is redistributed to after the module ran.
+    - `use_local_output`: return `output.to_local()` (a plain tensor) instead of a global tensor.
+    - `local_input`: a plain input is this rank's local block (as `sbp.from_local`), not the full value.
+    """
+
+    input_placement: PlacementLike = Broadcast()
+    output_placement: PlacementLike = Broadcast()
+    use_local_output: bool = False
+    local_input: bool = False
+
+    kind: ClassVar[str] = "style"
+    modules: ClassVar[tuple[type, ...]] = ()
+    weights: ClassVar[dict[str, Placement]] = {}
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_placement", _one(self.input_placement, f"{self.kind} input_placement"))
+        object.__setattr__(self, "output_placement", _one(self.output_placement, f"{self.kind} output_placement"))
+        for flag in ("use_local_output", "local_input"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SbpError(f"{type(self).__name__}({flag}=...) must be a bool, got {getattr(self, flag)!r}")
+
+    def check_module(self, path: str, module: nn.Module) -> None:
+        """Refuse a module this style cannot shard, saying which module types are valid."""
+        if not isinstance(module, self.modules):
+            valid = ", ".join(f"nn.{m.__name__}" for m in self.modules)
+            raise SbpError(f"style {self.kind!r} cannot shard {path or '<root>'!r}, a {type(module).__name__}; "
+                           f"valid modules for {self.kind!r}: {valid}")
+
+    def param_placement(self, name: str) -> Placement:
+        """The tp-axis placement of the parameter `name` (Broadcast for parameters the style does not split)."""
+        return self.weights.get(name, Broadcast())
+
+
+@dataclass(frozen=True, slots=True)
+class Colwise(Style):
+    """Column-parallel `nn.Linear`: weight and bias `S(0)` (output features), input `B`, output `S(-1)`.
+
+    >>> Colwise()
+    Colwise(input_placement=B, output_placement=S(-1), use_local_output=False, local_input=False)
+    >>> Colwise(output_placement="B").output_placement      # gather the output (e.g. an LM head)
+    B
+    """
+
+    input_placement: PlacementLike = Broadcast()
+    output_placement: PlacementLike = Split(-1)
+
+    kind: ClassVar[str] = "colwise"
+    modules: ClassVar[tuple[type, ...]] = (nn.Linear,)
+    weights: ClassVar[dict[str, Placement]] = {"weight": Split(0), "bias": Split(0)}
+
+
+@dataclass(frozen=True, slots=True)
+class Rowwise(Style):
+    """Row-parallel `nn.Linear`: weight `S(1)` (input features), bias `B`, input `S(-1)`, output `B`.
+
+    The matmul of `S(-1)` inputs with an `S(1)` weight gives `P(sum)` partial outputs; the output
+    placement decides the collective: `B` is one all_reduce, `S(1)` (sequence parallel) one
+    reduce_scatter.
+
+    >>> Rowwise(output_placement="S(1)").output_placement
+    S(1)
+    """
+
+    input_placement: PlacementLike = Split(-1)
+    output_placement: PlacementLike = Broadcast()
+
+    kind: ClassVar[str] = "rowwise"
+    modules: ClassVar[tuple[type, ...]] = (nn.Linear,)
+    weights: ClassVar[dict[str, Placement]] = {"weight": Split(1)}
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding(Style):
+    """Vocab-parallel `nn.Embedding`: weight `S(0)` (the vocabulary), ids `B`, output `B` (or `S(1)`).
+
+    Each rank looks up the ids in its slice of the vocabulary (zeros elsewhere): a `P(sum)` output,
+    reduced by one all_reduce to `B`, or by one reduce_scatter to `S(1)` for sequence parallelism.
+
+    >>> Embedding(output_placement="S(1)")
+    Embedding(input_placement=B, output_placement=S(1), use_local_output=False, local_input=False)
+    """
+
+    kind: ClassVar[str] = "embedding"
+    modules: ClassVar[tuple[type, ...]] = (nn.Embedding,)
+    weights: ClassVar[dict[str, Placement]] = {"weight": Split(0)}
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceParallel(Style):
+    """Sequence-parallel region (layer norm, dropout): activations `S(1)` (the sequence dim), parameters `B`.
+
+    Element-wise and last-dim ops need no communication on `S(1)`; the neighbouring `Colwise` gathers
+    its input (all_gather instead of nothing) and the `Rowwise` before scatters its output
+    (reduce_scatter instead of all_reduce). Parameter gradients arrive `P(sum)` and are all_reduced
+    to `B` by the leaf rule.
+
+    >>> SequenceParallel(input_placement="S(0)")    # activations laid out (T, B, C)
+    SequenceParallel(input_placement=S(0), output_placement=S(0), use_local_output=False, local_input=False)
+    """
+
+    input_placement: PlacementLike = Split(1)
+    output_placement: PlacementLike = None  # type: ignore[assignment]  # None: same as input_placement
+
+    kind: ClassVar[str] = "sequence"
+    modules: ClassVar[tuple[type, ...]] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.Identity)
+
+    def __post_init__(self) -> None:
+        if self.output_placement is None:
+            object.__setattr__(self, "output_placement", self.input_placement)
+        Style.__post_init__(self)
+
+
+STYLES: dict[str, type[Style]] = {"colwise": Colwise, "rowwise": Rowwise, "embedding": Embedding,
+                                  "sequence": SequenceParallel}
+
+
+def as_style(value: "str | Style", pattern: str) -> Style:
+    """A style from a plan entry: a `Style` object or one of the names in `STYLES`.
+
+    >>> as_style("rowwise", "mlp.fc2")
+    Rowwise(input_placement=S(-1), output_placement=B, use_local_output=False, local_input=False)
+    """
+    if isinstance(value, Style):
+        return value
+    if isinstance(value, str) and value in STYLES:
+        return STYLES[value]()
+    valid = ", ".join(repr(k) for k in STYLES)
+    raise SbpError(f"plan entry {pattern!r}: {value!r} is not a style; valid: {valid} or an sbp.nn style object "
+                   f"(Colwise(...), Rowwise(...), Embedding(...), SequenceParallel(...))")

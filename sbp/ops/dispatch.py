@@ -1,0 +1,127 @@
+"""The op handler: key the call, look up (or make) its decision, run it.
+
+For every ATen op on a `GlobalTensor`, `handle` builds a cache key from the op and its inputs'
+(placements, global shape, dtype, mesh shape) -- as one token per tensor, see
+`sbp.ops.decision.spec_token` -- plus the non-tensor arguments (a non-zero float only by type, so a
+changing learning rate reuses the decision; 0.0 and bools kept apart because they promote dtypes
+differently). A miss makes the decision once (`sbp.ops.select.decide`: rule signatures, planner
+prices, cheapest wins). ``_foreach_*`` ops go to `sbp.ops.optim.foreach` instead. A plain tensor that
+requires grad gets a hook that turns the global gradient the rules produce into the plain full
+gradient (DESIGN: a plain tensor mixed in is Broadcast).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ..tensor import GlobalTensor, redistribute_raw
+from .decision import CACHE_SIZE, _SpecToken, spec_token
+from .select import decide
+from .spec import FLOAT, B
+from . import rules
+
+_CACHE: dict = {}
+_DECIDING = threading.RLock()   # a process-lifetime resource guarding the cache's misses, not a flag
+
+
+# ---- the cache key -------------------------------------------------------------------------------------
+def _tensor_key(a: GlobalTensor) -> _SpecToken:
+    cached = a.__dict__.get("_sbp_key")
+    if cached is not None and cached[0] is a._placements and cached[1] is a._mesh:
+        return cached[2]
+    found = spec_token(a._placements, a.shape, a.dtype, a._mesh.shape)
+    a._sbp_key = (a._placements, a._mesh, found)
+    return found
+
+
+def _key_of(a: Any, leaves: list) -> Any:
+    if isinstance(a, torch.Tensor):
+        leaves.append(a)
+        if isinstance(a, GlobalTensor):
+            return _tensor_key(a)
+        if a.requires_grad and not getattr(a, "_sbp_plain_grad", False):
+            _plain_grad_hook(a)
+        return (a.shape, a.dtype)
+    t = type(a)
+    if t is float:   # by type only (a learning rate must not miss the cache), but 0.0 is special
+        return _FLOAT_ZERO if a == 0 else FLOAT
+    if t is bool:    # True == 1 and 0.0 == 0 hash alike, but promote dtypes differently: keep them apart
+        return _TRUE if a else _FALSE
+    if t is list or t is tuple:
+        return tuple([_key_of(x, leaves) for x in a])
+    return a
+
+
+_FLOAT_ZERO, _TRUE, _FALSE = object(), object(), object()
+
+
+def _plain_grad_hook(t: torch.Tensor) -> None:
+    """A plain tensor mixed into an op is Broadcast, so its gradient is the full gradient, as a plain
+    tensor equal on every rank (DESIGN: Autograd): convert the global gradient the rules produce."""
+    def to_plain(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if isinstance(grad, GlobalTensor):
+            return redistribute_raw(grad, (B,) * grad._mesh.ndim)._local
+        return None
+
+    t.register_hook(to_plain)
+    t._sbp_plain_grad = True
+
+
+# ---- the handler ---------------------------------------------------------------------------------------------
+def handle(func, args: tuple, kwargs: dict) -> Any:
+    """The op handler installed with `sbp.tensor.set_op_handler`: look up (or make) the decision, run it.
+
+    `GlobalTensor.__torch_dispatch__` calls it for every ATen op; users call ops, not this.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.ones(4, 2), mesh, "S(0)")
+    ...     y = handle(torch.ops.aten.sum.default, (x,), {})          # what x.sum() does
+    ...     return y.placements, y.full().item()
+    >>> sbp.testing.spmd(fn, (2,))
+    [((P(sum),), 8.0), ((P(sum),), 8.0)]
+    """
+    leaves: list = []
+    try:
+        key = [func]
+        for a in args:
+            if isinstance(a, GlobalTensor):
+                leaves.append(a)
+                key.append(_tensor_key(a))
+            else:
+                key.append(_key_of(a, leaves))
+        if kwargs:
+            key.append(tuple([(k, _key_of(v, leaves)) for k, v in kwargs.items()]))
+        key = tuple(key)
+        decision = _CACHE.get(key)
+    except TypeError:  # an unhashable argument (e.g. a generator): decide without caching
+        key, decision = None, None
+        leaves = []
+        _key_of(args, leaves), _key_of(tuple(kwargs.values()), leaves)
+    if decision is not None:
+        return decision.execute(func, args, kwargs, leaves)
+    mesh = next((t._mesh for t in leaves if isinstance(t, GlobalTensor)), None)
+    if mesh is None:
+        return NotImplemented
+    special = rules.special(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    with _DECIDING:   # thread-ranks of one process share decisions: one decides, the others reuse it
+        decision = _CACHE.get(key) if key is not None else None
+        if decision is None:
+            decision = decide(func, args, kwargs, leaves, mesh)
+            if key is not None:
+                if len(_CACHE) >= CACHE_SIZE:
+                    _CACHE.clear()
+                _CACHE[key] = decision
+    return decision.execute(func, args, kwargs, leaves)
+
+
+def clear_cache() -> None:
+    """Forget every cached decision (tests use it to re-check fallback warnings).
+
+    >>> clear_cache()
+    """
+    _CACHE.clear()

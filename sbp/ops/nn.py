@@ -1,0 +1,259 @@
+"""Neural-network ops: softmax backward, layer norm, RMS norm, embedding and the NLL loss.
+
+===============================  ==============================================  =========================
+op                               inputs per mesh axis                            outputs
+===============================  ==============================================  =========================
+_softmax/_log_softmax_backward   (S(d), S(d)), d != dim | (P(sum), B) | (B, B)    S(d) | P(sum) | B
+native_layer_norm                x S(d) over a batch dim, weight/bias B           (S(d), S(d), S(d))
+native_layer_norm_backward       grad, x, mean, rstd S(d); weight, bias B         (S(d), P(sum), P(sum))
+                                 grad P(sum), the rest B                          (P(sum), P(sum), P(sum))
+_fused_rms_norm (+ backward)     as layer norm (no bias, no mean)                 as layer norm
+embedding                        weight B, indices S(d)                           S(d)
+                                 weight S(1), indices B                           S(last)
+                                 weight S(0) (vocab-parallel), indices B          P(sum) (rows masked)
+                                 weight P(sum), indices B                         P(sum)
+embedding_dense_backward         grad S(d), indices S(d)                          P(sum)
+                                 grad S(last), indices B                          S(1)
+                                 grad B, indices B                                S(0) (rows masked) or B
+                                 grad P(sum), indices B                           P(sum)
+nll_loss_forward                 self S(0), target S(0), weight B                 (P(sum), P(sum) or B)
+                                 self P(sum), target B                            (P(sum), B)
+nll_loss_backward                grad B, self S(0), target S(0), total B          S(0)
+                                 grad P(sum), self B, target B, total B           P(sum)
+scaled dot-product attention     q, k, v (mask) S(batch or head dim)              S(same dim)
+(CPU flash kernel, + backward)   backward: grad P(sum), the rest B                P(sum)
+===============================  ==============================================  =========================
+
+The batch-split `mean` NLL divides the local sum by the *global* total weight (one all_reduce of a
+scalar), so uneven batch shards give the exact mean. Every op also accepts all-B.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..placement import Split
+from ..tensor import GlobalTensor, redistribute_raw
+from .spec import ANY, PSUM, B, Call, OpSpec, Rule, Sig, splits
+
+aten = torch.ops.aten
+NONE, MEAN, SUM = 0, 1, 2   # ATen reduction codes
+
+
+# ---- softmax backward --------------------------------------------------------------------------------------------
+def _softmax_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    out = spec.out
+    dim = spec.arg("dim") % max(out.ndim, 1)
+    sigs = [Sig((Split(d), Split(d)), (Split(d),)) for d in range(out.ndim) if d != dim]
+    return sigs + [Sig((B, B), (B,)), Sig((PSUM, B), (PSUM,))]
+
+
+SOFTMAX_BACKWARD = Rule(_softmax_backward_sigs, doc="(S(d),S(d))->S(d), d != dim; (P(sum),B)->P(sum); B")
+
+
+# ---- layer norm / RMS norm ----------------------------------------------------------------------------------------
+def _norm_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.inputs[0]
+    lead = x.ndim - len(spec.arg("normalized_shape"))
+    nout = len(spec.outputs)
+    sigs = [spec.sig({"input": Split(d)}, (Split(d),) * nout) for d in range(lead)]
+    return sigs + [spec.sig({}, (B,) * nout)]
+
+
+def _norm_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.tensor("input")
+    lead = x.ndim - len(spec.arg("normalized_shape"))
+    stats = [name for name in ("mean", "rstd") if spec.tensor(name) is not None]
+    nout = len(spec.outputs)
+    sigs = []
+    for d in range(lead):
+        placed = {name: Split(d) for name in ["grad_out", "input"] + stats}
+        sigs.append(spec.sig(placed, (Split(d),) + (PSUM,) * (nout - 1)))
+    sigs.append(spec.sig({}, (B,) * nout))
+    sigs.append(spec.sig({"grad_out": PSUM}, (PSUM,) * nout))
+    return sigs
+
+
+LAYER_NORM = Rule(_norm_sigs, doc="x S(batch dim)->(S, S, S); weight, bias B")
+LAYER_NORM_BACKWARD = Rule(_norm_backward_sigs, doc="S(batch dim)->(S, P(sum), P(sum)); grad P(sum)->P(sum)")
+RMS_NORM = Rule(_norm_sigs, doc="x S(batch dim)->(S, S); weight B")
+RMS_NORM_BACKWARD = Rule(_norm_backward_sigs, doc="S(batch dim)->(S, P(sum)); grad P(sum)->P(sum)")
+
+
+# ---- embedding ------------------------------------------------------------------------------------------------------
+def _embedding_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    idx = spec.tensor("indices")
+    sigs = [spec.sig({"indices": Split(d)}, (Split(d),)) for d in range(idx.ndim)]
+    sigs += [spec.sig({"weight": Split(1)}, (Split(idx.ndim),)),
+             spec.sig({"weight": Split(0)}, (PSUM,)),
+             spec.sig({"weight": PSUM}, (PSUM,)),
+             spec.sig({}, (B,))]
+    return sigs
+
+
+def _run_embedding(call: Call) -> Any:
+    """Vocab-parallel rows: look up the indices this rank owns, zeros for the rest (P(sum) over the axis)."""
+    weight, indices = call.args[0], call.args[1]
+    if not splits(call.choice.inputs[0], 0):
+        return call.default()
+    lo, hi = call.in_block(0)[0]
+    outside = (indices < lo) | (indices >= hi)
+    if hi == lo:
+        return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+    local = (indices - lo).masked_fill(outside, 0)
+    padding = call.args[2] if len(call.args) > 2 else -1
+    args = list(call.args)
+    args[1] = local
+    if len(args) > 2:
+        args[2] = padding - lo if lo <= padding < hi else -1
+    out = call.func(*args, **call.kwargs)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+EMBEDDING = Rule(_embedding_sigs, run=_run_embedding,
+                 doc="indices S(d)->S(d); weight S(1)->S(last); weight S(0)->P(sum) (masked rows); B")
+
+
+def _embedding_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    g, idx = spec.tensor("grad_output"), spec.tensor("indices")
+    sigs = []
+    if not spec.arg("scale_grad_by_freq"):  # frequencies must be counted over all indices
+        sigs += [spec.sig({"grad_output": Split(d), "indices": Split(d)}, (PSUM,)) for d in range(idx.ndim)]
+    sigs += [spec.sig({"grad_output": Split(g.ndim - 1)}, (Split(1),)),
+             spec.sig({}, (Split(0),)),
+             spec.sig({"grad_output": PSUM}, (PSUM,)),
+             spec.sig({}, (B,))]
+    return sigs
+
+
+def _run_embedding_backward(call: Call) -> Any:
+    """Rows split (vocab-parallel gradient): scatter only the indices this rank owns."""
+    grad, indices, num_weights, padding, scale = call.args[:5]
+    if not splits(call.choice.outputs[0], 0):
+        return call.func(*call.args, **call.kwargs)
+    lo, hi = call.out_block(0)[0]
+    outside = (indices < lo) | (indices >= hi)
+    local = (indices - lo).masked_fill(outside, hi - lo)   # a spare row collects what is not ours
+    pad = padding - lo if padding >= 0 and lo <= padding < hi else -1
+    out = call.func(grad, local, hi - lo + 1, pad, scale)
+    return out[: hi - lo]
+
+
+EMBEDDING_BACKWARD = Rule(_embedding_backward_sigs, run=_run_embedding_backward,
+                          doc="(S(d),S(d))->P(sum); grad S(last)->S(1); B->S(0) (masked rows) or B; P->P")
+
+
+# ---- negative log likelihood -----------------------------------------------------------------------------------------
+def _nll_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.tensor("self")
+    reduction = spec.arg("reduction")
+    sigs = []
+    if x.ndim == 2:
+        outs = {NONE: (Split(0), B), MEAN: (PSUM, B), SUM: (PSUM, PSUM)}[reduction]
+        sigs.append(spec.sig({"self": Split(0), "target": Split(0)}, outs))
+    sigs += [spec.sig({"self": PSUM}, (PSUM, B)), spec.sig({}, (B, B))]
+    return sigs
+
+
+def _run_nll(call: Call) -> Any:
+    """A batch-split mean is the local *sum* divided by the global total weight (all_reduce of a scalar)."""
+    reduction = call.spec.arg("reduction")
+    split_axes = [a for a, p in enumerate(call.choice.inputs[call.spec.index("target")]) if isinstance(p, Split)]
+    if reduction != MEAN or not split_axes:
+        return call.default()
+    args = list(call.args)
+    args[3] = SUM
+    total, weight = call.func(*args, **call.kwargs)
+    parts = tuple(PSUM if a in split_axes else B for a in range(call.mesh.ndim))
+    weight = redistribute_raw(GlobalTensor(weight, call.mesh, parts, ()), (B,) * call.mesh.ndim)._local
+    return total / weight, weight
+
+
+NLL_LOSS = Rule(_nll_sigs, run=_run_nll, doc="batch S(0)->(P(sum), B|P(sum)); self P(sum)->P(sum); B")
+
+
+def _nll_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.tensor("self")
+    reduction = spec.arg("reduction")
+    total = B if reduction == MEAN else ANY   # the total weight is only read by the mean
+    sigs = []
+    if x.ndim == 2:
+        grad = Split(0) if reduction == NONE else B
+        sigs.append(spec.sig({"grad_output": grad, "self": Split(0), "target": Split(0), "total_weight": total},
+                             (Split(0),)))
+    sigs += [spec.sig({"grad_output": PSUM, "total_weight": total}, (PSUM,)),
+             spec.sig({"total_weight": total}, (B,))]
+    return sigs
+
+
+NLL_LOSS_BACKWARD = Rule(_nll_backward_sigs, doc="batch S(0)->S(0); grad P(sum)->P(sum); B")
+
+
+# ---- scaled dot-product attention (the fused CPU kernel) -----------------------------------------------------------
+def _sdpa_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """Split a batch dim (batch or heads) of q, k, v alike; the mask follows where it has that dim."""
+    q, mask = spec.tensor("query"), spec.tensor("attn_mask")
+    nout = len(spec.outputs)
+    backward = spec.tensor("grad_out") is not None
+    names = ["query", "key", "value"] + (["grad_out", "out", "logsumexp"] if backward else [])
+    sigs = []
+    for d in range(q.ndim - 2):
+        if any(spec.tensor(n).shape[d] != q.shape[d] for n in names):
+            continue   # e.g. grouped-query heads: not split alike
+        placed = {n: Split(d) for n in names}
+        if mask is not None:
+            k = d - (q.ndim - mask.ndim)
+            placed["attn_mask"] = Split(k) if k >= 0 and mask.shape[k] == q.shape[d] else B
+        sigs.append(spec.sig(placed, (Split(d),) * nout))
+    sigs.append(spec.sig({}, (B,) * nout))
+    if backward:
+        sigs.append(spec.sig({"grad_out": PSUM}, (PSUM,) * nout))
+    return sigs
+
+
+def _run_sdpa(call: Call) -> Any:
+    """The CPU kernel divides by zero on empty shards (SIGFPE): an empty block gives empty results."""
+    if any(call.args[i].numel() == 0 for i in range(3)):
+        like = call.args[0]
+        return tuple(like.new_zeros(call.out_shape(k), dtype=meta.dtype) for k, meta in enumerate(call.spec.outputs))
+    return call.default()
+
+
+SDPA = Rule(_sdpa_sigs, run=_run_sdpa, doc="q, k, v (and grads) S(batch or head dim) -> S; backward: grad P(sum) -> P(sum); B")
+
+
+# ---- mean squared error -------------------------------------------------------------------------------------------
+def _mse_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """Split alike (S(d) -> S(d) for 'none', P(sum) when reduced); backward also P(sum) in the gradient."""
+    x = spec.tensor("self")
+    reduction = spec.arg("reduction", MEAN)
+    backward = spec.tensor("grad_output") is not None
+    out = Split if reduction == NONE or backward else (lambda d: PSUM)
+    sigs = []
+    for d in range(x.ndim):
+        placed = {"self": Split(d), "target": Split(d)}
+        if backward:
+            placed["grad_output"] = Split(d) if reduction == NONE else B
+        sigs.append(spec.sig(placed, (out(d),)))
+    sigs.append(spec.sig({}, (B,)))
+    if backward:
+        sigs.append(spec.sig({"grad_output": PSUM}, (PSUM,)))
+    return sigs
+
+
+def _run_mse(call: Call) -> Any:
+    """A split mean is the local *sum* divided by the global number of elements (forward and backward)."""
+    spec = call.spec
+    index = spec.index("self")
+    if spec.arg("reduction", MEAN) != MEAN or not any(isinstance(p, Split) for p in call.choice.inputs[index]):
+        return call.default()
+    count = math.prod(spec.inputs[index].shape)
+    tensors = call.args[:3] if spec.tensor("grad_output") is not None else call.args[:2]
+    return call.func(*tensors, SUM) / count
+
+
+MSE_LOSS = Rule(_mse_sigs, run=_run_mse, doc="S(d)->S(d) ('none') or P(sum) (sum; mean over the global count); B")
+MSE_LOSS_BACKWARD = Rule(_mse_sigs, run=_run_mse, doc="S(d)->S(d) (grad B, mean over the global count); "
+                                                      "grad P(sum)->P(sum); B")

@@ -1,0 +1,127 @@
+"""`_foreach_*` ops (what torch.optim runs with ``foreach=True``): the pointwise rule, index by index.
+
+``_foreach_op(lists..., scalars...)`` is the pointwise op ``op(lists[0][i], lists[1][i], ..., scalar_i)``
+for every index i, so its rule is the pointwise rule of that op, applied per index. When every index
+already lines up -- all tensors of an index are global tensors with the same placements (no Partial)
+and the same shape, which is what an optimizer sees for its parameters, gradients and states -- the
+foreach op runs once on the local lists (one fused local call, no redistribution). Otherwise each index
+is dispatched as its own pointwise op (``aten.add_``, ``aten.addcdiv_``, ...), which redistributes as
+that op's rule says; an in-place op without an in-place form (``_foreach_maximum_``) computes
+out of place and copies back.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..placement import Partial
+from ..tensor import GlobalTensor
+
+aten = torch.ops.aten
+
+
+def is_foreach(func) -> bool:
+    """Whether `func` is a ``_foreach_*`` op.
+
+    >>> is_foreach(torch.ops.aten._foreach_add_.List), is_foreach(torch.ops.aten.add_.Tensor)
+    (True, False)
+    """
+    return func._schema.name.startswith("aten::_foreach_")
+
+
+def _base(func) -> tuple[Optional[Any], bool]:
+    """The per-tensor op packet (``aten.add_`` for ``_foreach_add_``) and whether it must copy back."""
+    name = func._schema.name.split("::")[-1][len("_foreach_"):]
+    packet = getattr(aten, name, None)
+    if packet is None and name.endswith("_"):
+        return getattr(aten, name[:-1], None), True
+    return packet, False
+
+
+def _per_index(func, args: tuple, kwargs: dict) -> tuple[int, list[tuple[list, dict]]]:
+    """The arguments of the per-tensor op for every index."""
+    schema = func._schema.arguments
+    values = list(args) + [kwargs[a.name] for a in schema[len(args):] if a.name in kwargs]
+    names = [a.name for a in schema[:len(values)]]
+    types = [str(a.type) for a in schema[:len(values)]]
+    n = next(len(v) for v, kind in zip(values, types) if kind.startswith("List["))
+    keyword_value = func._schema.name.split("::")[-1].rstrip("_") in ("_foreach_addcdiv", "_foreach_addcmul")
+    calls = []
+    for i in range(n):
+        pos, kw = [], {}
+        for name, kind, value in zip(names, types, values):
+            if kind.startswith("List["):
+                item = value[i]
+            elif kind == "Tensor" and name == "scalars":   # a 1-d tensor of per-index scalars
+                item = value[i].item()
+            else:
+                item = value
+            if name in kwargs:
+                kw[name] = item
+            else:
+                pos.append(item)
+        if keyword_value and len(pos) == 4:  # the scalar is addcdiv's / addcmul's keyword-only `value`
+            kw["value"] = pos.pop()
+        calls.append((pos, kw))
+    return n, calls
+
+
+def _lined_up(func, args: tuple) -> bool:
+    """Every index: global tensors only, one mesh, equal placements without Partial, equal shapes."""
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    others = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(isinstance(t, GlobalTensor) for t in others):
+        return False   # a global 0-d operand: let the per-index rule place it
+    for items in zip(*[lst for lst in lists if lst and isinstance(lst[0], torch.Tensor)]):
+        first = items[0]
+        if not isinstance(first, GlobalTensor) or any(isinstance(p, Partial) for p in first._placements):
+            return False
+        for t in items[1:]:
+            if not isinstance(t, GlobalTensor) or t._placements != first._placements or t.shape != first.shape \
+                    or (t._mesh is not first._mesh and t._mesh != first._mesh):
+                return False
+    return True
+
+
+def _local_args(args: tuple, kwargs: dict) -> tuple[list, dict]:
+    def loc(v: Any) -> Any:
+        if isinstance(v, GlobalTensor):
+            return v._local
+        if isinstance(v, (list, tuple)):
+            return [loc(x) for x in v]
+        return v
+    return [loc(a) for a in args], {k: loc(v) for k, v in kwargs.items()}
+
+
+def foreach(func, args: tuple, kwargs: dict) -> Any:
+    """Run a ``_foreach_*`` op on global tensors (see the module docstring).
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     xs = [sbp.distribute(torch.ones(4), mesh, "S(0)"), sbp.distribute(torch.ones(3), mesh, "B")]
+    ...     torch._foreach_mul_(xs, 3.0)                              # one fused local call
+    ...     return [x.full().tolist() for x in xs]
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
+    """
+    if _lined_up(func, args):
+        largs, lkwargs = _local_args(args, kwargs)
+        out = func(*largs, **lkwargs)
+        if out is None or (isinstance(out, (list, tuple)) and len(out) == 0):
+            return out
+        like = args[0]
+        return [GlobalTensor(o, t._mesh, t._placements, tuple(t.shape)) for o, t in zip(out, like)]
+    packet, copy_back = _base(func)
+    if packet is None:
+        return NotImplemented
+    n, calls = _per_index(func, args, kwargs)
+    results = []
+    for pos, kw in calls:
+        out = packet(*pos, **kw)
+        if copy_back:
+            pos[0].copy_(out)
+            out = pos[0]
+        results.append(out)
+    returns = func._schema.returns
+    return results if returns and str(returns[0].type).startswith("List[") else None

@@ -1,0 +1,242 @@
+"""The values a sharding rule works with: what an op call looks like (`OpSpec`), a per-axis SBP
+signature (`Sig`), the chosen whole-mesh placements (`Choice`), a rule (`Rule`) and a local call (`Call`).
+
+A rule sees only what the decision cache keys on: global shapes, dtypes, current placements and the
+non-tensor arguments, with every non-zero float replaced by `FLOAT` (so a rule can never depend on a
+learning rate, only on whether a scalar is zero). Local computations (`Rule.run`) see the real values.
+
+Per mesh axis a signature gives one placement per tensor input (in flattened argument order; plain
+tensors count and are Broadcast) and one per output slot (`None` outputs included)::
+
+    mm on one axis:   (S(0), B) -> S(0)    (B, S(1)) -> S(1)    (S(1), S(0)) -> P(sum)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..layout import Block, block, block_shape
+from ..mesh import DeviceMesh
+from ..placement import Broadcast, Partial, Placement, Split
+
+B = Broadcast()
+PSUM, PMAX, PMIN = Partial("sum"), Partial("max"), Partial("min")
+
+
+class _Float:
+    """Stands for a non-zero float argument in an `OpSpec` (rules may not depend on its value)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "FLOAT"
+
+
+FLOAT = _Float()
+
+
+class _Any:
+    """A signature input placement meaning "whatever the input has on this axis": no redistribution."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY = _Any()
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Stands for the tensor input with flattened index `index` inside `OpSpec.values`."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor argument or output: global shape, dtype and (inputs) current placements.
+
+    A plain tensor mixed into an op is Broadcast (`is_global=False`).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple[Placement, ...] = ()
+    is_global: bool = True
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Sig:
+    """One SBP signature on one mesh axis: a placement per tensor input and per output slot.
+
+    >>> from sbp import S
+    >>> Sig((S(1), S(0)), (PSUM,))
+    (S(1), S(0)) -> (P(sum),)
+    """
+
+    inputs: tuple[Any, ...]
+    outputs: tuple[Placement, ...]
+
+    def __repr__(self) -> str:
+        ins = "(" + ", ".join(map(repr, self.inputs)) + ("," if len(self.inputs) == 1 else "") + ")"
+        outs = "(" + ", ".join(map(repr, self.outputs)) + ("," if len(self.outputs) == 1 else "") + ")"
+        return f"{ins} -> {outs}"
+
+
+@dataclass(slots=True)
+class OpSpec:
+    """One op call as the rules see it (cache-key information only).
+
+    `values` maps every schema argument name to its value, with tensors replaced by `Ref` (lists of
+    tensors by lists of `Ref`), defaults filled in and non-zero floats replaced by `FLOAT`.
+    """
+
+    func: Any
+    mesh_shape: tuple[int, ...]
+    values: dict[str, Any]
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[Optional[TensorMeta], ...] = ()
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The value of schema argument `name` (a `Ref` for a tensor)."""
+        return self.values.get(name, default)
+
+    def tensor(self, name: str) -> Optional[TensorMeta]:
+        """The metadata of tensor argument `name`, or None when it is absent (an optional tensor)."""
+        ref = self.values.get(name)
+        return self.inputs[ref.index] if isinstance(ref, Ref) else None
+
+    def index(self, name: str) -> Optional[int]:
+        """The flattened input index of tensor argument `name`, or None."""
+        ref = self.values.get(name)
+        return ref.index if isinstance(ref, Ref) else None
+
+    def sig(self, placed: dict[str, Any], outputs: Sequence[Placement], default: Any = B) -> Sig:
+        """A signature giving the named tensor arguments their placements and every other input `default`.
+
+        A name that holds a list of tensors gives every element the same placement.
+        """
+        ins = [default] * len(self.inputs)
+        for name, p in placed.items():
+            ref = self.values.get(name)
+            refs = ref if isinstance(ref, list) else [ref]
+            for r in refs:
+                if isinstance(r, Ref):
+                    ins[r.index] = p
+        return Sig(tuple(ins), tuple(outputs))
+
+    @property
+    def out(self) -> TensorMeta:
+        """The first output (most ops have one)."""
+        return self.outputs[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The whole-mesh outcome of signature selection: full placements per input and per output slot."""
+
+    inputs: tuple[tuple[Placement, ...], ...]
+    outputs: tuple[tuple[Placement, ...], ...]
+
+
+@dataclass(slots=True)
+class Call:
+    """A local computation: `args`/`kwargs` hold this rank's local tensors, already laid out as chosen."""
+
+    func: Any
+    args: list
+    kwargs: dict
+    spec: OpSpec
+    choice: Choice
+    mesh: DeviceMesh
+    coord: tuple[int, ...]
+
+    def in_block(self, index: int) -> Block:
+        """Global (start, stop) per dim of this rank's block of input `index` under its chosen placements."""
+        meta = self.spec.inputs[index]
+        return block(meta.shape, self.mesh.shape, self.choice.inputs[index], self.coord)
+
+    def out_block(self, index: int = 0) -> Block:
+        """Global (start, stop) per dim of this rank's block of output `index`."""
+        meta = self.spec.outputs[index]
+        return block(meta.shape, self.mesh.shape, self.choice.outputs[index], self.coord)
+
+    def out_shape(self, index: int = 0) -> tuple[int, ...]:
+        """This rank's local shape of output `index`."""
+        return block_shape(self.out_block(index))
+
+    def default(self) -> Any:
+        """Run the op itself on the local tensors."""
+        return self.func(*self.args, **self.kwargs)
+
+
+def default_run(call: Call) -> Any:
+    """The local computation of most rules: the op itself on the local tensors.
+
+    >>> call = Call(torch.ops.aten.neg.default, [torch.ones(2)], {}, None, None, None, ())
+    >>> default_run(call)
+    tensor([-1., -1.])
+    """
+    return call.default()
+
+
+SigFn = Callable[[OpSpec, int], Sequence[Sig]]
+CheckFn = Callable[[OpSpec, Choice], bool]
+RunFn = Callable[[Call], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A sharding rule: per-axis signatures, an optional whole-mesh check and the local computation.
+
+    >>> relu_like = Rule(lambda spec, axis: [Sig((B,), (B,)), Sig((PMAX,), (PMAX,))], doc="B->B; P(max)->P(max)")
+    >>> relu_like.doc
+    'B->B; P(max)->P(max)'
+
+
+    `sigs(spec, axis)` lists the accepted signatures on one mesh axis, preferred first; the dispatcher
+    takes their product over the axes, drops the combinations `check` refuses (e.g. views whose uneven
+    blocks would not line up) and picks the cheapest. `run(call)` computes this rank's outputs;
+    `doc` is the signature summary shown in docs/operators.md.
+    """
+
+    sigs: SigFn
+    run: RunFn = default_run
+    check: Optional[CheckFn] = None
+    doc: str = ""
+    meta: bool = True  # False: output shapes come from the local results (Broadcast outputs only)
+
+
+def splits(pls: Sequence[Placement], dim: int) -> bool:
+    """Whether any axis splits `dim`.
+
+    >>> from sbp import S, B
+    >>> splits((S(0), B), 0), splits((S(0), B), 1)
+    (True, False)
+    """
+    return any(isinstance(p, Split) and p.dim == dim for p in pls)
+
+
+def dims_of(value: Any, ndim: int) -> tuple[int, ...]:
+    """Normalise a dim argument (an int, a list, or None/[] for every dim) to sorted non-negative dims.
+
+    >>> dims_of([-1, 0], 3), dims_of(None, 2), dims_of(1, 2)
+    ((0, 2), (0, 1), (1,))
+    """
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return tuple(range(ndim))
+    if isinstance(value, int):
+        value = [value]
+    return tuple(sorted({d % max(ndim, 1) for d in value}))

@@ -1,0 +1,42 @@
+"""`sbp.strict()`: turn the fallback of ops without a rule into `sbp.UnsupportedOpError`.
+
+The state is a `contextvars.ContextVar`, never a module-level flag.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("sbp_strict", default=False)
+
+
+@contextlib.contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Inside this context an op without a sharding rule raises `sbp.UnsupportedOpError` instead of
+    running on Broadcast inputs with a warning.
+
+    The state lives in a `contextvars.ContextVar`, not a global flag: it holds for the current context
+    (thread or asyncio task). The threads SPMD backend starts each rank in a copy of the caller's
+    context, so ``with sbp.strict(): sbp.testing.spmd(fn, ...)`` covers the ranks too.
+
+    >>> import sbp
+    >>> with sbp.strict():
+    ...     pass  # ops here must have rules
+    """
+    token = _STRICT.set(enabled)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def is_strict() -> bool:
+    """Whether `strict()` is active in the current context.
+
+    >>> import sbp
+    >>> with sbp.strict():
+    ...     sbp.ops.is_strict()
+    True
+    """
+    return _STRICT.get()

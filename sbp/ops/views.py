@@ -1,0 +1,367 @@
+"""View and shape ops: which splits survive a change of shape, and the local sizes on uneven shards.
+
+A view keeps P(op) and B as they are. A split `S(d)` survives when dim d maps to one output dim:
+
+================================  ===========================================================
+op                                split S(d) becomes
+================================  ===========================================================
+transpose, permute, t             S(position of d in the output)
+unsqueeze / squeeze               S(d shifted); a squeezed (size-1) dim must not be split
+expand                            S(d shifted) unless d is broadcast (size 1 -> n): then B
+slice, split, unbind, cat, stack  S(d') for d != the sliced / split / concatenated dim
+select(dim, i)                    S(d') for d != dim; S(dim) -> P(sum): the owner selects, others 0
+view / reshape / _unsafe_view     S(first non-trivial output dim of d's group) when every rank's
+                                  block is the same contiguous run of elements before and after
+================================  ===========================================================
+
+The reshape test is exact, per coord, with layout maths: dims are grouped into runs whose sizes
+multiply to the same number ((B, T, C) -> (B*T, C) groups B,T with B*T); a block is the same run on
+both sides when its flattened (start, stop) range within the group agrees *and* is the balanced block
+of the output's split. Merging dims after the split dim passes when the shards are even (rows 2,2 of
+(4, 6) -> 12,12 of 24; but rows 3,2 of (5, 6) give 18,12 where S(0) of 30 is 15,15); splitting a split
+dim passes when the local sizes divide evenly (C split 6,6 -> (H=4, 3): 2,2 heads). Anything else is
+refused and the planner redistributes first (to the cheapest layout the view accepts).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from ..layout import block
+from ..placement import Split
+from .spec import ANY, PMAX, PMIN, PSUM, B, Call, Choice, OpSpec, Rule, Sig, dims_of, splits
+
+aten = torch.ops.aten
+PARTIALS = (PSUM, PMAX, PMIN)
+_EMPTY = "empty"
+
+
+def _keep_partials(n_in: int, n_out: int) -> list[Sig]:
+    return [Sig((B,) * n_in, (B,) * n_out)] + [Sig((p,) * n_in, (p,) * n_out) for p in PARTIALS]
+
+
+def _dim_map_sigs(spec: OpSpec, mapping: dict[int, int], n_out: Optional[int] = None) -> list[Sig]:
+    """S(d) -> S(mapping[d]) for the mapped dims of input 0 (other inputs B), plus B and Partial."""
+    n_out = len(spec.outputs) if n_out is None else n_out
+    n_in = len(spec.inputs)
+    sigs = [Sig((Split(d),) + (B,) * (n_in - 1), (Split(o),) * n_out) for d, o in mapping.items()]
+    return sigs + _keep_partials(n_in, n_out)
+
+
+# ---- view / reshape ---------------------------------------------------------------------------------------------
+def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Runs of dims of shapes `a` and `b` (same numel > 0) whose sizes multiply to the same number.
+
+    >>> view_groups((2, 3, 4), (6, 4))
+    [([0, 1], [0]), ([2], [1])]
+    >>> view_groups((12,), (3, 4))
+    [([0], [0, 1])]
+    """
+    groups, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+        groups.append((gi, gj))
+    groups += [([k], []) for k in range(i, len(a))] + [([], [k]) for k in range(j, len(b))]
+    return groups
+
+
+def _flat_range(ranges: list[tuple[int, int]], sizes: list[int]) -> Any:
+    """The flattened [start, stop) of a block within a run of dims; None if not contiguous."""
+    if any(hi <= lo for lo, hi in ranges):
+        return _EMPTY
+    q = next((k for k, (lo, hi) in enumerate(ranges) if hi - lo > 1), len(ranges))
+    if any(ranges[k] != (0, sizes[k]) for k in range(q + 1, len(ranges))):
+        return None
+    start, stride = 0, 1
+    for (lo, _), n in zip(reversed(ranges), reversed(sizes)):
+        start += lo * stride
+        stride *= n
+    return start, start + math.prod(hi - lo for lo, hi in ranges)
+
+
+def _view_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x, out = spec.inputs[0], spec.out
+    n_in = len(spec.inputs)
+    sigs = []
+    if math.prod(x.shape) > 0:
+        for gi, gj in view_groups(x.shape, out.shape):
+            targets = [o for o in gj if out.shape[o] > 1]
+            for d in gi:
+                if x.shape[d] > 1 and targets:
+                    sigs.append(Sig((Split(d),) + (B,) * (n_in - 1), (Split(targets[0]),)))
+    return sigs + _keep_partials(n_in, 1)
+
+
+def _view_check(spec: OpSpec, choice: Choice) -> bool:
+    x, out = spec.inputs[0], spec.out
+    if not any(isinstance(p, Split) for p in choice.inputs[0]):
+        return True
+    groups = view_groups(x.shape, out.shape)
+    mesh_shape = spec.mesh_shape
+    for coord in _coords(mesh_shape):
+        bin_ = block(x.shape, mesh_shape, choice.inputs[0], coord)
+        bout = block(out.shape, mesh_shape, choice.outputs[0], coord)
+        fin = [_flat_range([bin_[d] for d in gi], [x.shape[d] for d in gi]) for gi, _ in groups]
+        fout = [_flat_range([bout[d] for d in gj], [out.shape[d] for d in gj]) for _, gj in groups]
+        if _EMPTY in fin or _EMPTY in fout:
+            if not (_EMPTY in fin and _EMPTY in fout):
+                return False
+            continue
+        if None in fin or fin != fout:
+            return False
+    return True
+
+
+def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    coords = [()]
+    for n in mesh_shape:
+        coords = [c + (i,) for c in coords for i in range(n)]
+    return coords
+
+
+def _run_view(call: Call) -> Any:
+    local, shape = call.args[0], list(call.out_shape(0))
+    try:
+        return call.func(local, shape)
+    except RuntimeError:  # a non-contiguous local block (e.g. after a transpose): copy, as reshape would
+        return local.reshape(shape)
+
+
+VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,
+            doc="S(d)->S(first output dim of d's group) when every block stays one contiguous run; B; P")
+
+
+# ---- dim permutations and insertions -------------------------------------------------------------------------------
+def _transpose_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    ndim = spec.inputs[0].ndim
+    if spec.func is aten.t.default:
+        perm = list(range(ndim))[::-1]
+    elif spec.func is aten.permute.default:
+        perm = [d % ndim for d in spec.arg("dims")]
+    else:
+        perm = list(range(ndim))
+        if ndim:
+            d0, d1 = spec.arg("dim0") % ndim, spec.arg("dim1") % ndim
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _dim_map_sigs(spec, {src: dst for dst, src in enumerate(perm)})
+
+
+TRANSPOSE = Rule(_transpose_sigs, doc="S(d)->S(perm^-1(d)); B; P")
+
+
+def _unsqueeze_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    ndim = spec.inputs[0].ndim
+    at = spec.arg("dim") % (ndim + 1)
+    return _dim_map_sigs(spec, {d: d + (d >= at) for d in range(ndim)})
+
+
+UNSQUEEZE = Rule(_unsqueeze_sigs, doc="S(d)->S(d or d+1); B; P")
+
+
+def _squeezed(spec: OpSpec) -> list[int]:
+    x = spec.inputs[0]
+    if spec.func is aten.squeeze.default:
+        cand = range(x.ndim)
+    else:
+        cand = dims_of(spec.arg("dim", spec.arg("dims")), x.ndim) if x.ndim else ()
+    return [d for d in cand if x.shape[d] == 1]
+
+
+def _squeeze_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    gone = _squeezed(spec)
+    ndim = spec.inputs[0].ndim
+    return _dim_map_sigs(spec, {d: d - sum(g < d for g in gone) for d in range(ndim) if d not in gone})
+
+
+def _run_squeeze(call: Call) -> Any:
+    return aten.squeeze.dims(call.args[0], _squeezed(call.spec))
+
+
+SQUEEZE = Rule(_squeeze_sigs, run=_run_squeeze, doc="S(d)->S(d') for kept dims; squeezed dims must be whole")
+
+
+def _expand_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x, out = spec.inputs[0], spec.out
+    off = out.ndim - x.ndim
+    return _dim_map_sigs(spec, {d: d + off for d in range(x.ndim) if x.shape[d] == out.shape[d + off]})
+
+
+def _run_expand(call: Call) -> Any:
+    return call.args[0].expand(call.out_shape(0))
+
+
+EXPAND = Rule(_expand_sigs, run=_run_expand, doc="S(d)->S(d+new dims) for non-broadcast d; B; P")
+
+
+# ---- slicing ----------------------------------------------------------------------------------------------------------
+def _slice_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.inputs[0]
+    dim = spec.arg("dim", 0) % x.ndim
+    size = x.shape[dim]
+    start, end, step = spec.arg("start"), spec.arg("end"), spec.arg("step", 1)
+    whole = (start is None or start == 0 or start <= -size) and (end is None or end >= size) and step == 1
+    return _dim_map_sigs(spec, {d: d for d in range(x.ndim) if d != dim or whole})
+
+
+SLICE = Rule(_slice_sigs, doc="S(d != dim)->S(d) (any S for a whole-range slice); B; P")
+
+
+def _select_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.inputs[0]
+    dim = spec.arg("dim") % x.ndim
+    sigs = _dim_map_sigs(spec, {d: d - (d > dim) for d in range(x.ndim) if d != dim})
+    if x.dtype is not torch.bool:
+        sigs.append(Sig((Split(dim),), (PSUM,)))  # the owner of the index selects, the others give zeros
+    return sigs
+
+
+def _run_select(call: Call) -> Any:
+    x = call.args[0]
+    meta = call.spec.inputs[0]
+    dim = call.spec.arg("dim") % meta.ndim
+    if not splits(call.choice.inputs[0], dim):
+        return call.default()
+    index = call.args[2] % meta.shape[dim]
+    lo, hi = call.in_block(0)[dim]
+    if lo <= index < hi:
+        # a copy, not a view: writing through a Partial view must not reach the base on one rank only
+        return aten.select.int(x, dim, index - lo).clone()
+    return x.new_zeros(call.out_shape(0))
+
+
+SELECT = Rule(_select_sigs, run=_run_select, doc="S(d != dim)->S(d'); S(dim)->P(sum) (owner selects); B; P")
+
+
+def _split_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    x = spec.inputs[0]
+    dim = spec.arg("dim", 0) % x.ndim
+    drop = spec.func is aten.unbind.int
+    return _dim_map_sigs(spec, {d: d - (drop and d > dim) for d in range(x.ndim) if d != dim})
+
+
+SPLIT = Rule(_split_sigs, doc="S(d != dim)->S(d') on every piece; B; P")
+
+
+def _cat_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    out = spec.out
+    stack = spec.func is aten.stack.default
+    dim = spec.arg("dim", 0) % out.ndim
+    n = len(spec.inputs)
+    sigs = []
+    for d in range(out.ndim):
+        if d == dim:
+            continue
+        src = d - (stack and d > dim)
+        ins = tuple(Split(src) if t.ndim == out.ndim - stack else B for t in spec.inputs)
+        sigs.append(Sig(ins, (Split(d),)))
+    return sigs + _keep_partials(n, 1)
+
+
+CAT = Rule(_cat_sigs, doc="all S(d), d != dim -> S(d) (stack: shifted); all B; all P(op) -> P(op)")
+
+
+# ---- backward of slicing --------------------------------------------------------------------------------------------
+def _select_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    g, out = spec.inputs[0], spec.out
+    dim = spec.arg("dim") % out.ndim
+    return [Sig((Split(d),), (Split(d + (d >= dim)),)) for d in range(g.ndim)] + \
+        [Sig((B,), (B,)), Sig((PSUM,), (PSUM,))]
+
+
+def _slice_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    out = spec.out
+    dim = spec.arg("dim") % out.ndim
+    return [Sig((Split(d),), (Split(d),)) for d in range(out.ndim) if d != dim] + \
+        [Sig((B,), (B,)), Sig((PSUM,), (PSUM,))]
+
+
+def _run_with_local_sizes(call: Call) -> Any:
+    """`select_backward` / `slice_backward`: `input_sizes` become this rank's local output shape."""
+    args = list(call.args)
+    args[1] = list(call.out_shape(0))
+    return call.func(*args, **call.kwargs)
+
+
+SELECT_BACKWARD = Rule(_select_backward_sigs, run=_run_with_local_sizes, doc="S(d)->S(d'); B; P(sum)")
+SLICE_BACKWARD = Rule(_slice_backward_sigs, run=_run_with_local_sizes, doc="S(d != dim)->S(d); B; P(sum)")
+
+
+# ---- factories from a tensor, fills and copies ---------------------------------------------------------------------------
+def _like_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """`*_like`: the result keeps the input's splits; a Partial input gives a Broadcast result."""
+    p = spec.inputs[0].placements[axis]
+    out = B if not isinstance(p, Split) else p
+    return [Sig((ANY,) + (B,) * (len(spec.inputs) - 1), (out,))]
+
+
+LIKE = Rule(_like_sigs, doc="S->S, B->B, P->B (the value is the same everywhere)")
+
+
+def _new_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    if tuple(spec.arg("size")) == spec.inputs[0].shape:   # same size: lay it out like the input
+        return _like_sigs(spec, axis)
+    return [Sig((ANY,) + (B,) * (len(spec.inputs) - 1), (B,))]
+
+
+def _run_new(call: Call) -> Any:
+    """`new_*(size)`: the local size of the chosen layout (a `new_empty_strided` gets contiguous strides)."""
+    args = list(call.args)
+    shape = call.out_shape(0)
+    args[1] = list(shape)
+    if call.func is aten.new_empty_strided.default:
+        return aten.new_empty.default(args[0], list(shape), **call.kwargs)
+    return call.func(*args, **call.kwargs)
+
+
+NEW = Rule(_new_sigs, run=_run_new, doc="same size as the input: like `*_like`; otherwise B of the given size")
+
+
+def _keep_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    p = spec.inputs[0].placements[axis]
+    return [Sig((ANY,) + (B,) * (len(spec.inputs) - 1), (p,))]
+
+
+def _run_fill(call: Call) -> Any:
+    """`fill_`: under P(sum) only the coords that hold a Broadcast value's copy get it, others 0."""
+    x = call.args[0]
+    holds = all(c == 0 for p, c in zip(call.choice.outputs[0], call.coord) if p == PSUM)
+    if holds:
+        return call.default()
+    return x.zero_()
+
+
+FILL = Rule(_keep_sigs, run=_run_fill, doc="keeps placements; P(sum): value on coord 0 of the axis, 0 elsewhere")
+ZERO = Rule(_keep_sigs, doc="keeps placements (zeros are valid under every placement)")
+
+
+def _copy_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    dst, src = spec.inputs[0], spec.inputs[1]
+    p = dst.placements[axis]
+    if isinstance(p, Split):
+        k = p.dim - (dst.ndim - src.ndim)
+        want = Split(k) if k >= 0 and src.shape[k] == dst.shape[p.dim] else B
+    else:
+        want = p
+    return [Sig((ANY, want) + (B,) * (len(spec.inputs) - 2), (p,))]
+
+
+COPY = Rule(_copy_sigs, doc="dst keeps its placements; src is laid out like dst")
+
+
+def _full_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    return [Sig((B,) * len(spec.inputs), (B,) * len(spec.outputs))]
+
+
+FULL_NO_META = Rule(_full_sigs, meta=False, doc="B inputs (the op needs whole values, e.g. .item()); no warning")

@@ -1,0 +1,460 @@
+"""Bad input, one table: every public entry point refuses invalid arguments with the right `sbp.SbpError`
+subclass and a message naming the rule, the offending values and what is valid -- never a bare
+TypeError / RuntimeError / AssertionError from inside torch.
+
+Each row is (id, call, expected error class, message fragment, where): ``pure`` rows run here, ``threads``
+rows run ``call(mesh)`` on every rank of an in-process mesh (`sbp.testing.spmd`), ``gloo`` rows run in one
+batch on four gloo processes (what needs real process groups: `init_mesh`, DTensor interop). Rows marked
+``xfail`` document bad input that files outside this test's reach still mishandle (see the reasons).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sbp
+import sbp.testing
+from sbp import B, DeviceMesh, Partial, S, Split
+
+MIN_ROWS = 220          # the table below has at least this many rows (225; 221 where CUDA is available)
+CUDA = torch.cuda.is_available()
+
+
+class Row(NamedTuple):
+    id: str
+    call: Callable[..., Any]
+    error: type
+    fragment: str
+    where: str = "pure"                  # "pure" | "threads" | "gloo"
+    mesh: tuple[int, ...] = (2,)         # threads rows: the mesh shape
+    xfail: str = ""                      # reason, for bad input a file outside this suite mishandles
+
+
+def T(id, call, error, fragment, mesh=(2,), xfail=""):
+    """A row that runs `call(mesh)` on every rank of an in-process mesh."""
+    return Row(id, call, error, fragment, "threads", mesh, xfail)
+
+
+def G(id, call, error, fragment):
+    """A row that runs `call(mesh)` on every rank of a 4-process gloo world."""
+    return Row(id, call, error, fragment, "gloo", (4,))
+
+
+PE, ME, SE, PLE, DE = sbp.PlacementError, sbp.MeshError, sbp.ShapeError, sbp.PlanError, sbp.DTypeError
+CE, E = sbp.CheckpointError, sbp.SbpError
+MESH = DeviceMesh((2, 2), names=("dp", "tp"))
+M1 = DeviceMesh((2,))
+
+
+def cuda_mesh(mesh):
+    """The same ranks as `mesh`, as a CUDA mesh bound to the same (threads) world."""
+    return mesh.binding.bind(DeviceMesh(mesh.shape, mesh.names, mesh.ranks, device_type="cuda"))
+
+
+@contextmanager
+def _without_torchrun_env():
+    saved = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _init_mesh_without_env():
+    with _without_torchrun_env():
+        return sbp.init_mesh((2,))
+
+
+def _x(mesh, pls="S(0)", t=None):
+    return sbp.distribute(torch.ones(4, 4) if t is None else t, mesh, pls)
+
+
+_CKPT = tempfile.mkdtemp(prefix="sbp-bad-input-")
+
+
+def _saved_checkpoint() -> str:
+    path = os.path.join(_CKPT, "ok")
+    if not os.path.exists(path):
+        sbp.save({"w": torch.arange(8.).view(4, 2)}, path)
+    return path
+
+
+def _parallelize(mesh, plan, **kw):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    return sbp.nn.parallelize(model, mesh, plan, **kw)
+
+
+OPS_SHAPES = ("sbp/ops: a shape error in an op on global tensors surfaces as torch's RuntimeError/IndexError, "
+              "not sbp.ShapeError (reported to the operator engineers)")
+CKPT_PATH = "sbp/checkpoint.py: a path that is not str/PathLike raises a bare TypeError (reported)"
+
+ROWS: list[Row] = [
+    # ---- placements: parsing and construction -------------------------------------------------------------
+    Row("placements-int", lambda: sbp.placements(5), PE, "must be a string, a placement or an iterable of placements, got int"),
+    Row("placements-none", lambda: sbp.placements(None), PE, "got NoneType"),
+    Row("placements-bad-dim", lambda: sbp.placements("S(x)"), PE, "cannot parse placement 'S(x)'; accepted: S(d) or Sd"),
+    Row("placements-unknown", lambda: sbp.placements("Q"), PE, "cannot parse placement 'Q'"),
+    Row("placements-empty-item", lambda: sbp.placements("S(0),,B"), PE, "cannot parse placement ''"),
+    Row("placements-bytes", lambda: sbp.placements(b"S0"), PE, "83 is not a placement"),
+    Row("placements-list-of-int", lambda: sbp.placements([1]), PE, "1 is not a placement; accepted"),
+    Row("placements-mixed-float", lambda: sbp.placements([S(0), 3.5]), PE, "3.5 is not a placement"),
+    Row("placements-partial-op", lambda: sbp.placements("P(avg)"), PE, "Partial op 'avg' is not one of ('sum', 'min', 'max')"),
+    Row("placements-partial-upper", lambda: sbp.placements("P(SUM)"), PE, "cannot parse placement 'P(SUM)'"),
+    Row("placements-double-paren", lambda: sbp.placements("((S0))"), PE, "cannot parse placement '(S0)'"),
+    Row("placements-unclosed", lambda: sbp.placements("S(0"), PE, "cannot parse placement 'S(0'"),
+    Row("placements-float-dim", lambda: sbp.placements("S(1.5)"), PE, "cannot parse placement 'S(1.5)'"),
+    Row("placements-b-with-arg", lambda: sbp.placements("B(0)"), PE, "cannot parse placement 'B(0)'"),
+    Row("split-str", lambda: Split("0"), PE, "Split dim must be an int, got '0' (str)"),
+    Row("split-bool", lambda: Split(True), PE, "Split dim must be an int, got True (bool)"),
+    Row("split-float", lambda: Split(1.0), PE, "got 1.0 (float)"),
+    Row("split-none", lambda: Split(None), PE, "got None (NoneType)"),
+    Row("partial-avg", lambda: Partial("avg"), PE, "Partial op must be one of ('sum', 'min', 'max'), got 'avg'"),
+    Row("partial-list", lambda: Partial(["sum"]), PE, "got ['sum']"),
+    Row("partial-none", lambda: Partial(None), PE, "got None"),
+    Row("partial-upper", lambda: Partial("SUM"), PE, "got 'SUM'"),
+    # ---- placements meet a tensor and a mesh -------------------------------------------------------------
+    Row("normalize-dim-high", lambda: sbp.local_shape((4,), (2,), "S(1)", (0,)), PE, "S(1) is out of range for a 1-d tensor (valid: -1..0)"),
+    Row("normalize-dim-low", lambda: sbp.local_shape((4,), (2,), "S(-2)", (0,)), PE, "S(-2) is out of range for a 1-d tensor (valid: -1..0)"),
+    Row("normalize-0d", lambda: sbp.local_shape((), (2,), "S(0)", (0,)), PE, "valid: none: a 0-d tensor cannot be split"),
+    Row("normalize-too-many", lambda: sbp.local_shape((4,), (2,), "S(0), B", (0,)), PE, "give 2 placement(s) but the mesh has 1 axes (need exactly one placement per mesh axis)"),
+    Row("normalize-too-few", lambda: sbp.local_shape((4,), (2, 2), "S(0)", (0, 0)), PE, "give 1 placement(s) but the mesh has 2 axes"),
+    Row("normalize-none-given", lambda: sbp.local_shape((4,), (2,), "", (0,)), PE, "give 0 placement(s)"),
+    # ---- DeviceMesh as a value ------------------------------------------------------------------------------
+    Row("mesh-str", lambda: DeviceMesh("2x2"), ME, "mesh shape must be a non-empty tuple of positive ints, got '2x2'"),
+    Row("mesh-none", lambda: DeviceMesh(None), ME, "mesh shape must be a tuple of positive ints, got None"),
+    Row("mesh-empty", lambda: DeviceMesh(()), ME, "got ()"),
+    Row("mesh-zero", lambda: DeviceMesh((2, 0)), ME, "got (2, 0)"),
+    Row("mesh-negative", lambda: DeviceMesh((-1,)), ME, "got (-1,)"),
+    Row("mesh-float", lambda: DeviceMesh((2.0,)), ME, "got (2.0,)"),
+    Row("mesh-bool", lambda: DeviceMesh((True,)), ME, "got (True,)"),
+    Row("mesh-names-int", lambda: DeviceMesh((2,), names=5), ME, "mesh names must be a tuple of strings, one per axis of shape (2,), got 5"),
+    Row("mesh-names-count", lambda: DeviceMesh((2, 2), names=("a",)), ME, "mesh names ('a',) must have one name per axis of shape (2, 2)"),
+    Row("mesh-names-duplicate", lambda: DeviceMesh((2, 2), names=("tp", "tp")), ME, "mesh axis names must be unique, got ('tp', 'tp') (duplicated: tp)"),
+    Row("mesh-names-not-str", lambda: DeviceMesh((2, 2), names=(1, 2)), ME, "mesh axis names must be non-empty strings, got (1, 2)"),
+    Row("mesh-names-empty", lambda: DeviceMesh((2, 2), names=("", "b")), ME, "non-empty strings"),
+    Row("mesh-ranks-int", lambda: DeviceMesh((2,), ranks=5), ME, "mesh ranks must be a sequence of 2 distinct world ranks (row-major), got 5"),
+    Row("mesh-ranks-count", lambda: DeviceMesh((2,), ranks=[0]), ME, "mesh of shape (2,) needs 2 ranks, got 1: [0]"),
+    Row("mesh-ranks-duplicate", lambda: DeviceMesh((2,), ranks=[0, 0]), ME, "mesh ranks must be distinct, got [0, 0]"),
+    Row("mesh-ranks-negative", lambda: DeviceMesh((2,), ranks=[0, -1]), ME, "mesh ranks must be non-negative ints, got [0, -1]"),
+    Row("mesh-ranks-float", lambda: DeviceMesh((2,), ranks=[0, 1.0]), ME, "non-negative ints, got [0, 1.0]"),
+    Row("mesh-device-tpu", lambda: DeviceMesh((2,), device_type="tpu"), ME, "device_type must be 'cpu' or 'cuda', got 'tpu'"),
+    Row("mesh-device-none", lambda: DeviceMesh((2,), device_type=None), ME, "device_type must be 'cpu' or 'cuda', got None"),
+    Row("mesh-axis-range", lambda: MESH.axis(5), ME, "mesh axis 5 is out of range for a 2-axis mesh (valid: -2..1 or a name)"),
+    Row("mesh-axis-unknown-name", lambda: MESH.axis("pp"), ME, "mesh has no axis named 'pp' (axis names: ('dp', 'tp'))"),
+    Row("mesh-axis-none", lambda: MESH.axis(None), ME, "mesh axis None is out of range"),
+    Row("mesh-axis-unnamed-mesh", lambda: M1.axis("tp"), ME, "mesh has no axis named 'tp' (axis names: None)"),
+    Row("mesh-size-unknown-name", lambda: MESH.size("pp"), ME, "no axis named 'pp'"),
+    Row("mesh-coord-of", lambda: MESH.coord_of(9), ME, "rank 9 is not in this mesh (ranks: [0, 1, 2, 3])"),
+    Row("mesh-index-of-int", lambda: MESH.index_of(5), ME, "coord 5 is not in a mesh of shape (2, 2) (a coord is a tuple of 2 ints, one per axis)"),
+    Row("mesh-rank-of-range", lambda: MESH.rank_of((2, 0)), ME, "coord (2, 0) is not in a mesh of shape (2, 2)"),
+    Row("mesh-rank-of-none", lambda: MESH.rank_of(None), ME, "coord None is not in a mesh of shape (2, 2)"),
+    Row("mesh-groups-none", lambda: MESH.groups(None), ME, "mesh axes must be an axis (index or name) or a sequence of them, got None"),
+    Row("mesh-groups-bad-item", lambda: MESH.groups(["dp", 7]), ME, "mesh axis 7 is out of range"),
+    Row("mesh-submesh-none", lambda: MESH.submesh(0, None), ME, "coord None is not in a mesh"),
+    Row("mesh-coord-pure", lambda: MESH.coord, ME, "mesh.coord needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd)"),
+    Row("mesh-rank-pure", lambda: MESH.rank, ME, "this DeviceMesh(2, 2) is a pure value"),
+    Row("mesh-getitem-pure", lambda: MESH["tp"], ME, "needs a mesh bound to processes"),
+    # ---- layout maths ---------------------------------------------------------------------------------------
+    Row("layout-coord-none", lambda: sbp.local_shape((4,), (2,), "S(0)", None), SE, "coord None is not in a mesh of shape (2,) (a coord is a tuple of 1 int, one per axis)"),
+    Row("layout-coord-int", lambda: sbp.local_shape((4,), (2,), "S(0)", 0), SE, "coord 0 is not in a mesh of shape (2,)"),
+    Row("layout-coord-range", lambda: sbp.local_slices((4,), (2,), "S(0)", (2,)), SE, "coord (2,) is not in a mesh of shape (2,)"),
+    Row("layout-coord-length", lambda: sbp.global_offset((4,), (2,), "S(0)", (0, 0)), SE, "coord (0, 0) is not in a mesh of shape (2,)"),
+    Row("layout-shape-str", lambda: sbp.local_shape("ab", (2,), "B", (0,)), SE, "global_shape must be a sequence of non-negative ints, got 'ab'"),
+    Row("layout-shape-negative", lambda: sbp.local_shape((-1,), (2,), "B", (0,)), SE, "got (-1,)"),
+    Row("layout-shape-float", lambda: sbp.local_shape((4.0,), (2,), "B", (0,)), SE, "got (4.0,)"),
+    Row("layout-shape-none", lambda: sbp.local_slices(None, (2,), "B", (0,)), SE, "got None"),
+    Row("layout-mesh-str", lambda: sbp.global_offset((4,), "2x", "S(0)", (0,)), ME, "cannot parse mesh shape '2x'; write it like '2x2' or '8'"),
+    Row("layout-mesh-none", lambda: sbp.local_shape((4,), None, "S(0)", (0,)), ME, "mesh shape must be a tuple of positive ints, got None"),
+    Row("layout-mesh-zero", lambda: sbp.local_shape((4,), 0, "S(0)", (0,)), ME, "got 0"),
+    # ---- the planner ------------------------------------------------------------------------------------------
+    Row("plan-itemsize-zero", lambda: sbp.plan((4,), (2,), "S(0)", "B", 0), PLE, "itemsize must be a positive int (bytes per element), got 0"),
+    Row("plan-itemsize-str", lambda: sbp.plan((4,), (2,), "S(0)", "B", "4"), PLE, "got '4'"),
+    Row("plan-itemsize-float", lambda: sbp.plan((4,), (2,), "S(0)", "B", 2.0), PLE, "got 2.0"),
+    Row("plan-itemsize-bool", lambda: sbp.plan((4,), (2,), "S(0)", "B", True), PLE, "got True"),
+    Row("plan-latency-negative", lambda: sbp.plan((4,), (2,), "S(0)", "B", latency_bytes=-1), PLE, "latency_bytes must be a non-negative int, got -1"),
+    Row("plan-latency-float", lambda: sbp.plan((4,), (2,), "S(0)", "B", latency_bytes=1.5), PLE, "got 1.5"),
+    Row("plan-mesh-str", lambda: sbp.plan((4,), "a", "S(0)", "B"), ME, "cannot parse mesh shape 'a'"),
+    Row("plan-mesh-empty", lambda: sbp.plan((4,), (), "S(0)", "B"), ME, "non-empty tuple of positive ints, got ()"),
+    Row("plan-dst-range", lambda: sbp.plan((4,), (2,), "S(0)", "S(3)"), PE, "S(3) is out of range for a 1-d tensor (valid: -1..0)"),
+    Row("plan-src-none", lambda: sbp.plan((4,), (2,), None, "B"), PE, "got NoneType"),
+    Row("plan-src-length", lambda: sbp.plan((4, 4), (2, 2), "S(0)", "B, B"), PE, "give 1 placement(s) but the mesh has 2 axes"),
+    Row("plan-shape-none", lambda: sbp.plan(None, (2,), "B", "B"), SE, "global_shape must be a sequence of non-negative ints, got None"),
+    Row("lower-bound-itemsize", lambda: sbp.lower_bound_bytes((4,), (2,), "S(0)", "B", -1), PLE, "got -1"),
+    Row("lower-bound-dst", lambda: sbp.lower_bound_bytes((4,), (2,), "S(0)", "P(avg)"), PE, "Partial op 'avg'"),
+    Row("cross-src-mesh-tuple", lambda: sbp.plan_cross_mesh((4,), (2,), "S(0)", M1, "B"), ME, "src_mesh must be a sbp.DeviceMesh (with the world ranks it covers), got tuple"),
+    Row("cross-dst-mesh-str", lambda: sbp.plan_cross_mesh((4,), M1, "S(0)", "2", "B"), ME, "dst_mesh must be a sbp.DeviceMesh"),
+    Row("cross-placements", lambda: sbp.plan_cross_mesh((4,), M1, "S(0), B", M1, "B"), PE, "give 2 placement(s) but the mesh has 1 axes"),
+    Row("cross-itemsize", lambda: sbp.plan_cross_mesh((4,), M1, "S(0)", M1, "B", 0), PLE, "itemsize must be a positive int"),
+    # ---- factories (mesh=None: plain tensors) --------------------------------------------------------------
+    Row("zeros-dtype-str", lambda: sbp.zeros((2,), dtype="float32"), DE, "dtype must be a torch.dtype (e.g. torch.float32) or None, got 'float32'"),
+    Row("zeros-shape-str", lambda: sbp.zeros("ab"), SE, "global_shape must be a sequence of non-negative ints, got 'ab'"),
+    Row("zeros-shape-negative", lambda: sbp.zeros(-1), SE, "got (-1,)"),
+    Row("zeros-shape-float", lambda: sbp.zeros(2.5), SE, "got 2.5"),
+    Row("zeros-placements-no-mesh", lambda: sbp.zeros((2,), placements="S(0)"), E, "placements 'S(0)' need a mesh; pass mesh= or drop placements"),
+    Row("zeros-pure-mesh", lambda: sbp.zeros((2,), M1, "S(0)"), ME, "factories need an sbp.DeviceMesh bound to processes"),
+    Row("zeros-mesh-str", lambda: sbp.zeros((2,), "2x2"), ME, "got '2x2'"),
+    Row("zeros-int-requires-grad", lambda: sbp.zeros(2, dtype=torch.int64, requires_grad=True), DE, "requires_grad=True needs a floating point or complex dtype (only those have gradients), got torch.int64"),
+    Row("zeros-requires-grad-str", lambda: sbp.zeros(2, requires_grad="yes"), E, "requires_grad must be a bool, got 'yes'"),
+    Row("full-value-str", lambda: sbp.full((2,), "abc"), DE, "fill_value must be a Python number (bool, int, float or complex), got 'abc' (str)"),
+    Row("full-value-none", lambda: sbp.full((2,), None), DE, "got None (NoneType)"),
+    Row("full-truncate", lambda: sbp.full((2,), 1.5, dtype=torch.int64), DE, "fill_value 1.5 cannot be represented as torch.int64 (not an integer)"),
+    Row("full-overflow", lambda: sbp.full((2,), 300, dtype=torch.uint8), DE, "cannot be represented as torch.uint8 (out of range 0..255)"),
+    Row("full-bool-two", lambda: sbp.full((2,), 2, dtype=torch.bool), DE, "bool holds only 0/False and 1/True"),
+    Row("full-float16-overflow", lambda: sbp.full((2,), 1e10, dtype=torch.float16), DE, "beyond its largest finite value 65504.0"),
+    Row("full-complex-to-real", lambda: sbp.full((2,), 1 + 2j, dtype=torch.float32), DE, "a complex number with an imaginary part needs a complex dtype"),
+    Row("full-nan-to-int", lambda: sbp.full((2,), float("nan"), dtype=torch.int32), DE, "cannot be represented as torch.int32 (not an integer)"),
+    Row("rand-int-dtype", lambda: sbp.rand((2,), dtype=torch.int64), DE, "random factories need a floating dtype, got torch.int64"),
+    Row("rand-dtype-str", lambda: sbp.randn((2,), dtype="float32"), DE, "dtype must be a torch.dtype"),
+    Row("rand-seed-str", lambda: sbp.rand((2,), seed="x"), E, "seed must be an int, got 'x'"),
+    Row("rand-seed-float", lambda: sbp.rand((2,), seed=1.5), E, "seed must be an int, got 1.5"),
+    Row("rand-generator-str", lambda: sbp.rand((2,), generator="g"), E, "generator must be a torch.Generator or None, got str"),
+    # ---- visualize -------------------------------------------------------------------------------------------
+    Row("visualize-int", lambda: sbp.visualize(5), E, "visualize(x) needs an sbp.GlobalTensor, got int"),
+    Row("visualize-plain-tensor", lambda: sbp.visualize(torch.ones(2)), E, "got Tensor; for a layout without data pass global_shape=, mesh= and placements="),
+    Row("visualize-nothing", lambda: sbp.visualize(), E, "visualize needs a GlobalTensor, or global_shape=, mesh= and placements="),
+    Row("visualize-mesh-str", lambda: sbp.visualize(global_shape=(4,), mesh="2x", placements="S(0)"), ME, "cannot parse mesh shape '2x'"),
+    Row("visualize-placements", lambda: sbp.visualize(global_shape=(4,), mesh=(2,), placements="S(1)"), PE, "S(1) is out of range for a 1-d tensor"),
+    Row("visualize-shape", lambda: sbp.visualize(global_shape="ab", mesh=(2,), placements="B"), SE, "global_shape must be a sequence"),
+    # ---- DTensor interop -------------------------------------------------------------------------------------
+    Row("to-dtensor-plain", lambda: sbp.to_dtensor(torch.ones(2)), E, "to_dtensor needs an sbp.GlobalTensor, got Tensor"),
+    Row("from-dtensor-plain", lambda: sbp.from_dtensor(torch.ones(2)), E, "from_dtensor needs a torch.distributed.tensor.DTensor, got Tensor"),
+    # ---- the testing kit --------------------------------------------------------------------------------------
+    Row("spmd-backend", lambda: sbp.testing.spmd(len, (2,), backend="mpi"), E, "spmd backend must be one of ('threads', 'gloo'), got 'mpi'"),
+    Row("spmd-fn-not-callable", lambda: sbp.testing.spmd(5, (2,)), E, "fn must be callable, got int"),
+    Row("spmd-mesh-shape", lambda: sbp.testing.spmd(len, (0,)), ME, "mesh shape must be a non-empty tuple of positive ints, got (0,)"),
+    Row("spmd-names-duplicate", lambda: sbp.testing.spmd(len, (2, 2), names=("a", "a")), ME, "mesh axis names must be unique"),
+    Row("spmd-timeout-str", lambda: sbp.testing.spmd(len, (2,), timeout="x"), E, "spmd timeout must be a positive number of seconds (it bounds every collective), got 'x'"),
+    Row("spmd-timeout-negative", lambda: sbp.testing.spmd(len, (2,), timeout=-1), E, "got -1"),
+    Row("spmd-timeout-zero", lambda: sbp.testing.spmd(len, (2,), timeout=0), E, "got 0"),
+    Row("assert-layout-int", lambda: sbp.testing.assert_layout_equivalent(5, 5), E, "assert_layout_equivalent compares tensors (GlobalTensor or plain torch.Tensor); x is a int"),
+    Row("assert-layout-exact", lambda: sbp.testing.assert_layout_equivalent(torch.ones(1), torch.ones(1), exact="yes"), E, "exact=...) must be None or a bool, got 'yes'"),
+    Row("submesh-pure-world", lambda: sbp.testing.submesh(M1, (2,), ranks=[0, 1]), ME, "submesh needs the bound world mesh that spmd passes to fn"),
+    # ---- init_mesh before any process group exists --------------------------------------------------------
+    Row("init-mesh-device", lambda: sbp.init_mesh((2,), device_type="tpu"), ME, "device_type must be 'cpu' or 'cuda' (or None for automatic), got 'tpu'"),
+    Row("init-mesh-timeout-str", lambda: sbp.init_mesh((2,), timeout="x"), ME, "timeout must be a datetime.timedelta or a number of seconds, got 'x'"),
+    Row("init-mesh-timeout-negative", lambda: sbp.init_mesh((2,), timeout=-1), ME, "timeout must be a positive, finite duration"),
+    Row("init-mesh-shape", lambda: sbp.init_mesh((0,)), ME, "mesh shape must be a non-empty tuple of positive ints, got (0,)"),
+    Row("init-mesh-names", lambda: sbp.init_mesh((2, 2), names=("a", "a")), ME, "mesh axis names must be unique"),
+    Row("init-mesh-ranks-dup", lambda: sbp.init_mesh((2,), ranks=[1, 1]), ME, "mesh ranks must be distinct"),
+    Row("init-mesh-no-env", _init_mesh_without_env, ME, "torch.distributed is not initialised and the environment lacks MASTER_ADDR"),
+    Row("init-device-mesh-type", lambda: sbp.init_device_mesh("tpu", (2,)), ME, "got 'tpu'"),
+    *([Row("init-mesh-cuda-missing", lambda: sbp.init_mesh((2,), device_type="cuda"), ME, "init_mesh(device_type='cuda') needs CUDA")]
+      if not CUDA else []),
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    Row("save-not-dict", lambda: sbp.save([1], os.path.join(_CKPT, "a")), CE, "a state_dict must be a dict, got list"),
+    Row("save-object-leaf", lambda: sbp.save({"a": object()}, os.path.join(_CKPT, "b")), CE, "entry 'a' is a object, which a checkpoint cannot hold"),
+    Row("load-missing", lambda: sbp.load(os.path.join(_CKPT, "missing"), {}), CE, "is not a directory; write one with sbp.save"),
+    Row("load-into-list", lambda: sbp.load(_saved_checkpoint(), [1]), CE, "a state_dict must be a dict, got list"),
+    Row("load-keys", lambda: sbp.load(_saved_checkpoint(), {"v": torch.zeros(4, 2)}), CE, "have different keys: missing from the checkpoint: ['v']"),
+    Row("load-shape", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 3)}), CE, "tensor 'w': global shape (4, 2) in the checkpoint, (4, 3) in the state_dict"),
+    Row("load-dtype", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 2, dtype=torch.int64)}), CE, "dtype float32 in the checkpoint, int64 in the state_dict"),
+    Row("save-path-int", lambda: sbp.save({"a": torch.ones(1)}, 5), CE, "path", xfail=CKPT_PATH),
+    Row("load-path-int", lambda: sbp.load(5, {}), CE, "path", xfail=CKPT_PATH),
+
+    # ---- distribute (threads) ------------------------------------------------------------------------------
+    T("distribute-list", lambda m: sbp.distribute([1, 2], m, "S(0)"), E, "distribute needs a torch.Tensor on every rank when src=None, got list; pass src=rank"),
+    T("distribute-global", lambda m: sbp.distribute(_x(m, "B"), m, "B"), E, "distribute needs a plain torch.Tensor, got a GlobalTensor; use x.redistribute(placements)"),
+    T("distribute-split-range", lambda m: _x(m, "S(2)"), PE, "S(2) is out of range for a 2-d tensor (valid: -2..1)"),
+    T("distribute-placements-length", lambda m: _x(m, "S(0), B"), PE, "give 2 placement(s) but the mesh has 1 axes"),
+    T("distribute-src-range", lambda m: sbp.distribute(torch.ones(4), m, "S(0)", src=5), ME, "distribute src=5 must be a world rank of the mesh (ranks: [0, 1])"),
+    T("distribute-src-str", lambda m: sbp.distribute(torch.ones(4), m, "S(0)", src="0"), ME, "src='0' must be a world rank"),
+    T("distribute-src-bool", lambda m: sbp.distribute(torch.ones(4), m, "S(0)", src=True), ME, "src=True must be a world rank"),
+    T("distribute-src-missing", lambda m: sbp.distribute(None, m, "S(0)", src=0), E, "distribute(src=0): rank 0 must pass the full tensor, got NoneType"),
+    T("distribute-bool-psum", lambda m: _x(m, "P(sum)", torch.ones(4, dtype=torch.bool)), PE, "distribute: P(sum) cannot hold a torch.bool tensor: a sum of bools is not a bool (valid for bool: S(d), B, P(min), P(max)"),
+    T("distribute-complex-pmax", lambda m: _x(m, "P(max)", torch.ones(4, dtype=torch.complex64)), PE, "distribute: P(max) needs ordered values; torch.complex64 has no min/max (valid for complex: S(d), B, P(sum))"),
+    T("distribute-src-bool-psum", lambda m: sbp.distribute(torch.ones(4, dtype=torch.bool) if m.rank == 0 else None, m, "P(sum)", src=0), PE, "P(sum) cannot hold a torch.bool tensor"),
+    T("distribute-int-grad", lambda m: sbp.distribute(torch.ones(4, dtype=torch.int32), m, "S(0)", requires_grad=True), DE, "only floating point and complex tensors can require gradients, got torch.int32"),
+    T("distribute-grad-str", lambda m: sbp.distribute(torch.ones(4), m, "S(0)", requires_grad="yes"), E, "requires_grad=...) must be None or a bool, got 'yes'"),
+    T("distribute-meta-tensor", lambda m: sbp.distribute(torch.empty(4, device="meta"), m, "S(0)"), ME, "distribute: cannot move the tensor from meta to the mesh's device 'cpu'"),
+    Row("distribute-pure-mesh", lambda: sbp.distribute(torch.ones(4), M1, "S(0)"), ME, "distribute needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); DeviceMesh((2,)) is a pure value"),
+    Row("distribute-mesh-tuple", lambda: sbp.distribute(torch.ones(4), (2,), "S(0)"), ME, "distribute needs an sbp.DeviceMesh, got tuple"),
+    *([T("distribute-cuda-mesh", lambda m: sbp.distribute(torch.ones(4), cuda_mesh(m), "S(0)"), ME, "distribute: the mesh's device_type is 'cuda' but CUDA is not available in this process")]
+      if not CUDA else []),
+    # ---- from_local (threads) ------------------------------------------------------------------------------
+    T("from-local-list", lambda m: sbp.from_local([1], m, "S(0)"), E, "from_local needs this rank's plain local torch.Tensor, got list"),
+    T("from-local-global", lambda m: sbp.from_local(_x(m), m, "S(0)"), E, "got GlobalTensor"),
+    T("from-local-uneven", lambda m: sbp.from_local(torch.ones(m.rank + 1), m, "S(0)"), SE, "local shapes do not fit global shape (3,) with placements (S(0),) on mesh (2,) (sbp splits are balanced, as numpy.array_split): rank 0 has (1,), expected (2,); rank 1 has (2,), expected (1,)"),
+    T("from-local-global-shape", lambda m: sbp.from_local(torch.ones(2), m, "S(0)", global_shape=(5,)), SE, "rank 0 has (2,), expected (3,)"),
+    T("from-local-global-ndim", lambda m: sbp.from_local(torch.ones(2), m, "S(0)", global_shape=(4, 1)), SE, "from_local: global_shape (4, 1) has 2 dims but the local tensor has 1 (shape (2,))"),
+    T("from-local-global-str", lambda m: sbp.from_local(torch.ones(2), m, "S(0)", global_shape="ab"), SE, "global_shape must be a sequence of non-negative ints, got 'ab'"),
+    T("from-local-0d-split", lambda m: sbp.from_local(torch.tensor(1.), m, "S(0)"), PE, "S(0) is out of range for a 0-d tensor"),
+    T("from-local-placements-length", lambda m: sbp.from_local(torch.ones(2), m, "S(0), B"), PE, "give 2 placement(s)"),
+    T("from-local-bool-psum", lambda m: sbp.from_local(torch.ones(2, dtype=torch.bool), m, "P(sum)"), PE, "from_local: P(sum) cannot hold a torch.bool tensor"),
+    T("from-local-complex-pmin", lambda m: sbp.from_local(torch.ones(2, dtype=torch.complex128), m, "P(min)"), PE, "P(min) needs ordered values; torch.complex128 has no min/max"),
+    T("from-local-cpu-on-cuda-mesh", lambda m: sbp.from_local(torch.ones(2), cuda_mesh(m), "S(0)"), ME, "from_local: the local tensor is on cpu but the mesh's device_type is 'cuda'; move it first (local.to('cuda'))"),
+    T("from-local-meta", lambda m: sbp.from_local(torch.empty(2, device="meta"), m, "S(0)"), ME, "the local tensor is on meta but the mesh's device_type is 'cpu'"),
+    Row("from-local-pure-mesh", lambda: sbp.from_local(torch.ones(2), M1, "S(0)"), ME, "from_local needs a mesh bound to processes"),
+    # ---- redistribute and the other GlobalTensor methods (threads) ---------------------------------------
+    T("redistribute-range", lambda m: _x(m).redistribute("S(2)"), PE, "S(2) is out of range for a 2-d tensor (valid: -2..1)"),
+    T("redistribute-int", lambda m: _x(m).redistribute(5), PE, "placements must be a string, a placement or an iterable of placements, got int"),
+    T("redistribute-length", lambda m: _x(m).redistribute("B, B"), PE, "give 2 placement(s) but the mesh has 1 axes"),
+    T("redistribute-bool-psum", lambda m: _x(m, "S(0)", torch.ones(4, dtype=torch.bool)).redistribute("P(sum)"), PE, "redistribute: P(sum) cannot hold a torch.bool tensor"),
+    T("redistribute-complex-pmax", lambda m: _x(m, "S(0)", torch.ones(4, dtype=torch.complex64)).redistribute("P(max)"), PE, "redistribute: P(max) needs ordered values"),
+    T("redistribute-mesh-str", lambda m: _x(m).redistribute("B", mesh="x"), ME, "redistribute(mesh=...) needs an sbp.DeviceMesh, got str"),
+    T("redistribute-mesh-pure", lambda m: _x(m).redistribute("B", mesh=DeviceMesh((2,), ranks=(1, 0))), ME, "redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, sbp.testing.submesh); DeviceMesh((2,), ranks=[1, 0]) is a pure value"),
+    T("redistribute-mesh-device", lambda m: _x(m).redistribute("B", mesh=cuda_mesh(m)), ME, "moves between meshes of one device type; the tensor is on a 'cpu' mesh, the target mesh is 'cuda'"),
+    T("redistribute-cross-length", lambda m: _x(m).redistribute("B", mesh=m.binding.bind(DeviceMesh((1, 2)))), PE, "give 1 placement(s) but the mesh has 2 axes"),
+    T("to-local-grad-placements", lambda m: _x(m).to_local(grad_placements="S(3)"), PE, "S(3) is out of range for a 2-d tensor"),
+    T("to-local-grad-int", lambda m: _x(m).to_local(grad_placements=5), PE, "got int"),
+    T("to-dtensor-threads", lambda m: sbp.to_dtensor(_x(m)), ME, "DTensor interop needs a mesh bound to torch.distributed (sbp.init_mesh, or sbp.testing.spmd(..., backend='gloo')); DeviceMesh((2,)) is bound to the 'threads' backend"),
+    T("assert-layout-str", lambda m: sbp.testing.assert_layout_equivalent(_x(m), "x"), E, "y is a str"),
+    # ---- factories on a mesh (threads) ---------------------------------------------------------------------
+    T("zeros-placements-range", lambda m: sbp.zeros((2,), m, "S(1)"), PE, "S(1) is out of range for a 1-d tensor"),
+    T("ones-bool-psum", lambda m: sbp.ones((2,), m, "P(sum)", dtype=torch.bool), PE, "factory: P(sum) cannot hold a torch.bool tensor"),
+    T("full-complex-pmax", lambda m: sbp.full((2,), 1j, m, "P(max)"), PE, "factory: P(max) needs ordered values; torch.complex64 has no min/max"),
+    T("randn-int", lambda m: sbp.randn((2,), m, "S(0)", dtype=torch.int32), DE, "random factories need a floating dtype, got torch.int32"),
+    T("rand-seed-str-mesh", lambda m: sbp.rand((2,), m, "S(0)", seed="x"), E, "seed must be an int"),
+    *([T("zeros-cuda-mesh", lambda m: sbp.zeros((2,), cuda_mesh(m), "S(0)"), ME, "factory: the mesh's device_type is 'cuda' but CUDA is not available")]
+      if not CUDA else []),
+    # ---- bound meshes: sizes against the world, axis names (threads) --------------------------------------
+    T("mesh-getitem-unknown", lambda m: m["zz"], ME, "mesh has no axis named 'zz' (axis names: ('dp', 'tp'))", (2, 2)),
+    T("mesh-getitem-range", lambda m: m[5], ME, "mesh axis 5 is out of range for a 2-axis mesh (valid: -2..1 or a name)", (2, 2)),
+    T("mesh-larger-than-world", lambda m: m.binding.bind(DeviceMesh((4,))), ME, "mesh ranks [0, 1, 2, 3] do not fit a world of 2 thread-ranks (valid ranks: 0..1)"),
+    T("submesh-ranks-range", lambda m: sbp.testing.submesh(m, (2,), ranks=[0, 5]), ME, "mesh ranks [0, 5] do not fit a world of 2 thread-ranks"),
+    T("submesh-ranks-duplicate", lambda m: sbp.testing.submesh(m, (2,), ranks=[1, 1]), ME, "mesh ranks must be distinct, got [1, 1]"),
+    T("submesh-names", lambda m: sbp.testing.submesh(m, (2,), names=("a", "b"), ranks=[0, 1]), ME, "must have one name per axis"),
+    # ---- tensor parallelism and operators (threads) ----------------------------------------------------
+    T("parallelize-style", lambda m: _parallelize(m, {"0": "diagonal"}), E, "plan entry '0': 'diagonal' is not a style; valid: 'colwise', 'rowwise', 'embedding', 'sequence'"),
+    T("parallelize-path", lambda m: _parallelize(m, {"9": "colwise"}), E, "plan entry '9' matches no module of Sequential (module paths look like: '0', '1', '2')"),
+    T("parallelize-plan-list", lambda m: _parallelize(m, ["0"]), E, "plan must map module paths to styles, got list"),
+    T("parallelize-tp-axis", lambda m: _parallelize(m, {"0": "colwise"}, tp_axis=5), ME, "mesh axis 5 is out of range for a 1-axis mesh"),
+    T("parallelize-module-kind", lambda m: _parallelize(m, {"1": "colwise"}), E, "style 'colwise' cannot shard '1', a ReLU; valid modules for 'colwise': nn.Linear"),
+    T("parallelize-key-int", lambda m: _parallelize(m, {0: "colwise"}), E, "plan keys must be module paths (str), got 0"),
+    T("parallelize-not-module", lambda m: sbp.nn.parallelize(5, m, {}), E, "parallelize needs an nn.Module, got int"),
+    Row("parallelize-pure-mesh", lambda: sbp.nn.parallelize(nn.Linear(2, 2), M1, {"": "colwise"}), E, "parallelize needs a bound sbp.DeviceMesh"),
+    T("ops-different-meshes", lambda m: _x(m) + sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2,), ranks=(1, 0))), "B"), E, "mixes global tensors on different meshes"),
+    T("ops-matmul-shapes", lambda m: _x(m) @ _x(m, "B", torch.ones(3, 3)), sbp.ShapeError, "", xfail=OPS_SHAPES),
+    T("ops-sum-dim", lambda m: _x(m).sum(5), sbp.ShapeError, "", xfail=OPS_SHAPES),
+    T("ops-view-numel", lambda m: _x(m).view(3, 3), sbp.ShapeError, "", xfail=OPS_SHAPES),
+
+    # ---- real process groups (gloo, 4 processes) -----------------------------------------------------------
+    G("init-mesh-smaller-than-world", lambda m: sbp.init_mesh((3,)), ME, "mesh of shape (3,) has 3 ranks but the world has 4 processes; pass ranks=[...] to put the mesh on part of the world"),
+    G("init-mesh-larger-than-world", lambda m: sbp.init_mesh((2, 4)), ME, "mesh of shape (2, 4) has 8 ranks but the world has 4 processes"),
+    G("init-mesh-ranks-outside-world", lambda m: sbp.init_mesh((2,), ranks=[3, 4]), ME, "mesh ranks [3, 4] do not fit a world of 4 processes (valid ranks: 0..3)"),
+    G("init-mesh-duplicate-names", lambda m: sbp.init_mesh((2, 2), names=("tp", "tp")), ME, "mesh axis names must be unique, got ('tp', 'tp') (duplicated: tp)"),
+    G("init-mesh-timeout-zero", lambda m: sbp.init_mesh((4,), timeout=0), ME, "timeout must be a positive, finite duration"),
+    G("from-dtensor-mesh-str", lambda m: sbp.from_dtensor(sbp.to_dtensor(_x(m)), mesh="x"), ME, "from_dtensor(mesh=...) needs a bound sbp.DeviceMesh over the DTensor's ranks (or None to make one), got str"),
+    G("from-dtensor-mesh-shape", lambda m: sbp.from_dtensor(sbp.to_dtensor(_x(m)), mesh=sbp.init_mesh((2, 2))), ME, "from_dtensor: mesh DeviceMesh((2, 2)) (ranks [0, 1, 2, 3]) does not match the DTensor's mesh of shape (4,)"),
+    G("gloo-distribute-bool-psum", lambda m: _x(m, "P(sum)", torch.ones(4, dtype=torch.bool)), PE, "P(sum) cannot hold a torch.bool tensor"),
+    G("gloo-from-local-uneven", lambda m: sbp.from_local(torch.ones(m.rank + 1), m, "S(0)"), SE, "rank 3 has (4,), expected (2,)"),
+]
+
+ROWS_BY_ID = {row.id: row for row in ROWS}
+
+
+def test_table_size():
+    """The number of bad inputs the table covers (printed with -s)."""
+    assert len(ROWS_BY_ID) == len(ROWS), "row ids must be unique"
+    print(f"\n{len(ROWS)} bad inputs: {sum(r.where == 'pure' for r in ROWS)} pure, "
+          f"{sum(r.where == 'threads' for r in ROWS)} on threads, {sum(r.where == 'gloo' for r in ROWS)} on gloo, "
+          f"{sum(bool(r.xfail) for r in ROWS)} known failures outside this suite's files")
+    assert len(ROWS) >= MIN_ROWS
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, str, bool]:
+    """(error class name, message, is it an SbpError) of calling `call`; ("ok", repr, False) if it returned."""
+    try:
+        result = call()
+    except sbp.testing.SpmdError as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        return type(cause).__name__, str(cause), isinstance(cause, sbp.SbpError)
+    except BaseException as e:  # noqa: BLE001 - what we test is which exception
+        return type(e).__name__, str(e), isinstance(e, sbp.SbpError)
+    return "ok", repr(result)[:200], False
+
+
+def _run_threads(row: Row) -> tuple[str, str, bool]:
+    names = ("dp", "tp") if len(row.mesh) == 2 else None
+    return _outcome(lambda: sbp.testing.spmd(row.call, row.mesh, names=names, timeout=20))
+
+
+def _run_gloo_rows(ids: list[str], mesh: sbp.DeviceMesh) -> list[tuple[str, str, bool]]:
+    """On every gloo rank: each row's outcome (rows raise before or without leaving a collective behind)."""
+    out = []
+    for row_id in ids:
+        call = ROWS_BY_ID[row_id].call
+        out.append(_outcome(lambda: call(mesh)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gloo_outcomes() -> dict[str, list[tuple[str, str, bool]]]:
+    ids = [r.id for r in ROWS if r.where == "gloo"]
+    per_rank = sbp.testing.spmd(functools.partial(_run_gloo_rows, ids), (4,), backend="gloo", timeout=60)
+    return {row_id: [outcomes[i] for outcomes in per_rank] for i, row_id in enumerate(ids)}
+
+
+def _check(row: Row, outcome: tuple[str, str, bool]) -> None:
+    name, message, is_sbp = outcome
+    assert name != "ok", f"{row.id}: no error, returned {message}"
+    assert is_sbp, f"{row.id}: bare {name}: {message}"
+    assert name == row.error.__name__ or issubclass(getattr(sbp, name, getattr(sbp.testing, name, Exception)),
+                                                    row.error), f"{row.id}: {name} is not a {row.error.__name__}: {message}"
+    assert row.fragment in message, f"{row.id}: {message!r} lacks {row.fragment!r}"
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=[pytest.mark.xfail(reason=r.xfail, strict=True)]
+                                              if r.xfail else []) for r in ROWS])
+def test_bad_input(row: Row, request) -> None:
+    if row.where == "pure":
+        outcome = _outcome(row.call)
+    elif row.where == "threads":
+        outcome = _run_threads(row)
+    else:
+        outcomes = request.getfixturevalue("gloo_outcomes")[row.id]
+        assert all(o == outcomes[0] for o in outcomes), outcomes  # every rank raises the same
+        outcome = outcomes[0]
+    _check(row, outcome)
+
+
+# ---- inputs that look odd but are valid: accepted, with the right values --------------------------------
+
+def test_non_contiguous_and_expanded_locals_are_accepted():
+    """A transposed view and a stride-0 expanded tensor are fine locals: every move reads them correctly."""
+    def fn(mesh):
+        base = torch.arange(6.).view(2, 3) + 10 * mesh.rank
+        x = sbp.from_local(base.t(), mesh, "S(0)")                        # (3, 2) non-contiguous
+        y = sbp.from_local(torch.tensor([1.0 + mesh.rank]).expand(4), mesh, "S(0)")   # stride 0
+        return x.full().tolist(), y.redistribute("B").to_local().tolist(), x.redistribute("S(1)").to_local().tolist()
+
+    out = sbp.testing.spmd(fn, (2,))
+    full = (torch.cat([torch.arange(6.).view(2, 3).t(), (torch.arange(6.).view(2, 3) + 10).t()])).tolist()
+    assert all(o[0] == full for o in out)
+    assert out[0][1] == [1.0] * 4 + [2.0] * 4
+    assert out[1][2] == [[row[1]] for row in full]
+
+
+def test_bool_partial_min_max_and_complex_partial_sum_are_accepted():
+    def fn(mesh):
+        b = sbp.distribute(torch.tensor([True, False]), mesh, "S(0)").redistribute("P(max)").full()
+        c = sbp.distribute(torch.tensor([1 + 1j, 2j]), mesh, "P(sum)").full()
+        return b.tolist(), c.tolist()
+
+    assert sbp.testing.spmd(fn, (2,))[1] == ([True, False], [1 + 1j, 2j])
+
+
+def test_docs_examples_are_current():
+    """docs/errors.md quotes real messages: each example naming a row of this table must match it exactly."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+    checked = 0
+    for line in doc.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        match = re.match(r"`([a-z0-9-]+)`:", cells[2]) if len(cells) == 4 else None
+        if match is None or match.group(1) not in ROWS_BY_ID:
+            continue
+        row = ROWS_BY_ID[match.group(1)]
+        name, message, _ = _outcome(row.call) if row.where == "pure" else _run_threads(row)
+        assert cells[0] == f"`{name}`", (row.id, name, cells[0])
+        assert cells[3] == message, (row.id, message)
+        checked += 1
+    assert checked >= 15

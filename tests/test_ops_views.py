@@ -1,0 +1,163 @@
+"""View and shape rules: reshape/view (merging and splitting dims, uneven shards), transpose, permute,
+unsqueeze/squeeze, expand, slice, select, split, cat, stack; values and gradients match torch, and the
+splits that can be tracked stay local."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sbp
+import sbp.testing
+from ops_kit import check_op, make_global, meshes, placements_for, randn, shape
+from sbp import Partial, S
+
+SETTINGS = settings(max_examples=15, deadline=None)
+PARTIALS = ("sum", "max")
+
+
+def _factor(draw, n: int) -> tuple[int, int]:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    a = draw(st.sampled_from(divisors))
+    return a, n // a
+
+
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_view_merge_and_split_dims(data, mesh):
+    a, b, c = shape(data.draw, 3, 1, 6)
+    p, q = _factor(data.draw, b * c)
+    targets = [(a * b, c), (a, b * c), (a * b * c,), (a, p, q), (a * b, c, 1), (1, a, b, c), (-1, c)]
+    target = data.draw(st.sampled_from(targets))
+    pls = data.draw(placements_for(3, len(mesh), PARTIALS))
+    check_op(lambda x: x.reshape(target), [randn((a, b, c))], [pls], mesh)
+    check_op(lambda x: x.view(target) * 2, [randn((a, b, c))], [pls], mesh)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_view_after_transpose_of_local_blocks(data, mesh):
+    """(B, H, T, D) -> transpose -> view (B, T, H*D): a non-contiguous local block must still work."""
+    bsz, heads, t, d = shape(data.draw, 4, 1, 4)
+    pls = data.draw(placements_for(4, len(mesh), PARTIALS))
+    check_op(lambda x: x.transpose(1, 2).contiguous().view(bsz, t, heads * d), [randn((bsz, heads, t, d))],
+             [pls], mesh)
+
+
+SHAPE_OPS = {
+    "transpose": lambda x: x.transpose(0, -1),
+    "permute": lambda x: x.permute(2, 0, 1),
+    "t": lambda x: x[0].t(),
+    "unsqueeze": lambda x: x.unsqueeze(1).unsqueeze(-1),
+    "squeeze": lambda x: x[:, :1].squeeze(1).squeeze(),
+    "expand": lambda x: x[:, :1].expand(-1, 4, -1).unsqueeze(0).expand(2, -1, -1, -1),
+    "slice": lambda x: x[1:, ::2, -2:],
+    "select": lambda x: x[-1] + x[:, 0].sum() + x.select(2, 1).sum(),
+    "split": lambda x: x.split(2, dim=1),
+    "chunk": lambda x: x.chunk(2, dim=2),
+    "unbind": lambda x: x.unbind(0),
+    "cat": lambda x: torch.cat([x, x * 2], dim=1),
+    "stack": lambda x: torch.stack([x, -x], dim=2),
+    "contiguous_clone_detach": lambda x: x.contiguous().clone() + x.detach(),
+    "flatten_unflatten": lambda x: x.flatten(1).unflatten(1, (x.shape[1], x.shape[2])),
+    "index_select_gather": lambda x: x.index_select(1, torch.tensor([0, 0])) +
+    x.gather(1, torch.zeros((x.shape[0], 2, x.shape[2]), dtype=torch.int64)),
+    "scatter": lambda x: x.scatter(1, torch.zeros((x.shape[0], 1, x.shape[2]), dtype=torch.int64), 2.0) +
+    x.scatter_add(1, torch.ones((x.shape[0], 1, x.shape[2]), dtype=torch.int64), x[:, :1] * 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE_OPS))
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_shape_op(name, data, mesh):
+    s = shape(data.draw, 3, 2, 5)
+    pls = data.draw(placements_for(3, len(mesh), PARTIALS))
+    check_op(SHAPE_OPS[name], [randn(s)], [pls], mesh)
+
+
+@pytest.mark.parametrize("src, dst, pls, local", [
+    ((4, 6, 5), (24, 5), (S(0),), True),           # merge after the split dim: blocks 12,12 both ways
+    ((5, 6, 5), (30, 5), (S(0),), False),          # uneven: rows 3,2 -> 18,12, but S(0) of 30 is 15,15
+    ((4, 12), (4, 4, 3), (S(1),), True),           # split a split dim: 6,6 -> heads 2,2 of 3
+    ((4, 12), (4, 3, 4), (S(1),), False),          # 6,6 is not a whole number of heads of 4
+    ((4, 6, 5), (24, 5), (S(0), S(0)), True),      # nested over 2x2: 1,1,1,1 rows -> 6,6,6,6
+    ((2, 6, 4), (2, 24), (S(1), S(1)), False),     # nested 2,1,2,1 -> 8,4,8,4 but S(1),S(1) of 24 is 6 each
+])
+def test_reshape_keeps_splits_local_only_when_blocks_agree(src, dst, pls, local):
+    full = randn(src)
+
+    def fn(mesh):
+        x = make_global(full, mesh, pls)
+        mesh.binding.counters.reset()
+        y = x.view(dst)
+        return y.placements, mesh.binding.counters.received, y.full()
+
+    for got, moved, value in sbp.testing.spmd(fn, (2,) * len(pls)):
+        assert torch.equal(value, full.view(dst))
+        assert (moved == 0 and got == pls) == local, (got, moved)   # the split survives in place
+
+
+def test_select_on_split_dim_gives_partial_sum():
+    full = randn((5, 3))
+
+    def fn(mesh):
+        x = make_global(full, mesh, (S(0),))
+        mesh.binding.counters.reset()
+        row = x[3]
+        return row.placements, mesh.binding.counters.received, row.full()
+
+    for pls, moved, row in sbp.testing.spmd(fn, (3,)):
+        assert pls == (Partial("sum"),) and moved == 0 and torch.equal(row, full[3])
+
+
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_fill_zero_copy_and_like_factories(data, mesh):
+    s = shape(data.draw, 2)
+    pls = [data.draw(placements_for(2, len(mesh), ("sum", "max"))) for _ in range(2)]
+
+    def fn(a, b):
+        c = a.clone()
+        c.copy_(b)                 # b laid out like c
+        d = a.clone().fill_(1.5)   # P(sum): the value once
+        e = a.clone().zero_()
+        return c, d, e, torch.ones_like(a) * a, torch.zeros_like(b) + 1, torch.full_like(a, 2.0), a.new_zeros(3)
+
+    check_op(fn, [randn(s, 0), randn(s, 1)], pls, mesh)
+
+
+def test_item_and_equal_need_whole_values():
+    full = randn((4,))
+
+    def fn(mesh):
+        with sbp.strict():
+            x = make_global(full, mesh, (Partial("sum"),))
+            return x.sum().item(), torch.equal(x, x), bool((x > 100).any())
+
+    for got in sbp.testing.spmd(fn, (2,)):
+        assert math.isclose(got[0], full.sum().item(), rel_tol=1e-12) and got[1] and not got[2]
+
+
+def test_in_place_through_views():
+    """A view that stays local aliases its base (writes reach it, autograd included); a view that needed a
+    new layout is a copy, and writing into it raises instead of silently missing the base."""
+    full = randn((4, 3))
+
+    def fn(mesh):
+        x = make_global(full, mesh, (S(1),), requires_grad=True)
+        y = x * 1
+        y[0].mul_(2)                       # select on an unsplit dim: a real view of the local block
+        with pytest.raises(sbp.SbpError, match="view"):
+            y[:, 1].add_(3)                # select on the split dim: not a view of y's blocks
+        (y * y).sum().backward()
+        return y.full(), x.grad.full()
+
+    ref = full.clone().requires_grad_()
+    ry = ref * 1
+    ry[0].mul_(2)
+    (ry * ry).sum().backward()
+    for y, grad in sbp.testing.spmd(fn, (2,)):
+        assert torch.allclose(y, ry) and torch.allclose(grad, ref.grad)
