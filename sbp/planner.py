@@ -176,8 +176,9 @@ def moves(costing: Costing, s: State, dst: State) -> Iterator[Step]:
     """
     ndim, naxes = costing.ndim, len(s)
     spl = [splitters(s, d) for d in range(ndim)]
-    # all_gather: the trailing k splitters of a dim become B together.
-    for d in range(ndim):
+    # all_gather: the trailing k splitters of a dim become B together (after any reduction: gathering
+    # contributions first only grows what the reduction must move).
+    for d in range(ndim if not _pending(s, dst) else 0):
         for k in range(1, len(spl[d]) + 1):
             axes = spl[d][-k:]
             yield costing.step("all_gather", axes, s, _put(s, axes, Broadcast()), dims=(d,))
