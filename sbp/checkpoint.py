@@ -99,7 +99,9 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     ['metadata.json', 'rank00000.pt', 'rank00001.pt', 'rank00002.pt', 'rank00003.pt']
     >>> shutil.rmtree(path)
     """
-    path = os.fspath(path)
+    path = _path("save", path)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise SbpError(f"save: mesh must be an sbp.DeviceMesh or None, got {type(mesh).__name__}")
     leaves = _leaves(state_dict)
     mesh = _common_mesh(leaves, mesh)
     coord = None if mesh is None else mesh.coord
@@ -129,7 +131,10 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
             values[key] = leaf
             continue
         tensors[key] = entry
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"save: cannot create the checkpoint directory {path!r}: {e}") from e
     digest = _write(shard, os.path.join(path, _file_name(me))) if shard else None
     files = _gather_digests(digest, mesh)
     if first:
@@ -216,6 +221,24 @@ def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh
     return out
 
 
+def _path(call: str, path: Any) -> str:
+    """`path` as a str; anything but a non-empty str or `os.PathLike` of one is refused.
+
+    >>> _path("save", 5)
+    Traceback (most recent call last):
+    ...
+    sbp.errors.CheckpointError: save: path must be a str or os.PathLike naming the checkpoint directory, got int (5)
+    """
+    if isinstance(path, (str, os.PathLike)):
+        found = os.fspath(path)
+        if isinstance(found, str) and found:
+            return found
+        what = repr(found)
+    else:
+        what = f"{type(path).__name__} ({path!r:.60})"
+    raise CheckpointError(f"{call}: path must be a str or os.PathLike naming the checkpoint directory, got {what}")
+
+
 # ---- load ----------------------------------------------------------------------------------------------
 
 def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) -> dict:
@@ -242,7 +265,9 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     (torch.Size([3, 1]), [10.0, 11.0], 3)
     >>> shutil.rmtree(path)
     """
-    path = os.fspath(path)
+    path = _path("load", path)
+    if not isinstance(strict, bool):
+        raise SbpError(f"load: strict must be True or False, got {strict!r}")
     meta = _read_metadata(path)
     leaves = _leaves(state_dict)
     saved = set(meta["tensors"]) | set(meta["values"])
@@ -362,9 +387,32 @@ def _read_metadata(path: str) -> dict:
     for field, kind in (("files", dict), ("tensors", dict), ("values", dict)):
         if not isinstance(meta.get(field), kind):
             raise CheckpointError(f"{file!r}: field {field!r} is missing or not a {kind.__name__}")
+    for name, entry in meta["files"].items():
+        _check_file(file, name, entry)
     for key, entry in meta["tensors"].items():
         _check_entry(file, key, entry)
     return meta
+
+
+def _check_file(file: str, name: str, entry: Any) -> None:
+    """One entry of the "files" table: a plain file name in the checkpoint directory, its SHA-256 and size."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file!r}: 'files' entry {name!r}: {what}; the metadata is corrupt or altered "
+                               f"(valid: {{'sha256': 64 hex digits, 'bytes': a non-negative int}})")
+
+    if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name or \
+            (os.altsep and os.altsep in name):
+        raise bad("the name is not a file name inside the checkpoint directory")
+    if not isinstance(entry, dict):
+        raise bad(f"the entry is a {type(entry).__name__}, not an object")
+    for field in ("sha256", "bytes"):
+        if field not in entry:
+            raise bad(f"the entry has no {field!r}")
+    digest, size = entry["sha256"], entry["bytes"]
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise bad(f"sha256 {digest!r:.80} is not 64 lowercase hex digits")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"bytes {size!r:.80} is not a non-negative int")
 
 
 def _check_entry(file: str, key: str, entry: Any) -> None:

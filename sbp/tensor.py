@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import MeshError, PlacementError, SbpError
+from .errors import MeshError, PlacementError, SbpError, ShapeError
 from .layout import local_slices
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, normalize
@@ -61,6 +61,19 @@ class GlobalTensor(torch.Tensor):
         self._mesh = mesh
         self._placements = tuple(placements)
         return self
+
+    # ---- indexing: torch checks integer indices against the (global) sizes before any op runs ----------
+    def __getitem__(self, index: Any) -> Any:
+        try:
+            return super().__getitem__(index)
+        except IndexError as e:
+            raise _index_error(self, index, e) from e
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        try:
+            super().__setitem__(index, value)
+        except IndexError as e:
+            raise _index_error(self, index, e) from e
 
     # ---- metadata --------------------------------------------------------------------------------
     @property
@@ -365,6 +378,33 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
 
     leaf.register_hook(to_leaf_layout)
     leaf._sbp_leaf_rule = True
+
+
+def _index_error(x: GlobalTensor, index: Any, e: IndexError) -> ShapeError:
+    """`ShapeError` for an index torch refused (out of bounds, too many indices), naming the global layout.
+
+    >>> import sbp
+    >>> x = GlobalTensor(torch.zeros(2, 4), DeviceMesh((2,)), (sbp.S(0),), (4, 4))
+    >>> print(_index_error(x, (slice(1, None), 10), IndexError("index 10 is out of bounds")))
+    x[1:, 10] on global shape (4, 4) with placements (S(0),): index 10 is out of bounds
+    """
+    def text(i: Any) -> str:
+        if isinstance(i, slice):
+            parts = ["" if v is None else str(v) for v in (i.start, i.stop, i.step)]
+            return ":".join(parts[:2] if i.step is None else parts)
+        if i is Ellipsis:
+            return "..."
+        if isinstance(i, torch.Tensor):
+            return f"<{_dtype_name(i.dtype)} tensor of shape {tuple(i.shape)}>"
+        return repr(i)
+
+    items = index if isinstance(index, tuple) else (index,)
+    return ShapeError(f"x[{', '.join(text(i) for i in items)}] on global shape {tuple(x.shape)} with placements "
+                      f"{x._placements}: {e}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import sbp
 import sbp.testing
 from sbp import B, DeviceMesh, Partial, S, Split
 
-MIN_ROWS = 220          # the table below has at least this many rows (225; 221 where CUDA is available)
+MIN_ROWS = 230          # the table below has at least this many rows (237; 233 where CUDA is available)
 CUDA = torch.cuda.is_available()
 
 
@@ -90,10 +90,6 @@ def _parallelize(mesh, plan, **kw):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     return sbp.nn.parallelize(model, mesh, plan, **kw)
 
-
-OPS_SHAPES = ("sbp/ops: a shape error in an op on global tensors surfaces as torch's RuntimeError/IndexError, "
-              "not sbp.ShapeError (reported to the operator engineers)")
-CKPT_PATH = "sbp/checkpoint.py: a path that is not str/PathLike raises a bare TypeError (reported)"
 
 ROWS: list[Row] = [
     # ---- placements: parsing and construction -------------------------------------------------------------
@@ -255,8 +251,11 @@ ROWS: list[Row] = [
     Row("load-keys", lambda: sbp.load(_saved_checkpoint(), {"v": torch.zeros(4, 2)}), CE, "have different keys: missing from the checkpoint: ['v']"),
     Row("load-shape", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 3)}), CE, "tensor 'w': global shape (4, 2) in the checkpoint, (4, 3) in the state_dict"),
     Row("load-dtype", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 2, dtype=torch.int64)}), CE, "dtype float32 in the checkpoint, int64 in the state_dict"),
-    Row("save-path-int", lambda: sbp.save({"a": torch.ones(1)}, 5), CE, "path", xfail=CKPT_PATH),
-    Row("load-path-int", lambda: sbp.load(5, {}), CE, "path", xfail=CKPT_PATH),
+    Row("save-path-int", lambda: sbp.save({"a": torch.ones(1)}, 5), CE, "save: path must be a str or os.PathLike naming the checkpoint directory, got int (5)"),
+    Row("load-path-int", lambda: sbp.load(5, {}), CE, "load: path must be a str or os.PathLike naming the checkpoint directory, got int (5)"),
+    Row("load-path-empty", lambda: sbp.load("", {}), CE, "load: path must be a str or os.PathLike naming the checkpoint directory, got ''"),
+    Row("load-strict-str", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 2)}, strict="no"), E, "load: strict must be True or False, got 'no'"),
+    Row("save-mesh-str", lambda: sbp.save({"a": 1}, os.path.join(_CKPT, "c"), mesh="tp"), E, "save: mesh must be an sbp.DeviceMesh or None, got str"),
 
     # ---- distribute (threads) ------------------------------------------------------------------------------
     T("distribute-list", lambda m: sbp.distribute([1, 2], m, "S(0)"), E, "distribute needs a torch.Tensor on every rank when src=None, got list; pass src=rank"),
@@ -330,9 +329,18 @@ ROWS: list[Row] = [
     T("parallelize-not-module", lambda m: sbp.nn.parallelize(5, m, {}), E, "parallelize needs an nn.Module, got int"),
     Row("parallelize-pure-mesh", lambda: sbp.nn.parallelize(nn.Linear(2, 2), M1, {"": "colwise"}), E, "parallelize needs a bound sbp.DeviceMesh"),
     T("ops-different-meshes", lambda m: _x(m) + sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2,), ranks=(1, 0))), "B"), E, "mixes global tensors on different meshes"),
-    T("ops-matmul-shapes", lambda m: _x(m) @ _x(m, "B", torch.ones(3, 3)), sbp.ShapeError, "", xfail=OPS_SHAPES),
-    T("ops-sum-dim", lambda m: _x(m).sum(5), sbp.ShapeError, "", xfail=OPS_SHAPES),
-    T("ops-view-numel", lambda m: _x(m).view(3, 3), sbp.ShapeError, "", xfail=OPS_SHAPES),
+    T("ops-matmul-shapes", lambda m: _x(m) @ _x(m, "B", torch.ones(3, 3)), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and (B,): a and b must have same reduction dim, but got [4, 4] X [3, 3]."),
+    T("ops-matmul-plain", lambda m: _x(m) @ torch.ones(3, 3), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and plain: "),
+    T("ops-sum-dim", lambda m: _x(m).sum(5), SE, "aten.sum.dim_IntList on global shape (4, 4) with placements (S(0),): Dimension out of range (expected to be in range of [-2, 1], but got 5)"),
+    T("ops-view-numel", lambda m: _x(m).view(3, 3), SE, "aten.view.default on global shape (4, 4) with placements (S(0),): shape '[3, 3]' is invalid for input of size 16"),
+    T("ops-index-range", lambda m: _x(m)[10], SE, "x[10] on global shape (4, 4) with placements (S(0),): index 10 is out of bounds for dimension 0 with size 4"),
+    T("ops-setitem-range", lambda m: _x(m).__setitem__((1, 7), 0.0), SE, "x[1, 7] on global shape (4, 4) with placements (S(0),): index 7 is out of bounds for dimension 1 with size 4"),
+    T("ops-cat-shapes", lambda m: torch.cat([_x(m), _x(m, "B", torch.ones(3, 3))]), SE, "aten.cat.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and (B,): Sizes of tensors must match except in dimension 0"),
+    T("ops-broadcast", lambda m: _x(m) + _x(m, "S(0)", torch.ones(2, 3)), SE, "aten.add.Tensor on global shapes (4, 4) and (2, 3) with placements (S(0),) and (S(0),): "),
+    T("ops-softmax-dim", lambda m: _x(m).softmax(4), SE, "aten._softmax.default on global shape (4, 4) with placements (S(0),): dim 4 is out of range for a 2-d tensor (valid: -2..1)"),
+    T("ops-no-rule-dim", lambda m: torch.kthvalue(_x(m), 1, 5), SE, "aten.kthvalue.default on global shape (4, 4) with placements (S(0),): Dimension out of range"),
+    T("ops-bmm-dtypes", lambda m: torch.bmm(_x(m, "S(0)", torch.ones(2, 4, 4)), _x(m, "B", torch.ones(2, 4, 2, dtype=torch.int64))), DE, "aten.bmm.default on global shapes (2, 4, 4) and (2, 4, 2) with placements (S(0),) and (B,): expected scalar type torch.float32 but found torch.int64"),
+    T("ops-inplace-promotion", lambda m: _x(m, "S(0)", torch.ones(4, 4, dtype=torch.int64)).add_(_x(m, "B")), DE, "aten.add_.Tensor on global shapes (4, 4) and (4, 4) with placements (S(0),) and (B,): Promotion of int.add/sub_(float) in in-place ops are not possible"),
 
     # ---- real process groups (gloo, 4 processes) -----------------------------------------------------------
     G("init-mesh-smaller-than-world", lambda m: sbp.init_mesh((3,)), ME, "mesh of shape (3,) has 3 ranks but the world has 4 processes; pass ranks=[...] to put the mesh on part of the world"),

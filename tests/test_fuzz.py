@@ -139,11 +139,11 @@ JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 10 ** 12
 
 
 def _edit_json(meta, choices: list[int], value, delete: bool):
-    """Walk into `meta` following `choices`; replace (or delete) the value found there. Entries of the
-    "files" table are left alone: sbp/checkpoint.py does not validate them yet (the xfail tests below)."""
+    """Walk into `meta` following `choices`; replace (or delete) the value found there (anywhere: the
+    tensors and the "files" table alike)."""
     node, key = meta, None
     parent = None
-    for depth, c in enumerate(choices):
+    for c in choices:
         if isinstance(node, dict) and node:
             parent, key = node, sorted(node)[c % len(node)]
         elif isinstance(node, list) and node:
@@ -151,8 +151,6 @@ def _edit_json(meta, choices: list[int], value, delete: bool):
         else:
             break
         node = parent[key]
-        if depth == 0 and key == "files" and len(choices) > 1:
-            return meta   # KNOWN_BUGS: an edited file entry crashes load with KeyError / TypeError
     if parent is None:
         return value
     if delete and isinstance(parent, dict):
@@ -226,26 +224,30 @@ def test_checkpoint_fuzz_baseline_loads(checkpoint):
     assert torch.equal(state["x"], torch.arange(12.).view(4, 3)) and state["step"] == 3
 
 
-# What the checkpoint fuzz found in sbp/checkpoint.py (not this suite's file; reported): metadata.json's
-# "files" entries are used unchecked, so an edited entry crashes `load` with a bare KeyError / TypeError.
-KNOWN_BUGS = "sbp/checkpoint.py: _Files.load does not validate metadata.json 'files' entries (reported)"
-
-
-@pytest.mark.xfail(reason=KNOWN_BUGS, strict=True)
-@pytest.mark.parametrize("edit", [
-    pytest.param(lambda files: files["rank00000.pt"].pop("sha256"), id="entry-without-sha256"),
-    pytest.param(lambda files: files["rank00000.pt"].pop("bytes"), id="entry-without-bytes"),
-    pytest.param(lambda files: files.__setitem__("rank00000.pt", []), id="entry-is-a-list"),
+# What the checkpoint fuzz once found in sbp/checkpoint.py: metadata.json's "files" entries were used
+# unchecked, so an edited entry crashed `load` with a bare KeyError / TypeError. Pinned here.
+@pytest.mark.parametrize("edit, fragment", [
+    pytest.param(lambda files: files["rank00000.pt"].pop("sha256"), "the entry has no 'sha256'",
+                 id="entry-without-sha256"),
+    pytest.param(lambda files: files["rank00000.pt"].pop("bytes"), "the entry has no 'bytes'",
+                 id="entry-without-bytes"),
+    pytest.param(lambda files: files.__setitem__("rank00000.pt", []), "the entry is a list, not an object",
+                 id="entry-is-a-list"),
+    pytest.param(lambda files: files["rank00000.pt"].__setitem__("bytes", "12"), "bytes '12' is not a non-negative int",
+                 id="bytes-is-a-str"),
+    pytest.param(lambda files: files["rank00000.pt"].__setitem__("bytes", True), "bytes True is not a non-negative int",
+                 id="bytes-is-a-bool"),
+    pytest.param(lambda files: files["rank00000.pt"].__setitem__("sha256", 7),
+                 "sha256 7 is not 64 lowercase hex digits", id="sha256-is-an-int"),
+    pytest.param(lambda files: files.__setitem__("../rank00000.pt", files.pop("rank00000.pt")),
+                 "is not a file name inside the checkpoint directory", id="name-outside-the-directory"),
 ])
-def test_edited_file_entries_raise_checkpoint_error(checkpoint, tmp_path, edit):
+def test_edited_file_entries_raise_checkpoint_error(checkpoint, tmp_path, edit, fragment):
     path = tmp_path / "ck"
     shutil.copytree(checkpoint, path)
     meta = json.loads((path / "metadata.json").read_text())
     edit(meta["files"])
     (path / "metadata.json").write_text(json.dumps(meta))
-    try:
+    with pytest.raises(sbp.CheckpointError) as info:
         sbp.load(str(path), _target())
-    except sbp.SbpError:
-        return
-    except Exception as e:  # noqa: BLE001 - the bug: a bare exception
-        pytest.fail(f"bare {type(e).__name__}: {e}")
+    assert fragment in str(info.value) and "'files' entry" in str(info.value), str(info.value)

@@ -9,6 +9,7 @@ instead of silently missing the base.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -83,6 +84,15 @@ def _substitute(args: tuple, kwargs: dict, paths: list[tuple], locals_: list) ->
                 copied.add(where)
             target[where][path[1]] = local
     return largs, lkwargs
+
+
+def _user_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, from its caller, of the first frame outside sbp: the user's line
+    (an op may be reached through sbp frames such as `GlobalTensor.__getitem__`)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "sbp":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ---- decisions -----------------------------------------------------------------------------------------
@@ -179,7 +189,7 @@ class Decision:
             self.warned = True
             warnings.warn(f"sbp: no sharding rule for {self.spec.func} with input placements {pls}; it ran on "
                           f"Broadcast (full) inputs. sbp.strict() makes this an error.", FallbackWarning,
-                          stacklevel=5)
+                          stacklevel=_user_stacklevel())
 
     def _write_back(self, i: int, k: Optional[int], leaves: list, locals_: list, mesh: DeviceMesh) -> None:
         """An input the op wrote: if it was computed in another layout, copy the result into the original."""

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import DTypeError, ShapeError
 from ..layout import block, block_numel
 from ..mesh import DeviceMesh
 from ..placement import Partial
@@ -67,6 +68,50 @@ def _meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta]
     return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
 
 
+def _on_inputs(spec: OpSpec) -> str:
+    """The op and its inputs' global shapes and placements, the prefix of a bad-input message.
+
+    >>> import sbp
+    >>> x, w = TensorMeta((4, 3), torch.float32, (sbp.S(0),)), TensorMeta((5, 2), torch.float32, (B,), False)
+    >>> _on_inputs(OpSpec(torch.ops.aten.mm.default, (2,), {}, (x, w)))
+    'aten.mm.default on global shapes (4, 3) and (5, 2) with placements (S(0),) and plain'
+    """
+    def join(items: list[str]) -> str:
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+    shapes = [repr(tuple(m.shape)) for m in spec.inputs]
+    pls = [repr(tuple(m.placements)) if m.is_global else "plain" for m in spec.inputs]
+    s = "" if len(shapes) == 1 else "s"
+    return f"{spec.func} on global shape{s} {join(shapes)} with placements {join(pls)}"
+
+
+def _input_error(spec: OpSpec, e: Exception) -> DTypeError | ShapeError:
+    """The `sbp.SbpError` for torch refusing the op on meta tensors of the global shapes: `DTypeError` when
+    torch's message is about dtypes, `ShapeError` otherwise (shapes, dims, indices); torch's text kept."""
+    text = str(e)
+    words = ("dtype", "scalar type", "result type", "promotion", "be cast")
+    kind = DTypeError if any(w in text.lower() for w in words) else ShapeError
+    return kind(f"{_on_inputs(spec)}: {text}")
+
+
+def _check_on_meta(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
+    """An op without a rule runs on full inputs; refuse arguments torch refuses for the global shapes first.
+
+    Lenient: a meta kernel may be missing (`NotImplementedError`) or unable to compute a data-dependent
+    shape (its message then names meta tensors); those calls are left to run on the real values.
+    """
+    try:
+        _meta_outputs(func, args, kwargs)
+    except NotImplementedError:
+        return
+    except IndexError as e:
+        raise _input_error(spec, e) from e
+    except RuntimeError as e:
+        if "meta" in str(e).lower():
+            return
+        raise _input_error(spec, e) from e
+
+
 def _writes(func, spec: OpSpec) -> list[tuple[int, Optional[int]]]:
     """(input index, output slot or None) for every input the op writes (`add_`, `out=`, `_foreach_*_`)."""
     schema = func._schema
@@ -100,10 +145,19 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
     writes = _writes(func, spec)
     rule = rules.lookup(func)
     if rule is None:
+        _check_on_meta(func, args, kwargs, spec)
         return _fallback(spec, paths, writes)
     if rule.meta:
-        spec.outputs = _meta_outputs(func, args, kwargs)
-    choice = select(rule, spec, {k: i for i, k in writes if k is not None})
+        try:
+            spec.outputs = _meta_outputs(func, args, kwargs)
+        except NotImplementedError:
+            raise   # no meta kernel: not the user's input
+        except (RuntimeError, IndexError) as e:
+            raise _input_error(spec, e) from e
+    try:
+        choice = select(rule, spec, {k: i for i, k in writes if k is not None})
+    except ShapeError as e:   # a rule refused an argument its op's meta kernel let through (a dim out of range)
+        raise ShapeError(f"{_on_inputs(spec)}: {e}") from e
     if choice is None:
         return _fallback(spec, paths, writes)
     return Decision(spec, choice, rule.run, paths, writes)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..errors import ShapeError
 from ..layout import Block, block, block_shape
 from ..mesh import DeviceMesh
 from ..placement import Broadcast, Partial, Placement, Split
@@ -234,9 +235,17 @@ def dims_of(value: Any, ndim: int) -> tuple[int, ...]:
 
     >>> dims_of([-1, 0], 3), dims_of(None, 2), dims_of(1, 2)
     ((0, 2), (0, 1), (1,))
+    >>> dims_of(4, 2)
+    Traceback (most recent call last):
+    ...
+    sbp.errors.ShapeError: dim 4 is out of range for a 2-d tensor (valid: -2..1)
     """
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return tuple(range(ndim))
     if isinstance(value, int):
         value = [value]
-    return tuple(sorted({d % max(ndim, 1) for d in value}))
+    n = max(ndim, 1)   # a 0-d tensor takes dim 0 or -1, as in torch
+    for d in value:
+        if not -n <= d < n:
+            raise ShapeError(f"dim {d} is out of range for a {ndim}-d tensor (valid: {-n}..{n - 1})")
+    return tuple(sorted({d % n for d in value}))
