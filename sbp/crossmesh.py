@@ -9,6 +9,7 @@ Pure: every rank computes the same plan.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -198,29 +199,34 @@ def _reduced_states(src: tuple[Placement, ...], ndim: int) -> list[tuple[Placeme
 def _build(shape, src_mesh, src, mid, dst_mesh, land, post, dst, itemsize, pre) -> CrossMeshPlan:
     parts_axes = [a for a, p in enumerate(mid) if isinstance(p, Partial)]
     op = mid[parts_axes[0]].op if parts_axes else None
-    # holders[(part, tile)] -> world ranks holding that tile of that contribution
-    holders: dict[tuple[int, Block], list[int]] = {}
-    own: dict[int, tuple[int, Block]] = {}
-    n_parts = 1
-    for a in parts_axes:
-        n_parts *= src_mesh.shape[a]
+    # A Broadcast axis outside (before) a Partial axis holds the same value on each of its coords, but
+    # not the same contributions: all contributions of a piece must come from one such replica.
+    replica_axes = [a for a, p in enumerate(mid) if isinstance(p, Broadcast) and parts_axes and a < parts_axes[-1]]
+    n_replicas = math.prod(src_mesh.shape[a] for a in replica_axes)
+    n_parts = math.prod(src_mesh.shape[a] for a in parts_axes)
+
+    def index(coord, axes):
+        out = 0
+        for a in axes:
+            out = out * src_mesh.shape[a] + coord[a]
+        return out
+
+    # holders[(replica, part, tile)] -> world ranks holding that tile of that contribution
+    holders: dict[tuple[int, int, Block], list[int]] = {}
+    replica_of: dict[int, int] = {}
     for coord in src_mesh.coords():
-        part = 0
-        for a in parts_axes:
-            part = part * src_mesh.shape[a] + coord[a]
-        tile = block(shape, src_mesh.shape, mid, coord)
         rank = src_mesh.rank_of(coord)
-        holders.setdefault((part, tile), []).append(rank)
-        own[rank] = (part, tile)
+        replica_of[rank] = index(coord, replica_axes)
+        key = (replica_of[rank], index(coord, parts_axes), block(shape, src_mesh.shape, mid, coord))
+        holders.setdefault(key, []).append(rank)
     load: dict[int, int] = {}
     pieces = []
-    lacks = []
-    for coord in dst_mesh.coords():
+    for i, coord in enumerate(dst_mesh.coords()):
         rank = dst_mesh.rank_of(coord)
         want = block(shape, dst_mesh.shape, land, coord)
-        lack = 0
-        for (part, tile), who in holders.items():
-            piece = intersect(tile, want)
+        replica = replica_of.get(rank, i % n_replicas)  # own replica when it holds one, else round-robin
+        for (rep, part, tile), who in holders.items():
+            piece = intersect(tile, want) if rep == replica else None
             if piece is None:
                 continue
             if rank in who:  # this rank already holds that piece of that contribution
@@ -229,8 +235,6 @@ def _build(shape, src_mesh, src, mid, dst_mesh, land, post, dst, itemsize, pre) 
             sender = min(who, key=lambda r: (load.get(r, 0), r))
             load[sender] = load.get(sender, 0) + block_numel(piece)
             pieces.append(Piece(sender, rank, piece, part))
-            lack += block_numel(piece)
-        lacks.append(lack)
     worst, total = _lower_bounds(shape, src_mesh, src, dst_mesh, land, itemsize)
     return CrossMeshPlan(shape, src_mesh, dst_mesh, src, dst, itemsize, pre, mid, tuple(pieces), land, post,
                          n_parts, op, worst, total)

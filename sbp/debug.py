@@ -78,7 +78,8 @@ def is_enabled() -> bool:
     value = _DEBUG.get()
     if value is not None:
         return value
-    return os.environ.get("SBP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    env = os.environ.get("SBP_DEBUG")  # hot path: usually unset
+    return env is not None and env.strip().lower() in ("1", "true", "yes", "on")
 
 
 def digest(value: Any) -> int:

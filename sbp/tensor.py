@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .errors import MeshError, PlacementError, SbpError, ShapeError
+from .debug import is_enabled as _debug_enabled
 from .layout import local_slices
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, normalize
@@ -294,9 +295,9 @@ def check_local_device(local: torch.Tensor, mesh: DeviceMesh, what: str) -> None
 
 def _debug_check(x: "GlobalTensor", dst: tuple[Placement, ...]) -> None:
     """Under `sbp.debug()`: every rank of the mesh redistributes the same tensor the same way."""
-    from .debug import agree, is_enabled, mesh_gather, plan_signature  # sbp.debug is also the function
-    if not is_enabled() or x._mesh.binding is None or x._mesh.coord is None:
+    if not _debug_enabled() or x._mesh.binding is None or x._mesh.coord is None:
         return
+    from .debug import agree, mesh_gather, plan_signature  # sbp.debug is also the function
     from .execute import _plan
     signature = "none: layouts agree" if dst == x._placements else plan_signature(
         _plan(tuple(x.shape), tuple(x._mesh.shape), x._placements, dst, x._local.element_size()))
