@@ -63,6 +63,19 @@ class GlobalTensor(torch.Tensor):
         self._placements = tuple(placements)
         return self
 
+    def item(self) -> Any:
+        """The value of a one-element global tensor as a Python number (the same on every rank).
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.full((1,), 3.0), mesh, "B").item(), (2,))
+        [3.0, 3.0]
+        """
+        if self.numel() != 1:
+            raise ShapeError(f".item() needs a global tensor with exactly one element, got global shape "
+                             f"{tuple(self.shape)} ({self.numel()} elements) with placements "
+                             f"{_fmt(self._placements)}")
+        return super().item()
+
     # ---- indexing: torch checks integer indices against the (global) sizes before any op runs ----------
     def __getitem__(self, index: Any) -> Any:
         try:

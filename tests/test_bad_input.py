@@ -339,7 +339,10 @@ ROWS: list[Row] = [
     T("ops-broadcast", lambda m: _x(m) + _x(m, "S(0)", torch.ones(2, 3)), SE, "aten.add.Tensor on global shapes (4, 4) and (2, 3) with placements (S(0),) and (S(0),): "),
     T("ops-softmax-dim", lambda m: _x(m).softmax(4), SE, "aten._softmax.default on global shape (4, 4) with placements (S(0),): dim 4 is out of range for a 2-d tensor (valid: -2..1)"),
     T("ops-no-rule-dim", lambda m: torch.kthvalue(_x(m), 1, 5), SE, "aten.kthvalue.default on global shape (4, 4) with placements (S(0),): Dimension out of range"),
-    T("ops-bmm-dtypes", lambda m: torch.bmm(_x(m, "S(0)", torch.ones(2, 4, 4)), _x(m, "B", torch.ones(2, 4, 2, dtype=torch.int64))), DE, "aten.bmm.default on global shapes (2, 4, 4) and (2, 4, 2) with placements (S(0),) and (B,): expected scalar type torch.float32 but found torch.int64"),
+    T("ops-bmm-dtypes", lambda m: torch.bmm(_x(m, "S(0)", torch.ones(2, 4, 4)), _x(m, "B", torch.ones(2, 4, 2, dtype=torch.int64))), DE, "aten.bmm.default on global shapes (2, 4, 4) and (2, 4, 2) with placements (S(0),) and (B,): the matrix inputs must share one dtype"),
+    T("ops-mm-dtypes", lambda m: _x(m) @ _x(m, "B", torch.ones(4, 4, dtype=torch.int64)), DE, "aten.mm.default on global shapes (4, 4) and (4, 4) with placements (S(0),) and (B,): the matrix inputs must share one dtype, got ['torch.float32', 'torch.int64']"),
+    T("ops-index-float", lambda m: _x(m).index_select(0, torch.tensor([0.5])), DE, "the index must be an integer tensor, got torch.float32"),
+    T("ops-item-many", lambda m: _x(m).item(), SE, ".item() needs a global tensor with exactly one element, got global shape (4, 4) (16 elements)"),
     T("ops-inplace-promotion", lambda m: _x(m, "S(0)", torch.ones(4, 4, dtype=torch.int64)).add_(_x(m, "B")), DE, "aten.add_.Tensor on global shapes (4, 4) and (4, 4) with placements (S(0),) and (B,): Promotion of int.add/sub_(float) in in-place ops are not possible"),
 
     # ---- real process groups (gloo, 4 processes) -----------------------------------------------------------

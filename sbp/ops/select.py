@@ -94,6 +94,27 @@ def _input_error(spec: OpSpec, e: Exception) -> DTypeError | ShapeError:
     return kind(f"{_on_inputs(spec)}: {text}")
 
 
+_SAME_DTYPE = {"mm", "addmm", "bmm", "baddbmm", "dot", "mv", "addmv"}
+_INDEX_ARG = {"index_select": 2, "gather": 2, "scatter": 2, "scatter_add": 2, "index_add": 2}
+
+
+def _check_what_meta_skips(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
+    """Checks torch's CPU kernels make but its meta kernels skip, so the error names the global inputs."""
+    name = func._schema.name.split("::")[-1]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in _SAME_DTYPE and len({t.dtype for t in tensors}) > 1:
+        raise DTypeError(f"{_on_inputs(spec)}: the matrix inputs must share one dtype, got "
+                         f"{[str(t.dtype) for t in tensors]} (cast one with .to(dtype))")
+    position = _INDEX_ARG.get(name)
+    index = args[position] if position is not None and len(args) > position else kwargs.get("index")
+    if position is not None and isinstance(index, torch.Tensor) and (index.dtype.is_floating_point or
+                                                                       index.dtype.is_complex):
+        raise DTypeError(f"{_on_inputs(spec)}: the index must be an integer tensor, got {index.dtype}")
+    if name == "_local_scalar_dense" and tensors and tensors[0].numel() != 1:
+        raise ShapeError(f"{_on_inputs(spec)}: .item() needs a tensor with exactly one element, got global "
+                         f"shape {tuple(tensors[0].shape)} ({tensors[0].numel()} elements)")
+
+
 def _check_on_meta(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
     """An op without a rule runs on full inputs; refuse arguments torch refuses for the global shapes first.
 
@@ -141,6 +162,7 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
     Choice(inputs=((S(1),), (S(0),)), outputs=((P(sum),),))
     """
     spec = _bind(func, args, kwargs, tuple(mesh.shape), leaves)
+    _check_what_meta_skips(func, args, kwargs, spec)
     paths = _paths(args, kwargs)
     writes = _writes(func, spec)
     rule = rules.lookup(func)
