@@ -276,5 +276,12 @@ def _put(s: State, axes: Sequence[int], p: Placement) -> State:
 
 
 def _subsets(axes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    for k in range(1, len(axes) + 1):
-        yield from itertools.combinations(axes, k)
+    """Groups of axes to reduce together: every subset for up to 3 axes, else the runs of consecutive
+    ones (2**n subsets would make planning on deep meshes exponential)."""
+    if len(axes) <= 3:
+        for k in range(1, len(axes) + 1):
+            yield from itertools.combinations(axes, k)
+        return
+    for i in range(len(axes)):
+        for j in range(i + 1, len(axes) + 1):
+            yield axes[i:j]
