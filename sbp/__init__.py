@@ -26,3 +26,4 @@ from . import ops as _ops  # installs the operator rules (sbp.ops) into GlobalTe
 from .ops import strict
 from .errors import DTypeError
 from .debug import debug
+from . import testing  # sbp.testing.spmd, strategies and assertions without a separate import

@@ -189,12 +189,9 @@ class Costing:
         if not new or s == d:
             best = self.lack(s, d)
         else:
-            groups: dict[tuple[int, ...], list[int]] = {}
-            for i, c in enumerate(self.coords):
-                groups.setdefault(tuple(v for a, v in enumerate(c) if a not in new), []).append(i)
             have, want = self._boxes(s), self._boxes(d)
             best = 0
-            for members in groups.values():
+            for members in self._groups_across(tuple(new)):
                 target = want[members[0]]
                 held = sum(_overlap(target, b) for b in {have[i] for i in members})
                 lack = _overlap(target, target) - held
@@ -202,14 +199,33 @@ class Costing:
         self._bound[key] = best * self.itemsize
         return best * self.itemsize
 
+    def _groups_across(self, axes: tuple[int, ...]) -> list[list[int]]:
+        """Coord indices grouped by their coords off `axes` (the members of each group differ on `axes`)."""
+        key = ("groups", axes)
+        out = self._bound.get(key)
+        if out is None:
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for i, c in enumerate(self.coords):
+                groups.setdefault(tuple(v for a, v in enumerate(c) if a not in axes), []).append(i)
+            out = self._bound[key] = list(groups.values())
+        return out
+
     def _boxes(self, s: State) -> list[tuple[tuple[int, int], ...]]:
         """Per coord, its block as one (start, stop) per dim (distinct blocks of a state are disjoint)."""
-        per_dim = self.ranges(s)
-        return [tuple(r[i] for r in per_dim) for i in range(len(self.coords))]
+        key = ("boxes", s)
+        out = self._bound.get(key)
+        if out is None:
+            per_dim = self.ranges(s)
+            out = self._bound[key] = list(zip(*per_dim)) if per_dim else [()] * len(self.coords)
+        return out
 
 
 def _overlap(a, b) -> int:
     n = 1
     for (alo, ahi), (blo, bhi) in zip(a, b):
-        n *= max(0, min(ahi, bhi) - max(alo, blo))
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
+        if hi <= lo:
+            return 0
+        n *= hi - lo
     return n
