@@ -9,13 +9,12 @@ member) is not counted.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Optional
 
 from .layout import split_range, splitters
 from .mesh import DeviceMesh
-from .placement import Broadcast, Partial, Placement, Split
+from .placement import Partial, Placement
 from .steps import Step
 
 State = tuple[Placement, ...]

@@ -16,7 +16,6 @@ from .debug import agree, is_enabled, peer_gather, plan_signature
 from .errors import MeshError
 from .layout import block, block_shape, relative
 from .mesh import DeviceMesh
-from .placement import Partial
 
 REDUCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Optional, Sequence
 
 from .errors import MeshError, PlanError
-from .layout import Block, block, block_numel, check_global_shape, intersect, splitters
+from .layout import Block, block, block_numel, check_global_shape, intersect
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, Split, normalize
 from .planner import _plan_cached
@@ -73,19 +73,18 @@ class CrossMeshPlan:
     @property
     def received(self) -> dict[int, int]:
         """Bytes each world rank receives in the piece phase."""
-        out: dict[int, int] = {}
-        for p in self.pieces:
-            if p.src_rank != p.dst_rank:
-                out[p.dst_rank] = out.get(p.dst_rank, 0) + p.numel() * self.itemsize
-        return out
+        return self._volumes(lambda p: p.dst_rank)
 
     @property
     def sent(self) -> dict[int, int]:
         """Bytes each world rank sends in the piece phase."""
+        return self._volumes(lambda p: p.src_rank)
+
+    def _volumes(self, rank_of) -> dict[int, int]:
         out: dict[int, int] = {}
         for p in self.pieces:
             if p.src_rank != p.dst_rank:
-                out[p.src_rank] = out.get(p.src_rank, 0) + p.numel() * self.itemsize
+                out[rank_of(p)] = out.get(rank_of(p), 0) + p.numel() * self.itemsize
         return out
 
     @property

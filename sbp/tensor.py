@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import MeshError, PlacementError, SbpError, ShapeError
+from .errors import MeshError, PlacementError, ShapeError
 from .debug import is_enabled as _debug_enabled
 from .layout import local_slices
 from .mesh import DeviceMesh
