@@ -12,8 +12,10 @@ Per case it prints:
   process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` after the model
   is built and sharded) over its resident set at that moment: activations, gradients, optimizer state,
   communication buffers and allocator slack. Python-level tracers (tracemalloc) do not see torch's
-  allocations, and torch has no CPU allocator statistics, so RSS is the honest measure on CPU; it
-  includes memory the allocator keeps cached, so read it to a few MiB;
+  allocations, and torch has no CPU allocator statistics, so RSS is the honest measure on CPU. The
+  memory processes pin glibc's mmap threshold (128 KiB) so freed buffers leave the resident set and it
+  follows the live tensors; with the default dynamic threshold RSS climbs at random from step to step
+  for both frameworks. Read it to about a MiB;
 - ``loss diff``: |sbp loss - DTensor loss| at the first step (both start from the same weights).
 
 Times come from one set of 4 processes holding both models, their steps alternating (sbp, DTensor, sbp,
@@ -152,7 +154,20 @@ def memory_case(framework: str, ex, dim: int, args) -> dict:
     return {"peak_kib": memory_kib()["VmHWM"] - (base if reset else 0), "params": params, "peak_reset": reset}
 
 
+def fixed_mmap_threshold(size: int = 128 * 1024) -> None:
+    """Pin glibc's mmap threshold so every buffer of `size` bytes or more is mmapped and returned to the OS
+    when freed: the resident set then follows the live tensors instead of how the heap happened to grow
+    (with the default, dynamic threshold RSS climbs at random for sbp and DTensor alike)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, size)  # M_MMAP_THRESHOLD; also turns off its dynamic raising
+    except (OSError, AttributeError):
+        pass
+
+
 def worker(rank: int, port: int, mode: str, args, queue) -> None:
+    if mode != "time":  # timings keep the default allocator (mmap per buffer costs page faults)
+        fixed_mmap_threshold()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
