@@ -23,7 +23,7 @@ from .errors import MeshError, SbpError
 from .layout import block
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, Split
-from .tensor import GlobalTensor
+from .tensor import GlobalTensor, contiguous_strides
 
 _CACHE_ATTR = "_sbp_interop_meshes"  # per-binding cache: sbp mesh value <-> torch DeviceMesh
 
@@ -48,7 +48,7 @@ def to_dtensor(x: GlobalTensor) -> Any:
     mid = _meeting_point(shape, x.mesh.shape, x.placements)
     y = x.redistribute(mid) if mid != x.placements else x
     dt = DTensor.from_local(y.to_local(), torch_mesh, [_to_torch(p) for p in mid], run_check=False,
-                            shape=torch.Size(shape), stride=_strides(shape))
+                            shape=torch.Size(shape), stride=contiguous_strides(shape))
     if mid != x.placements:
         dt = dt.redistribute(torch_mesh, [_to_torch(p) for p in x.placements])
     return dt
@@ -143,14 +143,6 @@ def _from_torch(p: Any, axis: int) -> Placement:
         return Partial(p.reduce_op)
     raise SbpError(f"DTensor placement {p!r} on mesh axis {axis} has no sbp equivalent "
                    f"(valid: Shard(d), Replicate(), Partial('sum'|'min'|'max'))")
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 # ---- meshes ----------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class GlobalTensor(torch.Tensor):
                 global_shape: Sequence[int], *, requires_grad: bool = False) -> "GlobalTensor":
         shape = tuple(global_shape)
         self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=local.dtype, device=local.device,
+            cls, shape, strides=contiguous_strides(shape), dtype=local.dtype, device=local.device,
             layout=local.layout, requires_grad=requires_grad)
         self._local = local
         self._mesh = mesh
@@ -421,7 +421,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of `shape` (a zero-size dim counts as 1, as torch does).
+
+    >>> contiguous_strides((2, 3, 4))
+    (12, 4, 1)
+    """
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)

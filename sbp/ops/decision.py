@@ -17,7 +17,7 @@ import torch
 
 from ..errors import SbpError, UnsupportedOpError
 from ..mesh import DeviceMesh
-from ..tensor import FallbackWarning, GlobalTensor, empty_outside, local_from_full, redistribute_raw
+from ..tensor import FallbackWarning, GlobalTensor, contiguous_strides, empty_outside, local_from_full, redistribute_raw
 from .spec import B, Call, Choice, OpSpec, default_run
 from .strict import _STRICT
 
@@ -119,7 +119,7 @@ class Decision:
         self.targets = tuple(None if tgt == meta.placements else tgt
                              for tgt, meta in zip(choice.inputs, spec.inputs))
         self.out_shapes = [None if o is None else o.shape for o in spec.outputs]
-        self.out_strides = [None if o is None else _contiguous(o.shape) for o in spec.outputs]
+        self.out_strides = [None if o is None else contiguous_strides(o.shape) for o in spec.outputs]
         self.out_keys = [None if o is None or k in self.aliases else
                          spec_token(choice.outputs[k], o.shape, o.dtype, spec.mesh_shape)
                          for k, o in enumerate(spec.outputs)]
@@ -251,14 +251,6 @@ def _mark_detached(out: Any, base: Any) -> None:
             t._sbp_detached = True
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -279,7 +271,7 @@ def _wrap_direct(local, mesh, pls, shape, strides) -> GlobalTensor:
 def _pick_wrapper():
     """Use `_wrap_direct` only while it builds exactly what the GlobalTensor constructor builds."""
     local, mesh, pls = torch.zeros(2, 3), DeviceMesh((1,)), (B,)
-    want, got = GlobalTensor(local, mesh, pls, (2, 3)), _wrap_direct(local, mesh, pls, (2, 3), _contiguous((2, 3)))
+    want, got = GlobalTensor(local, mesh, pls, (2, 3)), _wrap_direct(local, mesh, pls, (2, 3), contiguous_strides((2, 3)))
     same = (vars(want).keys() == vars(got).keys() and want.stride() == got.stride()
             and want.requires_grad == got.requires_grad and type(want) is type(got))
     return _wrap_direct if same else _wrap_by_constructor
