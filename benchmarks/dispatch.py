@@ -3,11 +3,14 @@
 Every rank of a gloo world (1 rank by default, ``--ranks 4`` for four processes) builds the same inputs
 as an sbp `GlobalTensor` and as a DTensor on a torch `DeviceMesh` over the same ranks, and times, in
 the same process and interleaved, ``x + y`` (both S(0)/Shard(0)), ``x @ w`` (w B/Replicate), ``x.sum()``
-and a no-op redistribute (S(0) -> S(0)). None of these communicates, so the time above plain torch on
-the local tensors is pure dispatch overhead. Rank 0 prints one row per op (best of ``--repeats`` runs
-of ``--iters`` calls, microseconds per call) and the ratio of sbp's overhead to DTensor's. The "floor"
-column is a do-nothing Python wrapper subclass (unwrap, run, rewrap): the least any `__torch_dispatch__`
-subclass can cost, for reference (DTensor's own dispatch runs in C++ in torch 2.13).
+and a no-op redistribute (S(0) -> S(0)), then ``x + y`` and ``x @ w`` again with inputs that require grad
+(autograd records the op). None of these communicates, so the time above plain torch on the local
+tensors is pure dispatch overhead. Rank 0 prints one row per op (best of ``--repeats`` runs of
+``--iters`` calls, microseconds per call) and the ratio of sbp's overhead to DTensor's. The "floor"
+column is a do-nothing Python wrapper subclass (unwrap, run, rewrap): the least a call through torch's
+dispatcher into a Python `__torch_dispatch__` can cost (DTensor's own dispatch runs in C++ in torch
+2.13). sbp's Python operators skip that trip when autograd need not record the op (`sbp.ops.direct`),
+so its rows without autograd can go below the floor; the autograd rows cannot.
 
     python benchmarks/dispatch.py            # 1 rank
     python benchmarks/dispatch.py --ranks 4  # 4 gloo processes
@@ -39,9 +42,9 @@ class Floor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor) -> "Floor":
+    def __new__(cls, local: torch.Tensor, requires_grad: bool = False) -> "Floor":
         out = torch.Tensor._make_wrapper_subclass(cls, local.shape, strides=local.stride(), dtype=local.dtype,
-                                                  device=local.device)
+                                                  device=local.device, requires_grad=requires_grad)
         out._local = local
         return out
 
@@ -67,12 +70,18 @@ def _cases(n: int):
     lx, ly, lw = x.to_local(), y.to_local(), w.to_local()
     fx, fy, fw = Floor(lx), Floor(ly), Floor(lw)
     shard = [Shard(0)]
+    xg, yg, wg = (t.detach().requires_grad_() for t in (x, y, w))
+    dxg, dyg, dwg = (t.detach().requires_grad_() for t in (dx, dy, dw))
+    fxg, fyg, fwg = Floor(lx, True), Floor(ly, True), Floor(lw, True)
+    lxg, lyg, lwg = (t.detach().requires_grad_() for t in (lx, ly, lw))
     return {
         "add": (lambda: lx + ly, lambda: x + y, lambda: dx + dy, lambda: fx + fy),
         "mm": (lambda: lx @ lw, lambda: x @ w, lambda: dx @ dw, lambda: fx @ fw),
         "sum": (lambda: lx.sum(), lambda: x.sum(), lambda: dx.sum(), lambda: fx.sum()),
         "redistribute (no-op)": (lambda: lx, lambda: x.redistribute("S(0)"),
                                  lambda: dx.redistribute(dmesh, shard), lambda: fx),
+        "add, autograd": (lambda: lxg + lyg, lambda: xg + yg, lambda: dxg + dyg, lambda: fxg + fyg),
+        "mm, autograd": (lambda: lxg @ lwg, lambda: xg @ wg, lambda: dxg @ dwg, lambda: fxg @ fwg),
     }
 
 
@@ -128,8 +137,9 @@ def report(rows: dict[str, list[float]], ranks: int) -> str:
         o, t, f = ours - plain, theirs - plain, floor - plain
         lines.append(f"{name:<22}{plain:>7.2f}{ours:>7.2f}{theirs:>8.2f}{floor:>7.2f}{o:>9.2f}{t:>8.2f}{f:>10.2f}"
                      f"{o / t:>8.2f}")
-    lines.append("ovh = time above plain torch on the local tensors. target: sbp/DT <= 0.50. floor = the cheapest")
-    lines.append("Python __torch_dispatch__ wrapper (unwrap, op, rewrap): no wrapper subclass can go below it.")
+    lines.append("ovh = time above plain torch on the local tensors (autograd rows: plain torch records too).")
+    lines.append("target: sbp/DT <= 0.50. floor = the cheapest Python __torch_dispatch__ wrapper (unwrap, op,")
+    lines.append("rewrap); sbp's operators skip the dispatcher when autograd need not record (sbp.ops.direct).")
     return "\n".join(lines)
 
 

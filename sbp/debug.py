@@ -78,8 +78,20 @@ def is_enabled() -> bool:
     value = _DEBUG.get()
     if value is not None:
         return value
-    env = os.environ.get("SBP_DEBUG")  # hot path: usually unset
-    return env is not None and env.strip().lower() in ("1", "true", "yes", "on")
+    env = _environ_get(_ENV_KEY)  # hot path (every redistribute): usually unset
+    if env is None:
+        return False
+    if isinstance(env, bytes):
+        env = os.fsdecode(env)
+    return env.strip().lower() in ("1", "true", "yes", "on")
+
+
+# os.environ's own table read directly (a plain dict lookup; os.environ.get re-encodes the key per call).
+# It is the table os.environ[...] = ... and monkeypatch.setenv update, so a change is still seen at once.
+try:
+    _environ_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey("SBP_DEBUG")
+except AttributeError:  # pragma: no cover - another os.environ implementation: use the public way
+    _environ_get, _ENV_KEY = os.environ.get, "SBP_DEBUG"
 
 
 def digest(value: Any) -> int:

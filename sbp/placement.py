@@ -184,7 +184,7 @@ def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int)
     >>> normalize("S(-1), B", ndim=2, mesh_ndim=2)
     (S(1), B)
     """
-    if isinstance(pls, tuple):
+    if isinstance(pls, (tuple, str)):   # the common spellings: parsed and checked once, then cached
         try:
             return _normalize_cached(pls, ndim, mesh_ndim)
         except TypeError:  # unhashable entries: validated (and refused) below

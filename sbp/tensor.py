@@ -158,12 +158,12 @@ class GlobalTensor(torch.Tensor):
         from .autograd import redistribute, redistribute_cross
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
-        if mesh is None or mesh == self._mesh:
-            pls = normalize(placements, self.ndim, self._mesh.ndim)
-            check_partial_dtype(pls, self.dtype, "redistribute")
-            if pls == self._placements:
+        if mesh is None or mesh is self._mesh or mesh == self._mesh:
+            pls = normalize(placements, len(self.shape), len(self._mesh.shape))
+            if pls == self._placements:  # already laid out so (and checked when it was made)
                 _debug_check(self, pls)  # redistribute_raw checks every other call
                 return self
+            check_partial_dtype(pls, self.dtype, "redistribute")
             return redistribute(self, pls)
         if mesh.binding is None:
             raise MeshError(f"redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, "

@@ -13,11 +13,13 @@ import torch
 
 from ..tensor import set_op_handler
 from .dispatch import clear_cache, handle
+from . import direct
 from .strict import is_strict, strict
 from .rules import TABLE, lookup, register
 from .spec import ANY, Call, Choice, OpSpec, Rule, Sig
 
 set_op_handler(handle)
+direct.install()
 
 __all__ = ["ANY", "Call", "Choice", "OpSpec", "Rule", "Sig", "TABLE", "clear_cache", "handle", "is_strict", "lookup",
            "register", "strict"]

@@ -1,0 +1,170 @@
+"""The direct path: Python operators on global tensors that skip torch's dispatcher when nothing on it acts.
+
+``x + y``, ``x @ w`` or ``x.sum()`` on global tensors normally travel through torch's dispatcher --
+argument parsing, the autograd layer, the Python dispatch key -- before the op handler
+(`sbp.ops.dispatch.handle`) sees ``aten.add.Tensor(x, y)``; that trip costs more than the op on an 8x8
+local tensor. When nothing on the way would act -- no tensor autograd must record, no dispatch or
+function mode, no autocast (`direct_ok`) -- the methods installed here look up the handler's cached
+decision for the call themselves. A decision that runs the op unchanged on the local tensors
+(`Decision.fast`: nothing moves, nothing written, one output) runs it with the same torch method on the
+locals and wraps the result; everything else (a cache miss, a rule with its own computation, a plain
+tensor operand, keyword arguments, a rank outside the mesh) goes to the handler with exactly the call
+the dispatcher would have made, or to torch's own method. Same decisions, same results, less overhead
+(docs/operators.md, "Dispatch overhead").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..tensor import GlobalTensor, _op_handler
+from .decision import _coord
+from .dispatch import _CACHE, _FLOAT_ZERO, _tensor_key, handle
+from .spec import FLOAT
+
+_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_autocast = torch._C._is_any_autocast_enabled
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
+def direct_ok(*tensors: torch.Tensor) -> bool:
+    """Whether an op on these global tensors may skip torch's dispatcher: nothing on its way would act
+    (no tensor that autograd must record, no dispatch or function mode, no autocast) and the op handler
+    plugged into `GlobalTensor.__torch_dispatch__` is `sbp.ops.dispatch.handle`.
+
+    >>> import sbp
+    >>> x = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,))
+    >>> direct_ok(x), direct_ok(x.requires_grad_())
+    (True, False)
+    >>> with torch.no_grad():
+    ...     direct_ok(x)
+    True
+    """
+    if _grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return False
+    return _quiet()
+
+
+_NOTHING, _MISS = object(), object()
+
+
+def _key(a: GlobalTensor) -> Any:
+    d = a.__dict__
+    cached = d.get("_sbp_key")
+    if cached is not None and cached[0] is d["_placements"] and cached[1] is d["_mesh"]:
+        return cached[2]
+    return _tensor_key(a)
+
+
+def _direct(op, local_method: Callable, a: GlobalTensor, b: Any) -> Any:
+    """``op(a)`` or ``op(a, b)`` for a global `a` and a global or Python-number `b` (`_NOTHING`: unary),
+    after `direct_ok`: a cached fast decision runs `local_method` on the locals, another cached decision
+    goes to the handler; `_MISS` when the call has no decision yet (the caller knows what to do then)."""
+    kind = type(b)
+    if kind is GlobalTensor:
+        decision = _CACHE.get((op, _key(a), _key(b)))
+    elif b is _NOTHING:
+        decision = _CACHE.get((op, _key(a)))
+    else:
+        decision = _CACHE.get((op, _key(a), (_FLOAT_ZERO if b == 0 else FLOAT) if kind is float else b))
+    if decision is None:
+        return _MISS
+    mesh = a._mesh
+    if not decision.fast or (kind is GlobalTensor and b._mesh is not mesh) or _coord(mesh) is None:
+        return handle(op, (a,) if b is _NOTHING else (a, b), {})
+    local = local_method(a._local) if b is _NOTHING else local_method(a._local, b._local if kind is GlobalTensor else b)
+    pls = decision.choice.outputs[0]
+    if local.layout is _STRIDED:
+        out = _make_wrapper(GlobalTensor, decision.out_shapes[0], dtype=local.dtype, device=local.device)
+    else:
+        out = _make_wrapper(GlobalTensor, decision.out_shapes[0], strides=decision.out_strides[0],
+                            dtype=local.dtype, device=local.device, layout=local.layout)
+    d = out.__dict__
+    d["_local"] = local
+    d["_mesh"] = mesh
+    d["_placements"] = pls
+    d["_sbp_key"] = (pls, mesh, decision.out_keys[0])
+    return out
+
+
+def _quiet() -> bool:
+    """No mode or autocast would act, and `handle` is the plugged-in op handler (`set_op_handler`)."""
+    return (not _dispatch_modes() and not _function_modes() and not _autocast()
+            and _op_handler[0] is handle)
+
+
+def _binary(name: str, op) -> Callable:
+    slow = getattr(torch.Tensor, name)
+
+    def method(self, other, *args, **kwargs):
+        if not args and not kwargs:
+            kind = type(other)
+            if kind is GlobalTensor:
+                if (not _grad_enabled() or not (self.requires_grad or other.requires_grad)) and _quiet():
+                    out = _direct(op, slow, self, other)
+                    return handle(op, (self, other), {}) if out is _MISS else out
+            elif (kind is float or kind is int) and (not _grad_enabled() or not self.requires_grad) and _quiet():
+                out = _direct(op, slow, self, other)
+                return handle(op, (self, other), {}) if out is _MISS else out
+        return slow(self, other, *args, **kwargs)   # alpha=, rounding_mode=, plain tensors: torch's own way
+
+    return _named(method, name)
+
+
+def _matmul(name: str) -> Callable:
+    slow, mm = getattr(torch.Tensor, name), torch.ops.aten.mm.default
+
+    def method(self, other, *args, **kwargs):
+        if (not args and not kwargs and type(other) is GlobalTensor
+                and (not _grad_enabled() or not (self.requires_grad or other.requires_grad)) and _quiet()):
+            out = _direct(mm, slow, self, other)
+            if out is not _MISS:   # a cached mm decision exists only for 2-d operands (its key has the shapes)
+                return out
+            if self.dim() == 2 and other.dim() == 2:
+                return handle(mm, (self, other), {})
+        return slow(self, other, *args, **kwargs)
+
+    return _named(method, name)
+
+
+def _reduction(name: str, op) -> Callable:
+    slow = getattr(torch.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        if not args and not kwargs and (not _grad_enabled() or not self.requires_grad) and _quiet():
+            out = _direct(op, slow, self, _NOTHING)
+            return handle(op, (self,), {}) if out is _MISS else out
+        return slow(self, *args, **kwargs)
+
+    return _named(method, name)
+
+
+def _named(method: Callable, name: str) -> Callable:
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = (f"As `torch.Tensor.{name}`; on global tensors that autograd need not record it skips "
+                      f"torch's dispatcher (`sbp.ops.direct`).")
+    return method
+
+
+def install() -> None:
+    """Install the direct-path methods on `GlobalTensor` (importing `sbp.ops` does it once).
+
+    >>> install()
+    >>> GlobalTensor.__add__.__doc__.startswith("As `torch.Tensor.__add__`")
+    True
+    """
+    aten = torch.ops.aten
+    for name, op in (("__add__", aten.add.Tensor), ("add", aten.add.Tensor), ("__sub__", aten.sub.Tensor),
+                     ("sub", aten.sub.Tensor), ("__mul__", aten.mul.Tensor), ("mul", aten.mul.Tensor),
+                     ("__truediv__", aten.div.Tensor), ("div", aten.div.Tensor)):
+        setattr(GlobalTensor, name, _binary(name, op))
+    for name in ("__matmul__", "matmul", "mm"):
+        setattr(GlobalTensor, name, _matmul(name))
+    for name, op in (("sum", aten.sum.default), ("mean", aten.mean.default)):
+        setattr(GlobalTensor, name, _reduction(name, op))
