@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from ops_kit import check_op, meshes, placements_for, randn, shape
+import sbp
+import sbp.testing
+from ops_kit import check_op, make_global, meshes, placements_for, randn, shape
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -132,3 +134,21 @@ def test_integer_and_bool_tensors(data, mesh):
     pls = [data.draw(placements_for(2, len(mesh))) for _ in range(2)]
     fulls = [torch.arange(int(torch.tensor(s).prod())).view(s) - 3, torch.ones(s, dtype=torch.int64)]
     check_op(lambda a, b: (a + b * 3, a // 2, (a > 0) & (b > 0)), fulls, pls, mesh, backward=False)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x / 0.0, lambda x: x * float("inf"), lambda x: x * float("nan"),
+                                lambda x: x / 0, lambda x: x.add(x, alpha=float("inf")), lambda x: x * -0.0],
+                         ids=["div0.0", "mul_inf", "mul_nan", "div0", "add_alpha_inf", "mul_neg0"])
+def test_partial_sum_is_reduced_before_non_finite_scalars(fn):
+    """P(sum) parts of mixed signs: (a1 + a2) / 0 is +-inf, but a1/0 + a2/0 would be inf - inf = nan."""
+    full = torch.tensor([[1.0, -2.0, 0.0], [3.0, 0.5, -1.0]], dtype=torch.float64)
+
+    def rank(mesh):
+        x = make_global(full, mesh, ("P(sum)",), seed=3)   # random zero-sum noise: parts of both signs
+        with sbp.strict():
+            return fn(x).full(), fn(x).full()   # the second call takes the cached decision
+
+    want = fn(full)
+    for first, second in sbp.testing.spmd(rank, (2,)):
+        torch.testing.assert_close(first, want, rtol=0, atol=1e-12, equal_nan=True)
+        torch.testing.assert_close(second, want, rtol=0, atol=1e-12, equal_nan=True)

@@ -20,8 +20,7 @@ import torch
 
 from ..tensor import GlobalTensor, _op_handler
 from .decision import _coord
-from .dispatch import _CACHE, _FLOAT_ZERO, _tensor_key, handle
-from .spec import FLOAT
+from .dispatch import _CACHE, _tensor_key, float_key, handle
 
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -72,7 +71,7 @@ def _direct(op, local_method: Callable, a: GlobalTensor, b: Any) -> Any:
     elif b is _NOTHING:
         decision = _CACHE.get((op, _key(a)))
     else:
-        decision = _CACHE.get((op, _key(a), (_FLOAT_ZERO if b == 0 else FLOAT) if kind is float else b))
+        decision = _CACHE.get((op, _key(a), float_key(b) if kind is float else b))
     if decision is None:
         return _MISS
     mesh = a._mesh

@@ -45,8 +45,8 @@ def _key_of(a: Any, leaves: list) -> Any:
             _plain_grad_hook(a)
         return (a.shape, a.dtype)
     t = type(a)
-    if t is float:   # by type only (a learning rate must not miss the cache), but 0.0 is special
-        return _FLOAT_ZERO if a == 0 else FLOAT
+    if t is float:   # by type only (a learning rate must not miss the cache), but 0.0, inf and nan are special
+        return float_key(a)
     if t is bool:    # True == 1 and 0.0 == 0 hash alike, but promote dtypes differently: keep them apart
         return _TRUE if a else _FALSE
     if t is list or t is tuple:
@@ -55,6 +55,19 @@ def _key_of(a: Any, leaves: list) -> Any:
 
 
 _FLOAT_ZERO, _TRUE, _FALSE = object(), object(), object()
+
+
+def float_key(value: float) -> Any:
+    """A float's part of a cache key: one token for every finite non-zero value (rules see `FLOAT`), its
+    own for 0.0 (a Partial may absorb a scalar zero) and the value itself for inf and nan (no Partial
+    passes through them).
+
+    >>> float_key(0.5) is float_key(2.0), float_key(0.0) is float_key(-0.0), float_key(float("inf"))
+    (True, True, inf)
+    """
+    if value == 0:
+        return _FLOAT_ZERO
+    return FLOAT if value - value == 0 else value
 
 
 def _plain_grad_hook(t: torch.Tensor) -> None:

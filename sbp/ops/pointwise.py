@@ -142,10 +142,20 @@ def _scalar_zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
-def _group_ok(spec: OpSpec, group: tuple[str, ...]) -> bool:
-    """Every argument of the group is a tensor or a scalar zero, and at least one is a tensor."""
-    values = [spec.values.get(name) for name in group]
-    return any(isinstance(v, Ref) for v in values) and all(isinstance(v, Ref) or _scalar_zero(v) for v in values)
+DIVISIONS = ("div.Tensor", "div.Scalar", "true_divide.Tensor")
+
+
+def _group_ok(spec: OpSpec, name: str, group: tuple[str, ...]) -> bool:
+    """Every argument of the group is a tensor or a scalar zero, and at least one is a tensor; no scalar
+    outside the group is inf or nan (``inf * (a + b)`` is not ``inf * a + inf * b`` when a part is 0 or
+    the parts' signs differ), and a division's scalar divisor is not zero (for the same reason)."""
+    values = [spec.values.get(arg) for arg in group]
+    if not any(isinstance(v, Ref) for v in values) or not all(isinstance(v, Ref) or _scalar_zero(v) for v in values):
+        return False
+    for arg, v in spec.values.items():
+        if arg not in group and type(v) is float and v - v != 0:
+            return False
+    return not (name in DIVISIONS and _scalar_zero(spec.values.get("other")))
 
 
 def partial_sigs(spec: OpSpec, name: str, nout: int) -> list[Sig]:
@@ -162,7 +172,7 @@ def partial_sigs(spec: OpSpec, name: str, nout: int) -> list[Sig]:
     sigs = []
     if out_dtype is not torch.bool:
         for group in LINEAR.get(name, ()):
-            if _group_ok(spec, group):
+            if _group_ok(spec, name, group):
                 sigs.append(spec.sig({g: PSUM for g in group}, (PSUM,) * nout))
     if out_dtype.is_complex or out_dtype is torch.bool:
         return sigs

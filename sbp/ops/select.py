@@ -35,7 +35,7 @@ def _bind(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], leaves: 
             return Ref(next(counter))
         if isinstance(v, (list, tuple)):
             return [conv(x) for x in v]
-        if type(v) is float and v != 0:
+        if type(v) is float and v != 0 and v - v == 0:   # finite and non-zero; inf and nan stay values
             return FLOAT
         return v
 

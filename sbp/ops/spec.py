@@ -2,8 +2,9 @@
 signature (`Sig`), the chosen whole-mesh placements (`Choice`), a rule (`Rule`) and a local call (`Call`).
 
 A rule sees only what the decision cache keys on: global shapes, dtypes, current placements and the
-non-tensor arguments, with every non-zero float replaced by `FLOAT` (so a rule can never depend on a
-learning rate, only on whether a scalar is zero). Local computations (`Rule.run`) see the real values.
+non-tensor arguments, with every finite non-zero float replaced by `FLOAT` (so a rule can never depend on
+a learning rate, only on whether a scalar is zero or not finite). Local computations (`Rule.run`) see the
+real values.
 
 Per mesh axis a signature gives one placement per tensor input (in flattened argument order; plain
 tensors count and are Broadcast) and one per output slot (`None` outputs included)::
@@ -27,7 +28,7 @@ PSUM, PMAX, PMIN = Partial("sum"), Partial("max"), Partial("min")
 
 
 class _Float:
-    """Stands for a non-zero float argument in an `OpSpec` (rules may not depend on its value)."""
+    """Stands for a finite non-zero float argument in an `OpSpec` (rules may not depend on its value)."""
 
     __slots__ = ()
 
