@@ -1,11 +1,11 @@
 """How fast is planning? sbp's planner vs DTensor's, cold and cached, on a 2x2x2 mesh.
 
-Cold: every cache is cleared before each call (sbp: the plan and layout caches; DTensor: its planner
-instances and `_gen_transform_infos`). Cached: the same call repeated. Pairs are a fixed random sample
-of src/dst placements (Split/Broadcast only, and with Partial). DTensor runs on a fake process group
-(no processes); its DTensorSpecs are built outside the timed region, while sbp's time includes parsing
-and normalising the placements. DTensor's greedy planner is its default; the graph-based one is
-``use_graph_based_transform=True``.
+Cold: every cache is cleared before each call (sbp: every memo in its planning modules, the plan cache
+included; DTensor: its planner instances and `_gen_transform_infos`). Cached: the same call repeated.
+Pairs are a fixed random sample of src/dst placements (Split/Broadcast only, and with Partial). DTensor
+runs on a fake process group (no processes); its DTensorSpecs are built outside the timed region, while
+sbp's time includes parsing and normalising the placements. DTensor's greedy planner is its default;
+the graph-based one is ``use_graph_based_transform=True``.
 
     python benchmarks/plan_speed.py [--samples 200] [--shape 1024x1024] [--repeat 5]
 """
@@ -61,10 +61,14 @@ def timed(fn: Callable[[], object], before: Callable[[], None], repeat: int) -> 
     return best / 1000
 
 
+# every memo of the planning modules (the plan cache, layout, exchange schedules, helpers)
+SBP_CACHES = [f for module in (sbp.planner, sbp.cost, sbp.layout, sbp.transfer) for f in vars(module).values()
+              if callable(getattr(f, "cache_clear", None))]
+
+
 def clear_sbp() -> None:
-    sbp.planner._plan_cached.cache_clear()
-    sbp.layout.block.cache_clear()
-    sbp.transfer.exchange.cache_clear()
+    for f in SBP_CACHES:
+        f.cache_clear()
 
 
 def clear_dtensor() -> None:

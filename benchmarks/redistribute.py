@@ -13,8 +13,18 @@ uneven 1023x1021 one, each case on a mesh of (4,) or (2, 2). Per case it prints:
   `_dtensor.shard_dim_alltoall`; `CommDebugMode` counts calls only) and prices it with the same
   conventions as sbp's counters: all_gather receives the others' pieces, reduce_scatter (n-1) x its
   output, all_reduce 2 (n-1)/n of the tensor, all_to_all what the peers send;
-- ``sbp/coll``: for plans of one collective, sbp's time over the time of the torch.distributed call
-  alone (timed inside sbp's communicator in the same iterations): sbp's own overhead.
+- ``sbp/coll``: for plans of one collective, sbp's time over the time of that same torch.distributed
+  call alone: the call sbp made (same function, group, sizes and buffers) is kept from a warm-up run
+  and replayed on its own, timed like the others, on its buffers as they are (prepared once, warm).
+  The ratio is all that sbp adds: cutting and assembling pieces, copies the collective needs
+  (all_reduce works in place, so the caller's tensor is copied first; column blocks are packed),
+  allocating the result, Python;
+- ``sbp/new``: the same, but the replayed call writes into newly allocated memory each time (its
+  output buffer allocated in the timed region; all_reduce, which works in place: a copy of its input),
+  as any call that returns a new tensor must. Above 1 only by what sbp does besides that.
+
+The timings (sbp, DTensor, the raw calls) are interleaved iteration by iteration, in rotating order,
+so load from other processes on the machine hits them alike.
 
 Timings on a shared 2-core machine are noisy; the byte columns are exact.
 """
@@ -97,19 +107,23 @@ def _group_rank(name: str) -> int:
 
 # ---- timing ---------------------------------------------------------------------------------------
 
-def timed(fn: Callable[[], object], iters: int, warmup: int = 3) -> list[float]:
-    """Per-iteration wall time of the slowest rank (seconds)."""
+def timed(fns: dict[str, Callable[[], object]], iters: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Per-iteration wall time of the slowest rank (seconds) of each function; the functions take turns
+    within every iteration (the order rotates), each after a barrier."""
+    names = list(fns)
     for _ in range(warmup):
-        fn()
-    mine = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        mine.append(time.perf_counter() - t0)
-    times = torch.tensor(mine, dtype=torch.float64)
+        for name in names:
+            fns[name]()
+    mine = {name: [] for name in names}
+    for i in range(iters):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[name]()
+            mine[name].append(time.perf_counter() - t0)
+    times = torch.tensor([mine[name] for name in names], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times.tolist()
+    return dict(zip(names, times.tolist()))
 
 
 def busiest(value: int) -> int:
@@ -140,13 +154,11 @@ def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int)
                                   mesh.coord)].contiguous()
     counters = mesh.binding.counters
     counters.reset()
-    out = redistribute_local(local, mesh, shape, src_pl, dst_pl)
+    calls: list[Callable[[], object]] = []
+    out = _keeping_calls(calls, lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl))
     counted = busiest(counters.received)
     if not partial:
         assert torch.equal(out, full[sbp.local_slices(shape, mesh, dst_pl, mesh.coord)]), (src, dst, shape)
-    coll_times: list[float] = []
-    sbp_times = _with_collective_timer(coll_times, lambda: timed(
-        lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl), iters))
 
     # DTensor on the same processes
     if partial:
@@ -161,30 +173,52 @@ def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int)
     with CountBytes() as counter:
         run_dt()
     dt_bytes = busiest(counter.received)
-    dt_times = timed(run_dt, iters)
 
-    sbp_ms, dt_ms = statistics.median(sbp_times) * 1e3, statistics.median(dt_times) * 1e3
-    single = plan.num_collectives == 1 and len(coll_times) >= iters
-    coll_ms = statistics.median(coll_times[-iters:]) * 1e3 if single else None
-    return {"sbp_ms": sbp_ms, "dt_ms": dt_ms, "plan_bytes": plan.bytes_per_rank, "counted": counted,
-            "dt_bytes": dt_bytes, "coll_ms": coll_ms, "steps": " + ".join(s.kind for s in plan.steps if s.is_collective),
-            "dt_calls": "+".join(counter.calls)}
+    fns = {"sbp": lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl), "dt": run_dt}
+    # every rank of a one-collective plan makes exactly one call (a group with nothing to move makes none)
+    single = plan.num_collectives == 1 and busiest(abs(len(calls) - 1)) == 0
+    if single:
+        fns["coll"], fns["new"] = _replay(*calls[0], fresh=False), _replay(*calls[0], fresh=True)
+    times = timed(fns, iters)
+    median_ms = lambda name: statistics.median(times[name]) * 1e3 if name in times else None
+    return {"sbp_ms": median_ms("sbp"), "dt_ms": median_ms("dt"), "plan_bytes": plan.bytes_per_rank,
+            "counted": counted, "dt_bytes": dt_bytes, "coll_ms": median_ms("coll"), "new_ms": median_ms("new"),
+            "steps": " + ".join(s.kind for s in plan.steps if s.is_collective), "dt_calls": "+".join(counter.calls)}
 
 
-def _with_collective_timer(sink: list[float], fn: Callable[[], list[float]]) -> list[float]:
-    """Run `fn` while every torch.distributed call inside sbp's communicator is timed into `sink`."""
-    original = DistComm._call
+def _keeping_calls(sink: list[tuple], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run `fn`, keeping every torch.distributed call sbp's communicator makes as (function, args, kwargs),
+    so that it can be replayed alone: same collective, group, sizes and buffers."""
+    import sbp.backends.dist as backend
 
-    def timed_call(self, what, axes, members, t, call):
-        t0 = time.perf_counter()
-        original(self, what, axes, members, t, call)
-        sink.append(time.perf_counter() - t0)
+    entry_points = [(backend, "_all_gather_flat"), (backend, "_reduce_scatter_flat"), (dist, "all_reduce"),
+                    (dist, "all_to_all_single")]
+    saved = [(module, name, getattr(module, name)) for module, name in entry_points]
 
-    DistComm._call = timed_call
+    def keeping(f):
+        def call(*args, **kwargs):
+            sink.append((f, args, kwargs))
+            return f(*args, **kwargs)
+        return call
+
+    for module, name, f in saved:
+        setattr(module, name, keeping(f))
     try:
         return fn()
     finally:
-        DistComm._call = original
+        for module, name, f in saved:
+            setattr(module, name, f)
+
+
+def _replay(f: Callable, args: tuple, kwargs: dict, *, fresh: bool) -> Callable[[], None]:
+    """The kept call `f(*args, **kwargs)`, waited for; with `fresh`, into newly allocated memory each time:
+    a new output buffer (the first argument), or for all_reduce, which works in place, a copy of it."""
+    def run() -> None:
+        out = args[0]
+        if fresh:
+            out = out.clone() if f.__name__ == "all_reduce" else torch.empty_like(out)
+        _sync(f(out, *args[1:], **kwargs))
+    return run
 
 
 def main(iters: int) -> None:
@@ -200,16 +234,18 @@ def main(iters: int) -> None:
     if rank == 0:
         print(f"torch {torch.__version__}, {WORLD} gloo ranks, fp32, median of {iters} iterations\n")
         print(f"{'mesh':<5} {'shape':<10} {'change':<26} {'sbp ms':>7} {'DT ms':>7} {'ratio':>6} "
-              f"{'sbp B/rank':>11} {'counted':>9} {'DT B/rank':>10} {'sbp/coll':>8}  sbp | DTensor collectives")
+              f"{'sbp B/rank':>11} {'counted':>9} {'DT B/rank':>10} {'sbp/coll':>8} {'sbp/new':>7}  "
+              f"sbp | DTensor collectives")
     for shape in SHAPES:
         for mesh_shape, src, dst in CASES:
             r = run_case(meshes[mesh_shape], tmeshes[mesh_shape], shape, src, dst, iters)
             if rank == 0:
                 mesh_txt = "x".join(map(str, mesh_shape))
                 coll = f"{r['sbp_ms'] / r['coll_ms']:.2f}" if r["coll_ms"] else "-"
+                new = f"{r['sbp_ms'] / r['new_ms']:.2f}" if r["new_ms"] else "-"
                 print(f"{mesh_txt:<5} {'x'.join(map(str, shape)):<10} {f'[{src}]->[{dst}]':<26} "
                       f"{r['sbp_ms']:7.2f} {r['dt_ms']:7.2f} {r['sbp_ms'] / r['dt_ms']:6.2f} "
-                      f"{r['plan_bytes']:11d} {r['counted']:9d} {r['dt_bytes']:10d} {coll:>8}  "
+                      f"{r['plan_bytes']:11d} {r['counted']:9d} {r['dt_bytes']:10d} {coll:>8} {new:>7}  "
                       f"{r['steps']} | {r['dt_calls']}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -228,7 +264,7 @@ def _free_port() -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=15, help="timed iterations per case (default 15)")
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations per case (default 30)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         main(args.iters)

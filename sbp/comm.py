@@ -21,7 +21,7 @@ The padded figures (what really crossed the wire) are kept beside them as `wire_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -96,21 +96,29 @@ class Communicator(Protocol):
     def members(self, axes: tuple[int, ...]) -> tuple[int, ...]:
         """World ranks of this rank's group along `axes`, in member (row-major) order."""
 
-    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *,
-                   numels: Sequence[int] | None = None) -> list[torch.Tensor]:
-        """Every member's `t` (equal shapes), in member order."""
+    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *, numels: Sequence[int] | None = None,
+                   out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Every member's `t` (equal shapes), in member order; with `out` (contiguous, n x `t.numel()`
+        elements) gathered into it back to back, the list holding views of it."""
 
     def reduce_scatter(self, chunks: ChunkList, axes: tuple[int, ...], op: str, *,
                        numels: Sequence[int] | None = None) -> torch.Tensor:
         """`chunks[i]` (equal shapes; or a tensor stacked along dim 0) is meant for member i; returns the
         `op`-reduction over the members of the chunk meant for this rank."""
 
-    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
-        """The `op`-reduction of every member's `t`, as a new tensor."""
+    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str, *, inplace: bool = False) -> torch.Tensor:
+        """The `op`-reduction of every member's `t`: a new tensor, or with `inplace` possibly `t` itself."""
 
     def all_to_all(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
                    axes: tuple[int, ...]) -> list[torch.Tensor]:
         """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                          in_splits: Sequence[int], axes: tuple[int, ...], *,
+                          meanwhile: Callable[[], object] | None = None) -> torch.Tensor:
+        """Flat `all_to_all`: the i-th run of `in_splits[i]` elements of `inp` goes to member i; member i's
+        run lands in the i-th run of `out_splits[i]` elements of `out`. `meanwhile` (local work touching
+        neither buffer) runs while the call is in flight where the backend can. Returns `out`."""
 
     def submesh_binding(self, mesh: Any, axes: tuple[int, ...], members: Any = None) -> "Communicator":
         """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group);
@@ -155,11 +163,23 @@ def joined(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((n * len(chunks),), (1,), first.storage_offset())
 
 
-def as_chunks(chunks: ChunkList, n: int) -> list[torch.Tensor]:
-    """A list of `n` chunks from a list or from a tensor stacked along dim 0."""
+def stacked(chunks: ChunkList, n: int) -> torch.Tensor:
+    """`n` equal chunks as one contiguous tensor stacked along a new dim 0: from a list (a view when the
+    chunks already lie back to back in one buffer), or from a tensor cut evenly along its dim 0.
+
+    >>> stacked(torch.arange(6), 3).tolist(), stacked([torch.ones(2), torch.zeros(2)], 2).shape
+    ([[0, 1], [2, 3], [4, 5]], torch.Size([2, 2]))
+    """
     if isinstance(chunks, torch.Tensor):
-        return list(chunks.chunk(n, dim=0)) if chunks.shape[0] else [chunks] * n
-    return list(chunks)
+        if chunks.ndim == 0 or chunks.shape[0] % n:
+            raise ValueError(f"reduce_scatter needs {n} chunks of one shape: a tensor whose dim 0 divides by {n}, "
+                             f"got shape {tuple(chunks.shape)}")
+        return chunks.contiguous().view((n, chunks.shape[0] // n) + tuple(chunks.shape[1:]))
+    chunks = list(chunks)
+    if len(chunks) != n or len({tuple(c.shape) for c in chunks}) > 1:
+        raise ValueError(f"reduce_scatter needs {n} chunks of one shape, got shapes {[tuple(c.shape) for c in chunks]}")
+    whole = joined(chunks)
+    return whole.view((n,) + tuple(chunks[0].shape)) if whole is not None else torch.stack(chunks)
 
 
 def count_all_gather(index: int, numel: int, numels: Sequence[int] | None, n: int, itemsize: int) -> CallRecord:

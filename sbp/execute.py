@@ -2,26 +2,31 @@
 
 Every size comes from layout maths (`sbp.layout.block` with the step's placements and the members'
 coords), never from an assumed flat split: 10 rows nested over a 2x2 mesh are 3,2,3,2, not 3,3,2,2.
-Uneven pieces are padded to one length (flattened) for all_gather / reduce_scatter and trimmed after;
-all_to_all and transfers use exact per-peer sizes from `sbp.transfer.exchange`. A group whose pieces
-are all empty makes no call at all (every member knows it from layout maths alone).
+Where each piece lies in the flat buffers a collective reads and writes is `sbp.pieces` (cached per
+step and coord): uneven pieces are padded to one length for all_gather / reduce_scatter and trimmed
+after; all_to_all and transfers use exact per-peer sizes from `sbp.transfer.exchange`. Buffers are the
+local or the result themselves wherever the pieces line up, so most steps copy nothing around the
+collective. A group whose pieces are all empty makes no call at all (every member knows it from
+layout maths alone). The caller's local is never written to.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
 import torch
 
-from .comm import Communicator, joined
+from .comm import Communicator
 from .errors import MeshError, PlanError, ShapeError
-from .layout import Block, block, block_numel, block_shape, check_global_shape, relative
+from .layout import Block, block, block_shape, check_global_shape, relative
 from .mesh import DeviceMesh
+from .pieces import exchange_layout, gather, scatter
 from .placement import Broadcast, Partial, Placement, Split, normalize
 from .planner import plan as make_plan
+from .reduce_transfer import run_reduce_transfer
 from .steps import Plan, Step
-from .transfer import exchange
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +34,17 @@ class _Ctx:
     """What every step needs besides its own fields: the tensor, the mesh and this rank's place."""
 
     global_shape: tuple[int, ...]
-    mesh: DeviceMesh  # pure value: shape and ranks
+    mesh: DeviceMesh  # only its shape and ranks are used
     coord: tuple[int, ...]
     comm: Communicator
+    caller_storage: int  # address of the caller's local tensor's memory: never written to
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in memory the executor allocated (so a collective may work in place)."""
+        return t.untyped_storage().data_ptr() not in (0, self.caller_storage)
 
     def block(self, pls: tuple[Placement, ...], coord: tuple[int, ...] | None = None) -> Block:
         return block(self.global_shape, self.mesh.shape, pls, self.coord if coord is None else coord)
-
-    def member_coords(self, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
-        return [self.mesh.coord_of(r) for r in self.comm.members(axes)]
 
 
 def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -55,7 +62,7 @@ def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     >>> sbp.testing.spmd(fn, (2,))
     [28.0, 28.0]
     """
-    ctx = _context(plan, mesh)
+    ctx = _context(plan, mesh, local)
     if ctx is None:
         return local
     expected = block_shape(ctx.block(plan.src))
@@ -80,7 +87,7 @@ def execute_step(step: Step, local: torch.Tensor, mesh: DeviceMesh, global_shape
     [[0, 1], [2, 3]]
     """
     ctx = _context(Plan(tuple(global_shape), tuple(mesh.shape), step.src, step.dst, local.element_size(),
-                        (step,)), mesh)
+                        (step,)), mesh, local)
     return local if ctx is None else _run(step, local, ctx).contiguous()
 
 
@@ -109,13 +116,14 @@ def _plan(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst, itemsiz
     return make_plan(shape, mesh_shape, src, dst, itemsize)
 
 
-def _context(plan: Plan, mesh: DeviceMesh) -> _Ctx | None:
+def _context(plan: Plan, mesh: DeviceMesh, local: torch.Tensor) -> _Ctx | None:
     coord = mesh.coord  # raises MeshError for a pure (unbound) mesh
     if coord is None:
         return None
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise MeshError(f"plan is for a mesh of shape {plan.mesh_shape}, the mesh has shape {mesh.shape}")
-    return _Ctx(plan.global_shape, DeviceMesh(mesh.shape, ranks=mesh.ranks), coord, mesh.binding)
+    return _Ctx(plan.global_shape, mesh, coord, mesh.binding,
+                local.untyped_storage().data_ptr())
 
 
 def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
@@ -130,6 +138,8 @@ def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
             return _all_reduce(step, local, ctx)
         case "all_to_all" | "transfer":
             return _exchange(step, local, ctx)
+        case "reduce_transfer":
+            return run_reduce_transfer(step, local, ctx.global_shape, ctx.mesh.shape, ctx.coord, ctx.comm)
         case _:  # pragma: no cover - Step validates its kind
             raise PlanError(f"unknown step kind {step.kind!r}")
 
@@ -196,73 +206,79 @@ def _check_inside(inner: Block, outer: Block, src, dst) -> None:
 # ---- collectives ----------------------------------------------------------------------------------
 
 def _all_gather(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-    """S(d) -> B on step.axes: gather every member's piece (padded flat), trim, place into the dst block."""
-    pieces = [ctx.block(step.src, c) for c in ctx.member_coords(step.axes)]
-    want = ctx.block(step.dst)
-    numels = [block_numel(p) for p in pieces]
-    _check_tiling(pieces, want, step)
-    if max(numels) == 0:
-        return local.new_empty(block_shape(want))
-    got = ctx.comm.all_gather(_flat_padded(local, max(numels)), step.axes, numels=numels)
-    if _in_memory_order(pieces, want):
-        whole = joined(got) if len(set(numels)) == 1 else None  # no padding: maybe one buffer already
-        if whole is None:
-            whole = torch.cat([g[:n] for g, n in zip(got, numels)])
-        return whole.view(block_shape(want))
-    out = local.new_empty(block_shape(want))
-    for piece, g, n in zip(pieces, got, numels):
-        out[relative(piece, want)] = g[:n].view(block_shape(piece))
+    """S(d) -> B on step.axes: gather every member's piece (padded flat) into one buffer; the result is a
+    view of it when the pieces are consecutive runs of the result, else assembled from it."""
+    lay = gather(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    buf = local.new_empty(len(lay.numels) * lay.width)
+    ctx.comm.all_gather(_flat_padded(local, lay.width), step.axes, numels=lay.numels, out=buf)
+    if lay.runs is not None:
+        if len(lay.runs) == 1:
+            return buf[lay.runs[0][0]:lay.runs[0][1]].view(lay.shape)
+        return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape)
+    out = local.new_empty(lay.shape)
+    for where, shape, offset in lay.places:
+        out[where] = buf[offset:offset + math.prod(shape)].view(shape)
     return out
 
 
 def _reduce_scatter(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-    """P(op) -> S(d) on step.axes: cut the local into the members' dst pieces, pad, reduce-scatter, trim."""
-    have = ctx.block(step.src)
-    pieces = [ctx.block(step.dst, c) for c in ctx.member_coords(step.axes)]
-    numels = [block_numel(p) for p in pieces]
-    _check_tiling(pieces, have, step)
-    mine = pieces[ctx.comm.members(step.axes).index(ctx.comm.rank)]
-    if max(numels) == 0:
-        return local.new_empty(block_shape(mine))
-    width = max(numels)
-    chunks = [_flat_padded(local[relative(p, have)], width) for p in pieces]
-    got = ctx.comm.reduce_scatter(chunks, step.axes, _op(step), numels=numels)
-    return got[:block_numel(mine)].view(block_shape(mine))
+    """P(op) -> S(d) on step.axes: the local as the input when its pieces are equal runs of it in member
+    order, else its pieces copied into one padded buffer; reduce-scatter; trim this rank's piece."""
+    lay = scatter(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    n = len(lay.numels)
+    if lay.direct:
+        inp = local.reshape(-1)
+    else:
+        inp = local.new_empty(n * lay.width)
+        if lay.runs is not None:
+            flat = local.reshape(-1)
+            for src_at, buf_at, size in lay.runs:
+                inp[buf_at:buf_at + size] = flat[src_at:src_at + size]
+        else:
+            for where, shape, offset in lay.places:
+                inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
+        for lo, hi in lay.pads:
+            inp[lo:hi] = 0
+    got = ctx.comm.reduce_scatter(inp, step.axes, _op(step), numels=lay.numels)  # n pieces of width
+    return got[:lay.numels[lay.index]].view(lay.shape)
 
 
 def _all_reduce(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-    """P(op) -> B on step.axes."""
+    """P(op) -> B on step.axes; in place when the executor made `local` (never on the caller's tensor)."""
     if local.numel() == 0:
         return local.contiguous()
-    return ctx.comm.all_reduce(local, step.axes, _op(step))
+    return ctx.comm.all_reduce(local, step.axes, _op(step), inplace=ctx.owns(local))
 
 
 def _exchange(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-    """all_to_all / transfer: send exactly the listed blocks, receive the listed blocks, keep the rest."""
-    ex = exchange(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
-    me = ex.members.index(ctx.coord)
-    have, want = ctx.block(step.src), ctx.block(step.dst)
-    out = local.new_empty(block_shape(want))
-    if ex.keep[me] is not None:
-        out[relative(ex.keep[me], want)] = local[relative(ex.keep[me], have)]
-    if ex.max_recv_elems == 0:  # nothing moves anywhere in this group
+    """all_to_all / transfer: send exactly the listed blocks, receive the listed blocks, keep the rest.
+    Send and receive buffers are the local and the result themselves where the blocks line up; the kept
+    part is copied while the call is in flight (it touches neither buffer)."""
+    lay = exchange_layout(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    out = local.new_empty(lay.shape)
+    keep = None if lay.keep is None else lambda: out[lay.keep[1]].copy_(local[lay.keep[0]])
+    if not lay.moves:  # nothing moves anywhere in this group: no call
+        if keep is not None:
+            keep()
         return out
-    n = len(ex.members)
-    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for peer, b in ex.send[me]:
-        send[peer].append(local[relative(b, have)].reshape(-1))
-    recv: list[list[Block]] = [[] for _ in range(n)]
-    for peer, b in ex.recv[me]:
-        recv[peer].append(b)
-    empty = local.new_empty(0)
-    outbox = [parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty for parts in send]
-    got = ctx.comm.all_to_all(outbox, [(sum(block_numel(b) for b in blocks),) for blocks in recv], step.axes)
-    for blocks, inbox in zip(recv, got):
-        offset = 0
-        for b in blocks:
-            n_b = block_numel(b)
-            out[relative(b, want)] = inbox[offset:offset + n_b].view(block_shape(b))
-            offset += n_b
+    if lay.send_run is not None and local.is_contiguous():
+        inp = local.view(-1)[lay.send_run[0]:lay.send_run[1]]
+    else:
+        inp = local.new_empty(sum(lay.in_splits))
+        for where, shape, offset in lay.sends:
+            inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
+    if lay.recv_run is not None:
+        ctx.comm.all_to_all_single(out.view(-1)[lay.recv_run[0]:lay.recv_run[1]], inp, lay.out_splits,
+                                   lay.in_splits, step.axes, meanwhile=keep)
+        return out
+    got = ctx.comm.all_to_all_single(local.new_empty(sum(lay.out_splits)), inp, lay.out_splits, lay.in_splits,
+                                     step.axes, meanwhile=keep)
+    for where, shape, offset in lay.recvs:
+        out[where] = got[offset:offset + math.prod(shape)].view(shape)
     return out
 
 
@@ -278,33 +294,11 @@ def _op(step: Step) -> str:
 
 
 def _flat_padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    """`t` flattened (contiguous) and zero-padded to `width` elements."""
+    """`t` flattened (contiguous: a view when it already is) and zero-padded to `width` elements."""
     flat = t.reshape(-1)
     if flat.numel() == width:
-        return flat.contiguous()
-    out = flat.new_zeros(width)
+        return flat
+    out = flat.new_empty(width)
     out[:flat.numel()] = flat
+    out[flat.numel():] = 0
     return out
-
-
-def _check_tiling(pieces: list[Block], whole: Block, step: Step) -> None:
-    """The members' pieces must lie inside `whole` and add up to it (a mismatch is a planner bug)."""
-    if sum(map(block_numel, pieces)) != block_numel(whole) or any(
-            not olo <= lo <= hi <= ohi for p in pieces for (lo, hi), (olo, ohi) in zip(p, whole)):
-        raise PlanError(f"{step!r}: the members' pieces {pieces} do not tile the block {whole}")
-
-
-def _in_memory_order(pieces: list[Block], whole: Block) -> bool:
-    """True when the pieces, in member order, are consecutive runs of `whole` laid out row-major."""
-    if not pieces:
-        return True
-    dims = [d for d in range(len(whole)) if pieces[0][d] != whole[d]]
-    if len(dims) > 1:
-        return False
-    if not dims:
-        return len(pieces) == 1
-    d = dims[0]
-    if any(hi - lo != 1 for lo, hi in whole[:d]) and block_numel(whole) > 0:
-        return False
-    starts = [p[d][0] for p in pieces]
-    return starts == sorted(starts) and all(p[d][1] == q[d][0] for p, q in zip(pieces, pieces[1:]))

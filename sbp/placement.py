@@ -32,6 +32,9 @@ class Split:
     def __repr__(self) -> str:
         return f"S({self.dim})"
 
+    def __hash__(self) -> int:  # (the generated one builds a tuple per call; placements key the planner's caches)
+        return self.dim
+
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
@@ -43,6 +46,9 @@ class Broadcast:
 
     def __repr__(self) -> str:
         return "B"
+
+    def __hash__(self) -> int:
+        return -1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,9 @@ class Partial:
 
     def __repr__(self) -> str:
         return f"P({self.op})"
+
+    def __hash__(self) -> int:
+        return hash(self.op)
 
 
 Placement = Union[Split, Broadcast, Partial]

@@ -15,6 +15,9 @@ move on axis a     new local at coord c
 ``S(d) -> P(op)``  the shard, embedded into the op's identity (0, +inf / -inf, or the int dtype's max / min)
 =================  ==============================================================================
 
+Every communicating kind is the same rebuild and cut; the kind only limits what one step may do
+(a ``reduce_transfer`` reduces Partial axes of its own op into Split/Broadcast ones, nothing else).
+
 Imports torch for tensors, never ``torch.distributed``.
 """
 from __future__ import annotations
@@ -136,6 +139,11 @@ def _apply(step: Step, locals: Locals, mesh_shape: tuple[int, ...], global_shape
     for a in axes:
         if isinstance(s[a], Partial) and isinstance(t[a], Partial):
             raise SimulationError(f"{step}: {s[a]!r} -> {t[a]!r} on axis {a} is not one move (reduce first)")
+    if step.kind == "reduce_transfer":
+        ops = {s[a].op for a in axes if isinstance(s[a], Partial)}
+        if len(ops) != 1 or step.op not in (None, *ops) or any(isinstance(t[a], Partial) for a in axes):
+            raise SimulationError(f"{step}: a reduce_transfer turns Partial axes of one op (got {sorted(ops)}) "
+                                  f"into Split/Broadcast ones")
     to_partial = tuple(a for a in axes if isinstance(t[a], Partial) and not isinstance(s[a], Partial))
     if len(to_partial) > 1:
         raise SimulationError(f"{step}: more than one axis turns Partial in one step ({to_partial})")

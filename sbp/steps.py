@@ -17,6 +17,10 @@ kind                      meaning (on the group along `axes`)
 ``all_to_all``            ``S(dims[0]) -> S(dims[1])`` on one axis
 ``transfer``              exact point-to-point: any Split/Broadcast state -> any Split/Broadcast
                           state on the group; each rank receives exactly the bytes it lacks
+``reduce_transfer``       exact point-to-point in two phases: same-op ``P(op)`` axes (and
+                          Split/Broadcast axes) of the group -> Split/Broadcast; each piece of
+                          the target is reduced at one member that needs it (phase 1), then
+                          sent from there to the others that need it (phase 2)
 ========================  =====================================================================
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Optional
 
 from .placement import Placement
 
-STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer")
+STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer", "reduce_transfer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,26 @@ class Step:
         """True for every kind that communicates."""
         return self.kind != "local"
 
+    @property
+    def calls(self) -> int:
+        """Communication calls the step makes at most: none for ``local``, two for ``reduce_transfer``
+        (contributions to the owners, then results from them), one for every other kind.
+
+        >>> Step("reduce_transfer", (0,), (), ()).calls, Step("all_reduce", (0,), (), ()).calls
+        (2, 1)
+        """
+        return 0 if self.kind == "local" else 2 if self.kind == "reduce_transfer" else 1
+
+    def to_dict(self) -> dict:
+        """The step as plain JSON-ready data (`calls` as in `Step.calls`).
+
+        >>> Step("reduce_transfer", (0, 1), (), (), op="sum", bytes=8).to_dict()["calls"]
+        2
+        """
+        return {"kind": self.kind, "axes": list(self.axes), "src": _fmt(self.src), "dst": _fmt(self.dst),
+                "dims": list(self.dims), "op": self.op, "bytes": self.bytes, "peak_bytes": self.peak_bytes,
+                "calls": self.calls}
+
     def __repr__(self) -> str:
         extra = f", dims={self.dims}" if self.dims else ""
         extra += f", op={self.op}" if self.op else ""
@@ -90,8 +114,8 @@ class Plan:
 
     @property
     def num_collectives(self) -> int:
-        """Number of steps that communicate."""
-        return sum(s.is_collective for s in self.steps)
+        """Number of communication calls (`Step.calls`: a ``reduce_transfer`` makes two)."""
+        return sum(s.calls for s in self.steps)
 
     @property
     def peak_bytes(self) -> int:
@@ -123,9 +147,7 @@ class Plan:
             "src": _fmt(self.src),
             "dst": _fmt(self.dst),
             "itemsize": self.itemsize,
-            "steps": [{"kind": s.kind, "axes": list(s.axes), "src": _fmt(s.src), "dst": _fmt(s.dst),
-                       "dims": list(s.dims), "op": s.op, "bytes": s.bytes, "peak_bytes": s.peak_bytes}
-                      for s in self.steps],
+            "steps": [s.to_dict() for s in self.steps],
             "bytes_per_rank": self.bytes_per_rank,
             "lower_bound_bytes": self.lower_bound,
             "num_collectives": self.num_collectives,

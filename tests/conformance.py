@@ -207,7 +207,7 @@ def check_case(case: Case, per_rank: Sequence[list[dict[str, Any]]]) -> None:
                 f"{what}: received bytes per step {busiest} != plan {[s.bytes for s in plan.steps]}\n{plan.explain()}")
             calls = [max(per_rank[rank][i]["step_calls"][k] for rank in range(len(coords)))
                      for k in range(len(plan.steps))]
-            assert all(c <= int(s.is_collective) for c, s in zip(calls, plan.steps)), f"{what}: calls {calls}"
+            assert all(c <= s.calls for c, s in zip(calls, plan.steps)), f"{what}: calls {calls}"
 
 
 # ---- hand-built steps: every collective kind forced, even and uneven ---------------------------------
@@ -222,7 +222,8 @@ def hand_steps(mesh_shape: tuple[int, ...]) -> list[tuple[sbp.Step, tuple[int, .
                  sbp.Step("reduce_scatter", a, (P("max"),), (S(1),), dims=(1,), op="max"),
                  sbp.Step("all_reduce", a, (P("min"),), (B,), op="min"),
                  sbp.Step("all_to_all", a, (S(0),), (S(1),), dims=(0, 1)),
-                 sbp.Step("transfer", a, (S(1),), (B,))]
+                 sbp.Step("transfer", a, (S(1),), (B,)),
+                 sbp.Step("reduce_transfer", a, (P("min"),), (B,), op="min")]
     else:
         ab = (0, 1)
         steps = [sbp.Step("all_gather", ab, (S(0), S(0)), (B, B), dims=(0,)),
@@ -230,7 +231,9 @@ def hand_steps(mesh_shape: tuple[int, ...]) -> list[tuple[sbp.Step, tuple[int, .
                  sbp.Step("reduce_scatter", ab, (P(), P()), (S(0), S(0)), dims=(0,), op="sum"),
                  sbp.Step("reduce_scatter", (1,), (S(1), P()), (S(1), S(1)), dims=(1,), op="sum"),
                  sbp.Step("all_reduce", ab, (P(), P()), (B, B), op="sum"),
-                 sbp.Step("transfer", ab, (S(0), S(1)), (S(1), S(0)))]
+                 sbp.Step("transfer", ab, (S(0), S(1)), (S(1), S(0))),
+                 sbp.Step("reduce_transfer", ab, (P(), S(0)), (S(0), B), op="sum"),
+                 sbp.Step("reduce_transfer", ab, (P("max"), B), (S(1), S(0)), op="max")]
     return [(step, shape) for step in steps for shape in ((8, 12), (10, 7), (3, 1), (0, 4))]
 
 

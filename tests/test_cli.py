@@ -77,6 +77,16 @@ def test_other_shapes_and_partial(capsys):
     assert rc == 0 and "all_reduce(sum)" in out
 
 
+def test_reduce_transfer_in_text_and_json(capsys):
+    argv = ["plan", "--mesh", "2x2", "--shape", "1024x1024", "--src", "P,S0", "--dst", "S0,B"]
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0 and "reduce_transfer(sum)" in out and "bytes per rank: 2097152 (2.00 MiB), lower bound: 2097152" in out
+    rc, out, _ = run(argv + ["--json"], capsys)
+    step = json.loads(out)["steps"][0]
+    assert (step["kind"], step["axes"], step["op"], step["bytes"], step["calls"]) == ("reduce_transfer", [0, 1], "sum",
+                                                                                      1 << 21, 2)
+
+
 @pytest.mark.parametrize("argv, names", [
     (["plan", "--mesh", "2xa", "--shape", "4", "--src", "S0", "--dst", "B"], "--mesh"),
     (["plan", "--mesh", "0x2", "--shape", "4", "--src", "S0,B", "--dst", "B,B"], "--mesh"),

@@ -16,7 +16,7 @@ import torch
 
 import sbp
 import sbp.testing
-from sbp.execute import redistribute_local
+from sbp.execute import execute, redistribute_local
 
 import conformance as conf
 
@@ -53,6 +53,52 @@ def test_conformance_gloo(case: conf.Case, gloo_results) -> None:
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_every_collective_kind_forced(mesh_shape) -> None:
     conf.check_hand_steps(mesh_shape, spmd(conf.run_hand_steps, mesh_shape))
+
+
+# meshes whose ranks are not in sorted order: process group order differs from member order
+UNSORTED = {(4,): [2, 0, 3, 1], (2, 2): [3, 1, 2, 0]}
+UNSORTED_CASES = {(4,): [conf.Case((4,), s, d, shapes=((8, 12), (7, 5)), variants=(("float32", False),))
+                         for s, d in PAIRS_1D[:7]],
+                  (2, 2): [conf.Case((2, 2), s, d, shapes=((8, 12), (7, 5)), variants=(("float32", False),))
+                           for s, d in PAIRS_2D[:7]]}
+
+
+def _on_unsorted_ranks(mesh_shape: tuple[int, ...], mesh: sbp.DeviceMesh) -> tuple[list, list]:
+    shuffled = sbp.init_mesh(mesh_shape, ranks=UNSORTED[mesh_shape], timeout=timedelta(seconds=60))
+    return conf.run_cases(UNSORTED_CASES[mesh_shape], shuffled), conf.run_hand_steps(shuffled)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_mesh_over_ranks_in_another_order(mesh_shape) -> None:
+    per_rank = spmd(functools.partial(_on_unsorted_ranks, mesh_shape), (4,))
+    per_index = [per_rank[r] for r in UNSORTED[mesh_shape]]  # results in the mesh's row-major order
+    for i, case in enumerate(UNSORTED_CASES[mesh_shape]):
+        conf.check_case(case, [cases[i] for cases, _ in per_index])
+    conf.check_hand_steps(mesh_shape, [hand for _, hand in per_index])
+
+
+def _callers_locals_untouched(mesh: sbp.DeviceMesh) -> list[bool]:
+    """All_reduce works in place on gloo: on tensors the executor made, never on the caller's."""
+    square = sbp.init_mesh((2, 2))
+    out = []
+    for m, shape, src, dst in ((mesh, (6, 4), "P", "B"), (square, (6, 4), "P, S(0)", "B, B"),
+                               (square, (6, 4), "P, P", "B, B"), (mesh, (6, 4), "P", "S(1)")):
+        local = torch.arange(24.).view(6, 4)[sbp.local_slices(shape, m, src.replace("P", "B"), m.coord)]
+        before = local.clone()
+        result = redistribute_local(local, m, shape, src, dst)
+        out.append(torch.equal(local, before) and result.data_ptr() != local.data_ptr())
+    # an all_reduce after an all_gather reduces the gathered tensor in place
+    two = sbp.Plan((4, 2), (2, 2), (sbp.Partial(), sbp.S(0)), (sbp.B, sbp.B), 4,
+                   (sbp.Step("all_gather", (1,), (sbp.Partial(), sbp.S(0)), (sbp.Partial(), sbp.B), dims=(0,)),
+                    sbp.Step("all_reduce", (0,), (sbp.Partial(), sbp.B), (sbp.B, sbp.B), op="sum")))
+    half = torch.full((2, 2), float(mesh.rank))
+    out.append(execute(two, half, square).tolist() == [[2.0, 2.0]] * 2 + [[4.0, 4.0]] * 2
+               and half.tolist() == [[float(mesh.rank)] * 2] * 2)
+    return out
+
+
+def test_callers_local_is_never_written() -> None:
+    assert spmd(_callers_locals_untouched, (4,)) == [[True] * 5] * 4
 
 
 # ---- what only real process groups show ------------------------------------------------------------

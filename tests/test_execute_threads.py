@@ -166,6 +166,93 @@ def test_output_is_contiguous_and_does_not_alias_input_after_a_collective() -> N
     assert spmd(fn, (2,)) == [(True, True)] * 2
 
 
+def _spy(comm, name: str, seen: list) -> None:
+    """Record the arguments of every `comm.<name>` call in `seen` (the call still runs)."""
+    original = getattr(comm, name)
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    setattr(comm, name, spy)
+
+
+def test_all_reduce_works_in_place_only_on_tensors_the_executor_made() -> None:
+    def fn(mesh):
+        seen: list = []
+        _spy(mesh.binding, "all_reduce", seen)
+        mine = torch.full((4, 2), float(mesh.rank))
+        before = mine.clone()
+        single = redistribute_local(mine, mesh, (4, 2), "P, B", "B, B")  # an all_reduce on axis 0
+        # all_gather on axis 1 makes a fresh tensor: the all_reduce after it may reuse it
+        two = Plan((4, 2), (2, 2), (Partial(), S(0)), (B, B), 4,
+                   (Step("all_gather", (1,), (Partial(), S(0)), (Partial(), B), dims=(0,)),
+                    Step("all_reduce", (0,), (Partial(), B), (B, B), op="sum")))
+        half = mine[:2] if mesh.coord[1] == 0 else mine[2:]
+        both = execute(two, half, mesh)
+        return [k["inplace"] for _, k in seen], torch.equal(mine, before), single.tolist(), both.tolist()
+
+    for r, (inplace, untouched, single, both) in enumerate(spmd(fn, (2, 2))):
+        assert inplace == [False, True] and untouched
+        assert single == [[2.0 + 2 * (r % 2)] * 2] * 4  # ranks r % 2 and r % 2 + 2 summed
+        assert both == [[2.0, 2.0]] * 2 + [[4.0, 4.0]] * 2
+
+
+def test_collectives_read_and_write_the_local_and_the_result_themselves() -> None:
+    """No copies around the collective where the layouts line up: the gathered buffer is the result,
+    the rows of an all_to_all land in the result, a reduce_scatter reads the caller's local."""
+    def fn(mesh):
+        gathered, exchanged, scattered = [], [], []
+        _spy(mesh.binding, "all_gather", gathered)
+        _spy(mesh.binding, "all_to_all_single", exchanged)
+        _spy(mesh.binding, "reduce_scatter", scattered)
+        rows = torch.arange(16.).view(8, 2)[2 * mesh.rank:2 * mesh.rank + 2]
+        storage = lambda t: t.untyped_storage().data_ptr()
+        full = redistribute_local(rows, mesh, (8, 2), "S(0)", "B")
+        cols = redistribute_local(torch.arange(32.).view(8, 4)[:, mesh.rank:mesh.rank + 1].contiguous(), mesh,
+                                  (8, 4), "S(1)", "S(0)")
+        wide = torch.arange(32.).view(8, 4)[2 * mesh.rank:2 * mesh.rank + 2]
+        t_rows = redistribute_local(wide, mesh, (8, 4), "S(0)", "S(1)")
+        mine = torch.ones(8, 2)
+        redistribute_local(mine, mesh, (8, 2), "P", "S(0)")
+        return (storage(full) == storage(gathered[0][1]["out"]), full.tolist(), cols.tolist(),
+                storage(t_rows) == storage(exchanged[-1][0][0]), t_rows.tolist(),
+                storage(scattered[0][0][0]) == storage(mine))
+
+    for r, (gathered_is_result, full, cols, rows_in_place, t_rows, reads_local) in enumerate(spmd(fn, (4,))):
+        assert gathered_is_result and rows_in_place and reads_local
+        assert full == torch.arange(16.).view(8, 2).tolist()
+        assert cols == torch.arange(32.).view(8, 4)[2 * r:2 * r + 2].tolist()
+        assert t_rows == torch.arange(32.).view(8, 4)[:, r:r + 1].tolist()
+
+
+def test_flat_collectives_of_the_communicator() -> None:
+    def fn(mesh):
+        comm, r = mesh.binding, mesh.rank
+        out = torch.full((6,), -1)
+        views = comm.all_gather(torch.tensor([r, 10 * r]), (0,), out=out)
+        # member p sends p + 1 elements to every member, its own run included
+        inp = torch.cat([torch.full((r + 1,), 10 * r + p) for p in range(3)])
+        got = comm.all_to_all_single(torch.empty(6, dtype=torch.int64), inp, [1, 2, 3], [r + 1] * 3, (0,))
+        errors = []
+        for bad in (lambda: comm.all_gather(torch.ones(2), (0,), out=torch.empty(5)),
+                    lambda: comm.all_to_all_single(torch.empty(6), torch.empty(3), [1, 2, 3], [1, 1], (0,))):
+            try:
+                bad()
+            except ValueError as e:
+                errors.append(str(e))
+        return out.tolist(), [v.data_ptr() for v in views] == [out[2 * i:].data_ptr() for i in range(3)], \
+            got.tolist(), errors, comm.counters.calls[-1]
+
+    for r, (out, views_of_out, got, errors, last) in enumerate(spmd(fn, (3,))):
+        assert out == [0, 0, 1, 10, 2, 20] and views_of_out
+        assert got == [r, 10 + r, 10 + r, 20 + r, 20 + r, 20 + r]
+        assert "needs a contiguous torch.float32 tensor of 3 x 2 elements" in errors[0]
+        assert "one split per member (3)" in errors[1]
+        # logical counts leave out the run a rank sends itself
+        assert (last.collective, last.sent, last.received) == ("all_to_all", 2 * (r + 1) * 8, (6 - r - 1) * 8)
+
+
 # ---- the threads backend and spmd ------------------------------------------------------------------
 
 def test_missing_rank_is_a_comm_error_naming_the_collective_and_axes() -> None:

@@ -19,7 +19,7 @@ import pytest
 SBP = pathlib.Path(__file__).resolve().parents[1] / "sbp"
 
 # No torch at all: pure Python values and maths.
-STRICT = ("placement", "mesh", "layout", "steps", "transfer", "errors")
+STRICT = ("placement", "mesh", "layout", "steps", "transfer", "pieces", "errors")
 # May import torch (e.g. for dtypes), but never torch.distributed; checked when they exist.
 OPTIONAL_PURE = ("planner", "cost", "simulate")
 # Layers above the pure ones: a pure module never imports from them.

@@ -194,3 +194,19 @@ def test_known_plans_run_exactly(shape, src, dst):
     for coord, local in out.items():
         assert tuple(local.shape) == sbp.local_shape(shape, (2, 2), dst, coord)
     assert torch.equal(assemble(out, (2, 2), dst, shape), value)
+
+
+# ---- reduce_transfer ---------------------------------------------------------------------------------------
+def test_reduce_transfer_per_rank_table():
+    # (P, S(0)) -> (S(0), B) on 2x2, 2 rows: coord (p, h) holds contribution p of row h, needs row p reduced
+    locals_ = {(0, 0): torch.tensor([1]), (0, 1): torch.tensor([2]), (1, 0): torch.tensor([10]), (1, 1): torch.tensor([20])}
+    out = simulate(one_step((2,), (2, 2), "reduce_transfer", (0, 1), "P, S(0)", "S(0), B", op="sum"), locals_)
+    assert table(out) == {(0, 0): [11], (0, 1): [11], (1, 0): [22], (1, 1): [22]}
+
+
+@pytest.mark.parametrize("src, dst, op", [("P(sum), P(max)", "B, B", "sum"), ("P(max), S(0)", "P(max), B", "max"),
+                                          ("P(max), S(0)", "S(0), B", "sum")])
+def test_reduce_transfer_of_two_ops_or_into_partial_is_refused(src, dst, op):
+    t = torch.arange(4.)
+    with pytest.raises(SimulationError, match="reduce_transfer"):
+        simulate(one_step((4,), (2, 2), "reduce_transfer", (0, 1), src, dst, op=op), scatter(t, (2, 2), src))

@@ -5,12 +5,12 @@ checks and byte counting. A backend supplies the four raw collectives over a tup
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from ..comm import (ChunkList, CallRecord, Counters, as_chunks, check_recv_shapes, count_all_gather,
-                    count_all_reduce, count_all_to_all, count_reduce_scatter, with_axes)
+from ..comm import (ChunkList, CallRecord, Counters, check_recv_shapes, count_all_gather, count_all_reduce,
+                    count_all_to_all, count_reduce_scatter, stacked, with_axes)
 from ..errors import CommError
 from ..mesh import DeviceMesh
 
@@ -71,35 +71,46 @@ class BoundComm:
         return " (" + ", ".join(repr(self.mesh.names[a]) for a in axes) + ")"
 
     # ---- collectives -------------------------------------------------------------------------------
-    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *,
-                   numels: Sequence[int] | None = None) -> list[torch.Tensor]:
-        """Every member's `t` in member order (shapes must be equal)."""
+    def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *, numels: Sequence[int] | None = None,
+                   out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Every member's `t` in member order (shapes must be equal). With `out` (contiguous, n x `t.numel()`
+        elements) the pieces are gathered into it, back to back, and the list holds views of it."""
         members = self.members(axes)
+        n = len(members)
         t = t.contiguous()
-        out = [t.clone()] if len(members) == 1 else self._all_gather(t, members, axes)
-        self._count(count_all_gather(members.index(self.rank), t.numel(), numels, len(members),
-                                     t.element_size()), axes)
-        return out
+        if out is None:
+            out = t.new_empty(n * t.numel())
+        elif out.numel() != n * t.numel() or not out.is_contiguous() or out.dtype != t.dtype:
+            raise ValueError(f"all_gather into `out` needs a contiguous {t.dtype} tensor of {n} x {t.numel()} "
+                             f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        pieces = out.view((n,) + tuple(t.shape))
+        if n == 1:
+            pieces[0].copy_(t)
+        else:
+            self._all_gather(t, out.view(-1), members, axes)
+        self._count(count_all_gather(members.index(self.rank), t.numel(), numels, n, t.element_size()), axes)
+        return list(pieces.unbind(0))
 
     def reduce_scatter(self, chunks: ChunkList, axes: tuple[int, ...], op: str, *,
                        numels: Sequence[int] | None = None) -> torch.Tensor:
         """The `op`-reduction over members of the chunk meant for this rank."""
         members = self.members(axes)
-        chunks = [c.contiguous() for c in as_chunks(chunks, len(members))]
-        if len(chunks) != len(members) or len({c.shape for c in chunks}) > 1:
-            raise ValueError(f"reduce_scatter needs {len(members)} chunks of one shape, "
-                             f"got shapes {[tuple(c.shape) for c in chunks]}")
+        inp = stacked(chunks, len(members))
         index = members.index(self.rank)
-        out = chunks[0].clone() if len(members) == 1 else self._reduce_scatter(chunks, members, axes, op)
-        self._count(count_reduce_scatter(index, chunks[0].numel(), numels, len(members),
-                                         chunks[0].element_size()), axes)
+        out = inp[0].clone() if len(members) == 1 else self._reduce_scatter(inp, members, axes, op)
+        self._count(count_reduce_scatter(index, inp[0].numel(), numels, len(members), inp.element_size()), axes)
         return out
 
-    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str) -> torch.Tensor:
-        """The `op`-reduction of every member's `t`, as a new contiguous tensor."""
+    def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str, *, inplace: bool = False) -> torch.Tensor:
+        """The `op`-reduction of every member's `t`, contiguous; a new tensor unless `inplace`, which lets
+        the backend reduce into `t` itself (the caller owns it)."""
         members = self.members(axes)
-        t = t.contiguous()
-        out = t.clone() if len(members) == 1 else self._all_reduce(t, members, axes, op)
+        if not t.is_contiguous():
+            t, inplace = t.contiguous(), True  # a fresh copy already
+        if len(members) == 1:
+            out = t if inplace else t.clone()
+        else:
+            out = self._all_reduce(t, members, axes, op, inplace)
         self._count(count_all_reduce(members.index(self.rank), t.numel(), len(members), t.element_size()), axes)
         return out
 
@@ -108,16 +119,35 @@ class BoundComm:
         """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
         members = self.members(axes)
         check_recv_shapes(send, recv_shapes, len(members))
-        send = [s.contiguous() for s in send]
-        index = members.index(self.rank)
         recv_shapes = [tuple(s) for s in recv_shapes]
-        if len(members) == 1:
-            out = [send[0].clone().view(recv_shapes[0])]
+        out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
+        inp = torch.cat([s.reshape(-1) for s in send])
+        out = self.all_to_all_single(inp.new_empty(sum(out_splits)), inp, out_splits,
+                                     [s.numel() for s in send], axes)
+        return [piece.view(shape) for piece, shape in zip(out.split(out_splits), recv_shapes)]
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                          in_splits: Sequence[int], axes: tuple[int, ...], *,
+                          meanwhile: Callable[[], object] | None = None) -> torch.Tensor:
+        """Flat form of `all_to_all`: the i-th run of `in_splits[i]` elements of `inp` goes to member i, and
+        what member i sends here lands in the i-th run of `out_splits[i]` elements of `out` (both flat
+        and contiguous; this rank's own run is copied locally). `meanwhile`: local work that touches
+        neither buffer, run while the call is in flight where the backend can. Returns `out`."""
+        members = self.members(axes)
+        n = len(members)
+        if (len(in_splits) != n or len(out_splits) != n or sum(in_splits) != inp.numel()
+                or sum(out_splits) != out.numel() or not (inp.is_contiguous() and out.is_contiguous())):
+            raise ValueError(f"all_to_all_single needs contiguous flat buffers and one split per member ({n}): "
+                             f"in_splits {list(in_splits)} for {inp.numel()} elements, out_splits "
+                             f"{list(out_splits)} for {out.numel()}")
+        index = members.index(self.rank)
+        if n == 1:
+            out.copy_(inp)
+            if meanwhile is not None:
+                meanwhile()
         else:
-            out = self._all_to_all(send, recv_shapes, members, axes)
-        numel = lambda shape: int(torch.Size(shape).numel())
-        self._count(count_all_to_all(index, [s.numel() for s in send], [numel(s) for s in recv_shapes],
-                                     send[0].element_size()), axes)
+            self._all_to_all(out, inp, tuple(out_splits), tuple(in_splits), members, axes, meanwhile)
+        self._count(count_all_to_all(index, in_splits, out_splits, inp.element_size()), axes)
         return out
 
     def exchange(self, ranks: Sequence[int], send: dict[int, list[torch.Tensor]],
@@ -145,19 +175,23 @@ class BoundComm:
     def _count(self, call: CallRecord, axes: tuple[int, ...]) -> None:
         self.counters.record(with_axes(call, axes))
 
-    # ---- raw collectives, over `members` (len >= 2) ---------------------------------------------------
-    def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
+    # ---- raw collectives, over `members` (len >= 2), flat buffers in member order -------------------
+    def _all_gather(self, t: torch.Tensor, out: torch.Tensor, members: Members, axes: tuple[int, ...]) -> None:
+        """Fill `out` (n x `t.numel()`) with every member's `t`."""
         raise NotImplementedError  # pragma: no cover
 
-    def _reduce_scatter(self, chunks: list[torch.Tensor], members: Members, axes: tuple[int, ...],
+    def _reduce_scatter(self, stacked: torch.Tensor, members: Members, axes: tuple[int, ...],
                         op: str) -> torch.Tensor:
+        """`stacked[i]` is meant for member i; a new tensor shaped `stacked[0]`."""
         raise NotImplementedError  # pragma: no cover
 
-    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str,
+                    inplace: bool) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover
 
-    def _all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], members: Members,
-                    axes: tuple[int, ...]) -> list[torch.Tensor]:
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: tuple[int, ...],
+                    in_splits: tuple[int, ...], members: Members, axes: tuple[int, ...],
+                    meanwhile: Callable[[], object] | None) -> None:
         raise NotImplementedError  # pragma: no cover
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import Counters, joined
+from ..comm import Counters
 from ..errors import CommError, MeshError
 from ..mesh import DeviceMesh
 from . import BoundComm, Members, bound
@@ -138,7 +138,7 @@ class DistComm(BoundComm):
         super().__init__(mesh, rank, counters)
         self.timeout = timeout
         self._groups = groups
-        self._orders: dict[Members, list[int]] = {}
+        self._orders: dict[Members, list[int] | None] = {}
 
     def _rebind(self, mesh: DeviceMesh) -> "DistComm":
         return DistComm(mesh, self.rank, self._groups, self.timeout, self.counters)
@@ -147,73 +147,86 @@ class DistComm(BoundComm):
         """Another mesh over the same world (`init_mesh` with this mesh's timeout; every rank calls it)."""
         return init_mesh(mesh.shape, mesh.names, ranks=mesh.ranks, device_type=mesh.device_type, timeout=self.timeout)
 
-    def _group(self, members: Members) -> tuple[dist.ProcessGroup, list[int]]:
-        """The process group of `members` and, per group rank, the member index it is."""
+    def _group(self, members: Members) -> tuple[dist.ProcessGroup, list[int] | None]:
+        """The process group of `members` and, per group rank, the member index it is; None for that
+        order when it is the member order itself (flat buffers then need no reordering)."""
         pg = self._groups.get(tuple(sorted(members)))
         if pg is None:
             raise CommError(f"no process group for ranks {list(members)} on rank {self.rank}; was the mesh "
                             f"made by sbp.init_mesh on every rank?")
-        order = self._orders.get(members)
-        if order is None:
+        if members not in self._orders:
             order = [members.index(r) for r in dist.get_process_group_ranks(pg)]
-            self._orders[members] = order
-        return pg, order
+            self._orders[members] = None if order == sorted(order) else order
+        return pg, self._orders[members]
 
     def _call(self, what: str, axes: tuple[int, ...], members: Members, t: torch.Tensor,
-              fn: Callable[[], object]) -> None:
-        names = self.axis_names(axes)
+              fn: Callable[[], object], meanwhile: Callable[[], object] | None = None) -> None:
+        """Make the torch.distributed call `fn` (if it returns a `Work`, wait for it after `meanwhile`: local
+        work that touches none of the call's buffers and so runs while the call is in flight)."""
         if t.device.type != self.mesh.device_type:
-            raise CommError(f"{what} on mesh axes {axes}{names}: tensor is on {t.device} but the mesh is a "
-                            f"{self.mesh.device_type!r} mesh; move the local tensor to the mesh's device")
+            raise CommError(f"{what} on mesh axes {axes}{self.axis_names(axes)}: tensor is on {t.device} but the "
+                            f"mesh is a {self.mesh.device_type!r} mesh; move the local tensor to the mesh's device")
+        work = self._guarded(what, axes, members, fn)
         try:
-            fn()
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            if work is not None:
+                self._guarded(what, axes, members, work.wait)
+
+    def _guarded(self, what: str, axes: tuple[int, ...], members: Members, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
         except (RuntimeError, ValueError, TypeError, dist.DistError) as e:
+            names = self.axis_names(axes)
             raise CommError(f"{what} on mesh axes {axes}{names} (group ranks {list(members)}) failed on rank "
                             f"{self.rank} (timeout {self.timeout}): {e}") from e
 
-    def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
+    def _all_gather(self, t: torch.Tensor, out: torch.Tensor, members: Members, axes: tuple[int, ...]) -> None:
         pg, order = self._group(members)
         flat = t.reshape(-1)
-        out = t.new_empty(len(members) * flat.numel())  # concatenation form: gloo takes no stacked output
-        self._call("all_gather", axes, members, t, lambda: _all_gather_flat(out, flat, group=pg))
-        pieces = out.view((len(members),) + tuple(t.shape))
-        by_member: list[torch.Tensor] = [pieces[0]] * len(members)
-        for g, m in enumerate(order):
-            by_member[m] = pieces[g]
-        return by_member
+        got = out if order is None else torch.empty_like(out)  # gloo takes no stacked output
+        self._call("all_gather", axes, members, t, lambda: _all_gather_flat(got, flat, group=pg))
+        if order is not None:
+            k = flat.numel()
+            for g, m in enumerate(order):
+                out[m * k:(m + 1) * k] = got[g * k:(g + 1) * k]
 
-    def _reduce_scatter(self, chunks: list[torch.Tensor], members: Members, axes: tuple[int, ...],
+    def _reduce_scatter(self, stacked: torch.Tensor, members: Members, axes: tuple[int, ...],
                         op: str) -> torch.Tensor:
         pg, order = self._group(members)
-        ordered = [chunks[m] for m in order]
-        inp = joined(ordered)  # chunks cut from one contiguous local need no copy
-        if inp is None:
-            inp = torch.cat([c.reshape(-1) for c in ordered])
-        out = chunks[0].new_empty(chunks[0].numel())
+        inp = stacked.reshape(-1) if order is None else stacked[order].reshape(-1)
+        out = stacked.new_empty(stacked.shape[1:])
         self._call(f"reduce_scatter({op})", axes, members, inp,
-                   lambda: _reduce_scatter_flat(out, inp, op=_REDUCE_OPS[op], group=pg))
-        return out.view(chunks[0].shape)
+                   lambda: _reduce_scatter_flat(out.view(-1), inp, op=_REDUCE_OPS[op], group=pg))
+        return out
 
-    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str,
+                    inplace: bool) -> torch.Tensor:
         pg, _ = self._group(members)
-        out = t.clone()
+        out = t if inplace else t.clone()
         self._call(f"all_reduce({op})", axes, members, out,
                    lambda: dist.all_reduce(out, op=_REDUCE_OPS[op], group=pg))
         return out
 
-    def _all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], members: Members,
-                    axes: tuple[int, ...]) -> list[torch.Tensor]:
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: tuple[int, ...],
+                    in_splits: tuple[int, ...], members: Members, axes: tuple[int, ...],
+                    meanwhile: Callable[[], object] | None) -> None:
         pg, order = self._group(members)
-        inp = torch.cat([send[m].reshape(-1) for m in order])
-        in_splits = [send[m].numel() for m in order]
-        out_splits = [int(torch.Size(recv_shapes[m]).numel()) for m in order]
-        out = inp.new_empty(sum(out_splits))
-        self._call("all_to_all", axes, members, inp,
-                   lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg))
-        by_member: list[torch.Tensor] = [out] * len(members)
-        for m, piece in zip(order, out.split(out_splits)):
-            by_member[m] = piece.view(recv_shapes[m])
-        return by_member
+        if order is None:
+            self._call("all_to_all", axes, members, inp, lambda: dist.all_to_all_single(
+                out, inp, list(out_splits), list(in_splits), group=pg, async_op=meanwhile is not None), meanwhile)
+            return
+        # group rank g is member order[g]: send and receive runs in group order, then back to member order
+        pieces = inp.split(list(in_splits))
+        send = torch.cat([pieces[m] for m in order])
+        got = torch.empty_like(out)
+        out_g, in_g = [out_splits[m] for m in order], [in_splits[m] for m in order]
+        self._call("all_to_all", axes, members, send,
+                   lambda: dist.all_to_all_single(got, send, out_g, in_g, group=pg), meanwhile)
+        where = dict(zip(order, got.split(out_g)))
+        for m, piece in zip(range(len(members)), out.split(list(out_splits))):
+            piece.copy_(where[m])
 
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:

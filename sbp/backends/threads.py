@@ -116,36 +116,38 @@ class ThreadComm(BoundComm):
     def _meet(self, members: Members, axes: tuple[int, ...], what: str, payload: Any) -> list[Any]:
         return self.world.meet(self.rank, members, f"{what} on axes {axes}{self.axis_names(axes)}", payload)
 
-    def _all_gather(self, t: torch.Tensor, members: Members, axes: tuple[int, ...]) -> list[torch.Tensor]:
+    def _all_gather(self, t: torch.Tensor, out: torch.Tensor, members: Members, axes: tuple[int, ...]) -> None:
         items = self._meet(members, axes, "all_gather", t.clone())
         shapes = {tuple(x.shape) for x in items}
         if len(shapes) > 1:
             raise RankMismatchError(f"all_gather on axes {axes} needs equal shapes, members sent {sorted(shapes)}")
-        return [x.clone() for x in items]
+        k = t.numel()
+        for i, x in enumerate(items):
+            out[i * k:(i + 1) * k] = x.reshape(-1)
 
-    def _reduce_scatter(self, chunks: list[torch.Tensor], members: Members, axes: tuple[int, ...],
+    def _reduce_scatter(self, stacked: torch.Tensor, members: Members, axes: tuple[int, ...],
                         op: str) -> torch.Tensor:
-        items = self._meet(members, axes, f"reduce_scatter({op})", [c.clone() for c in chunks])
+        items = self._meet(members, axes, f"reduce_scatter({op})", stacked.clone())
         index = members.index(self.rank)
         return reduce_list([x[index] for x in items], op)
 
-    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str,
+                    inplace: bool) -> torch.Tensor:
         items = self._meet(members, axes, f"all_reduce({op})", t.clone())
         return reduce_list(items, op)
 
-    def _all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple[int, ...]], members: Members,
-                    axes: tuple[int, ...]) -> list[torch.Tensor]:
-        items = self._meet(members, axes, "all_to_all", [s.clone() for s in send])
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: tuple[int, ...],
+                    in_splits: tuple[int, ...], members: Members, axes: tuple[int, ...],
+                    meanwhile: Any) -> None:
+        if meanwhile is not None:
+            meanwhile()
+        items = self._meet(members, axes, "all_to_all", [p.clone() for p in inp.split(list(in_splits))])
         index = members.index(self.rank)
-        out = []
-        for peer, (sent, shape) in enumerate(zip(items, recv_shapes)):
-            piece = sent[index]
-            if piece.numel() != torch.Size(shape).numel():
-                raise RankMismatchError(f"all_to_all on axes {axes}: rank {self.rank} expects {shape} from "
-                                        f"rank {members[peer]}, which sent {tuple(piece.shape)}")
-            out.append(piece.clone().view(shape))
-        return out
-
+        for peer, (sent, piece) in enumerate(zip(items, out.split(list(out_splits)))):
+            if sent[index].numel() != piece.numel():
+                raise RankMismatchError(f"all_to_all on axes {axes}: rank {self.rank} expects {piece.numel()} "
+                                        f"elements from rank {members[peer]}, which sent {sent[index].numel()}")
+            piece.copy_(sent[index])
 
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
