@@ -5,6 +5,9 @@ nothing on the dispatcher's way would act (autograd recording, dispatch and func
 leave every other call (keyword arguments, plain tensors, other meshes) to torch's own way."""
 from __future__ import annotations
 
+import collections
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -31,17 +34,22 @@ REDUCE = {"sum": (lambda a: a.sum(), aten.sum.default), "mean": (lambda a: a.mea
 
 
 class _DispatchCounter:
-    """Counts calls of `GlobalTensor.__torch_dispatch__` (the dispatcher route) while installed."""
+    """Records calls of `GlobalTensor.__torch_dispatch__` (the dispatcher route) per thread while installed.
+
+    Install it around `spmd` in the main thread (thread-ranks share the class); each rank reads its own."""
 
     def __init__(self) -> None:
-        self.calls: list = []
+        self.calls: dict[int, list] = collections.defaultdict(list)
+
+    def mine(self) -> list:
+        return self.calls[threading.get_ident()]
 
     def __enter__(self):
         self.original = GlobalTensor.__dict__["__torch_dispatch__"]
         original, calls = self.original.__func__, self.calls
 
         def counting(cls, func, types, args=(), kwargs=None):
-            calls.append(func)
+            calls[threading.get_ident()].append(func)
             return original(cls, func, types, args, kwargs)
 
         GlobalTensor.__torch_dispatch__ = classmethod(counting)
@@ -119,14 +127,15 @@ def test_the_direct_path_skips_the_dispatcher_once_a_decision_is_cached():
         x, y = make_global(randn((4, 4)), mesh, (S(0),)), make_global(randn((4, 4), seed=1), mesh, (S(0),))
         w = make_global(randn((4, 4), seed=2), mesh, (B,))
         x + y, x @ w, x.sum(), x * 2.0   # decide
-        with _DispatchCounter() as counter:
-            x + y, x @ w, x.sum(), x * 2.0, x.mean()
-        return counter.calls
+        before = len(counter.mine())
+        x + y, x @ w, x.sum(), x * 2.0, x.mean()
+        return counter.mine()[before:]
 
-    calls = sbp.testing.spmd(fn, (2,))[0]
+    with _DispatchCounter() as counter:
+        calls = sbp.testing.spmd(fn, (2,))
     # mean over a split dim is an exact global mean: a rule with its own computation, so it goes through
     # the handler, which runs local ATen ops (not GlobalTensor dispatch): nothing reaches the dispatcher
-    assert calls == [], calls
+    assert calls == [[], []], calls
 
 
 def test_autograd_takes_torch_s_way_and_records_the_graph():
@@ -135,17 +144,21 @@ def test_autograd_takes_torch_s_way_and_records_the_graph():
     def fn(mesh):
         x = make_global(full, mesh, (S(0),), requires_grad=True)
         y = make_global(full, mesh, (S(0),))
-        with _DispatchCounter() as counter:
-            out = (x * y + x).sum()
-        assert counter.calls, "a tensor that requires grad must go through the dispatcher"
+        before = len(counter.mine())
+        out = (x * y + x).sum()
+        assert len(counter.mine()) > before, "a tensor that requires grad must go through the dispatcher"
         assert out.grad_fn is not None
         out.full().backward()
-        with torch.no_grad(), _DispatchCounter() as quiet:
+        with torch.no_grad():
+            x * y                       # may decide (no_grad: the decision of a plain mul)
+            before = len(counter.mine())
             x * y
-        assert quiet.calls == [] or quiet.calls == [aten.mul.Tensor]   # first no_grad call may decide
+        assert counter.mine()[before:] == []
         return x.grad.full()
 
-    for grad in sbp.testing.spmd(fn, (2,)):
+    with _DispatchCounter() as counter:
+        grads = sbp.testing.spmd(fn, (2,))
+    for grad in grads:
         torch.testing.assert_close(grad, full + 1, rtol=0, atol=1e-12)
 
 
