@@ -45,7 +45,6 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sbp
-from sbp.backends.dist import DistComm
 from sbp.execute import redistribute_local
 
 WORLD = 4

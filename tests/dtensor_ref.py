@@ -42,6 +42,7 @@ import sys
 from typing import Optional, Sequence
 
 import sbp
+from sbp.interop import _to_torch
 from sbp.placement import Broadcast, Partial, Placement, Split, normalize
 
 Transform = tuple[int, Placement, Placement]  # (mesh axis, from, to) in sbp placements
@@ -181,19 +182,7 @@ def fake_meshes(mesh_shapes: list[tuple[int, ...]]) -> dict:
 
 def to_dtensor(pls: Sequence[Placement]) -> tuple:
     """sbp placements as DTensor placements (S(d) -> Shard(d), B -> Replicate(), P(op) -> Partial(op))."""
-    from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
-
-    def one(p: Placement):
-        match p:
-            case Split(dim=d):
-                return Shard(d)
-            case Broadcast():
-                return Replicate()
-            case Partial(op=op):
-                return DPartial(op)
-        raise TypeError(p)  # pragma: no cover
-
-    return tuple(one(p) for p in pls)
+    return tuple(_to_torch(p) for p in pls)
 
 
 def from_dtensor(p) -> Placement:

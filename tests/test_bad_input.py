@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import sbp
 import sbp.testing
-from sbp import B, DeviceMesh, Partial, S, Split
+from sbp import DeviceMesh, Partial, S, Split
 
 MIN_ROWS = 230          # the table below has at least this many rows (237; 233 where CUDA is available)
 CUDA = torch.cuda.is_available()

@@ -5,7 +5,6 @@ the reference simulator, so it checks the plan and the per-rank packing against 
 """
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from hypothesis import given, settings, strategies as st
 
 import sbp
 from sbp.crossexec import assemble as cross_assemble, expected, pack
-from sbp.layout import block, block_numel, intersect
 from sbp.simulate import assemble, scatter, simulate
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sbp
-from sbp import B, S, Partial
+from sbp import B, Partial
 from sbp.simulate import SimulationError, assemble, identity, scatter, simulate
 from sbp.steps import Plan, Step
 from sbp.testing.strategies import layouts

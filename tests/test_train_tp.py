@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import sbp
 import sbp.nn

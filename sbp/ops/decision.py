@@ -252,6 +252,7 @@ def _mark_detached(out: Any, base: Any) -> None:
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
 
 
 def _wrap_by_constructor(local, mesh, pls, shape, strides) -> GlobalTensor:
@@ -259,12 +260,17 @@ def _wrap_by_constructor(local, mesh, pls, shape, strides) -> GlobalTensor:
 
 
 def _wrap_direct(local, mesh, pls, shape, strides) -> GlobalTensor:
-    """`GlobalTensor(local, mesh, pls, shape)` with the strides computed once per decision, not per call."""
-    out = _make_wrapper(GlobalTensor, shape, strides=strides, dtype=local.dtype, device=local.device,
-                        layout=local.layout, requires_grad=False)
-    out._local = local
-    out._mesh = mesh
-    out._placements = pls
+    """`GlobalTensor(local, mesh, pls, shape)` with the strides computed once per decision, not per call
+    (and not passed at all for a strided local: the wrapper's default strides are the contiguous ones)."""
+    if local.layout is _STRIDED:
+        out = _make_wrapper(GlobalTensor, shape, dtype=local.dtype, device=local.device)
+    else:
+        out = _make_wrapper(GlobalTensor, shape, strides=strides, dtype=local.dtype, device=local.device,
+                            layout=local.layout)
+    d = out.__dict__
+    d["_local"] = local
+    d["_mesh"] = mesh
+    d["_placements"] = pls
     return out
 
 

@@ -26,8 +26,6 @@ _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _autocast = torch._C._is_any_autocast_enabled
-_make_wrapper = torch.Tensor._make_wrapper_subclass
-_STRIDED = torch.strided
 
 
 def direct_ok(*tensors: torch.Tensor) -> bool:
@@ -53,43 +51,27 @@ def direct_ok(*tensors: torch.Tensor) -> bool:
 _NOTHING, _MISS = object(), object()
 
 
-def _key(a: GlobalTensor) -> Any:
-    d = a.__dict__
-    cached = d.get("_sbp_key")
-    if cached is not None and cached[0] is d["_placements"] and cached[1] is d["_mesh"]:
-        return cached[2]
-    return _tensor_key(a)
-
-
 def _direct(op, local_method: Callable, a: GlobalTensor, b: Any) -> Any:
     """``op(a)`` or ``op(a, b)`` for a global `a` and a global or Python-number `b` (`_NOTHING`: unary),
     after `direct_ok`: a cached fast decision runs `local_method` on the locals, another cached decision
     goes to the handler; `_MISS` when the call has no decision yet (the caller knows what to do then)."""
     kind = type(b)
     if kind is GlobalTensor:
-        decision = _CACHE.get((op, _key(a), _key(b)))
+        decision = _CACHE.get((op, _tensor_key(a), _tensor_key(b)))
     elif b is _NOTHING:
-        decision = _CACHE.get((op, _key(a)))
+        decision = _CACHE.get((op, _tensor_key(a)))
     else:
-        decision = _CACHE.get((op, _key(a), float_key(b) if kind is float else b))
+        decision = _CACHE.get((op, _tensor_key(a), float_key(b) if kind is float else b))
     if decision is None:
         return _MISS
     mesh = a._mesh
     if not decision.fast or (kind is GlobalTensor and b._mesh is not mesh) or _coord(mesh) is None:
         return handle(op, (a,) if b is _NOTHING else (a, b), {})
-    local = local_method(a._local) if b is _NOTHING else local_method(a._local, b._local if kind is GlobalTensor else b)
-    pls = decision.choice.outputs[0]
-    if local.layout is _STRIDED:
-        out = _make_wrapper(GlobalTensor, decision.out_shapes[0], dtype=local.dtype, device=local.device)
+    if b is _NOTHING:
+        local = local_method(a._local)
     else:
-        out = _make_wrapper(GlobalTensor, decision.out_shapes[0], strides=decision.out_strides[0],
-                            dtype=local.dtype, device=local.device, layout=local.layout)
-    d = out.__dict__
-    d["_local"] = local
-    d["_mesh"] = mesh
-    d["_placements"] = pls
-    d["_sbp_key"] = (pls, mesh, decision.out_keys[0])
-    return out
+        local = local_method(a._local, b._local if kind is GlobalTensor else b)
+    return decision._new(0, local, mesh)
 
 
 def _quiet() -> bool:

@@ -28,8 +28,9 @@ _DECIDING = threading.RLock()   # a process-lifetime resource guarding the cache
 
 # ---- the cache key -------------------------------------------------------------------------------------
 def _tensor_key(a: GlobalTensor) -> _SpecToken:
-    cached = a.__dict__.get("_sbp_key")
-    if cached is not None and cached[0] is a._placements and cached[1] is a._mesh:
+    d = a.__dict__   # one lookup, then plain dict reads (hot: every op call keys its tensors)
+    cached = d.get("_sbp_key")
+    if cached is not None and cached[0] is d["_placements"] and cached[1] is d["_mesh"]:
         return cached[2]
     found = spec_token(a._placements, a.shape, a.dtype, a._mesh.shape)
     a._sbp_key = (a._placements, a._mesh, found)
