@@ -13,15 +13,18 @@ uneven 1023x1021 one, each case on a mesh of (4,) or (2, 2). Per case it prints:
   `_dtensor.shard_dim_alltoall`; `CommDebugMode` counts calls only) and prices it with the same
   conventions as sbp's counters: all_gather receives the others' pieces, reduce_scatter (n-1) x its
   output, all_reduce 2 (n-1)/n of the tensor, all_to_all what the peers send;
-- ``sbp/coll``: for plans of one collective, sbp's time over the time of that same torch.distributed
-  call alone: the call sbp made (same function, group, sizes and buffers) is kept from a warm-up run
-  and replayed on its own, timed like the others, on its buffers as they are (prepared once, warm).
-  The ratio is all that sbp adds: cutting and assembling pieces, copies the collective needs
-  (all_reduce works in place, so the caller's tensor is copied first; column blocks are packed),
-  allocating the result, Python;
-- ``sbp/new``: the same, but the replayed call writes into newly allocated memory each time (its
-  output buffer allocated in the timed region; all_reduce, which works in place: a copy of its input),
-  as any call that returns a new tensor must. Above 1 only by what sbp does besides that.
+- ``sbp/coll``: for plans of one collective step, sbp's time over the time of the raw collective
+  that step names, called alone on ready buffers of the step's exact sizes (the same process group):
+  all_gather -> `all_gather_into_tensor`, reduce_scatter -> `reduce_scatter_tensor`, all_reduce ->
+  `all_reduce` in place, all_to_all / transfer -> one `all_to_all_single` with the per-peer sizes.
+  It is built from the plan, not from what sbp does, so a route that beats the textbook collective
+  shows below 1 (on gloo sbp runs reduce_scatter as all_to_all + a local fold, and exchanges as
+  isend/irecv). Above 1 is all sbp adds: copies the route needs (all_reduce works in place, so the
+  caller's tensor is copied first; strided blocks are packed), allocating the result, Python;
+- ``sbp/new``: the same, but the raw collective writes into newly allocated memory each time (its
+  output allocated in the timed region; all_reduce: a copy of its input), as any call that returns a
+  new tensor must;
+- ``sbp calls``: the torch.distributed functions sbp called (``+`` joins several kinds).
 
 The timings (sbp, DTensor, the raw calls) are interleaved iteration by iteration, in rotating order,
 so load from other processes on the machine hits them alike.
@@ -153,8 +156,8 @@ def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int)
                                   mesh.coord)].contiguous()
     counters = mesh.binding.counters
     counters.reset()
-    calls: list[Callable[[], object]] = []
-    out = _keeping_calls(calls, lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl))
+    calls: list[str] = []
+    out = _noting_calls(calls, lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl))
     counted = busiest(counters.received)
     if not partial:
         assert torch.equal(out, full[sbp.local_slices(shape, mesh, dst_pl, mesh.coord)]), (src, dst, shape)
@@ -174,34 +177,35 @@ def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int)
     dt_bytes = busiest(counter.received)
 
     fns = {"sbp": lambda: redistribute_local(local, mesh, shape, src_pl, dst_pl), "dt": run_dt}
-    # every rank of a one-collective plan makes exactly one call (a group with nothing to move makes none)
-    single = plan.num_collectives == 1 and busiest(abs(len(calls) - 1)) == 0
-    if single:
-        fns["coll"], fns["new"] = _replay(*calls[0], fresh=False), _replay(*calls[0], fresh=True)
+    collective = [s for s in plan.steps if s.is_collective]
+    if len(collective) == 1 and plan.num_collectives == 1:
+        fns["coll"], fns["new"] = (_raw_collective(collective[0], plan, mesh, local, fresh=f) for f in (False, True))
     times = timed(fns, iters)
     median_ms = lambda name: statistics.median(times[name]) * 1e3 if name in times else None
     return {"sbp_ms": median_ms("sbp"), "dt_ms": median_ms("dt"), "plan_bytes": plan.bytes_per_rank,
             "counted": counted, "dt_bytes": dt_bytes, "coll_ms": median_ms("coll"), "new_ms": median_ms("new"),
-            "steps": " + ".join(s.kind for s in plan.steps if s.is_collective), "dt_calls": "+".join(counter.calls)}
+            "steps": " + ".join(s.kind for s in plan.steps if s.is_collective), "dt_calls": "+".join(counter.calls),
+            "sbp_calls": _union_over_ranks(calls)}
 
 
-def _keeping_calls(sink: list[tuple], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run `fn`, keeping every torch.distributed call sbp's communicator makes as (function, args, kwargs),
-    so that it can be replayed alone: same collective, group, sizes and buffers."""
+def _noting_calls(sink: list[str], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run `fn`, noting the name of every torch.distributed function sbp's communicator calls."""
     import sbp.backends.dist as backend
 
-    entry_points = [(backend, "_all_gather_flat"), (backend, "_reduce_scatter_flat"), (dist, "all_reduce"),
-                    (dist, "all_to_all_single")]
-    saved = [(module, name, getattr(module, name)) for module, name in entry_points]
+    entry_points = [(backend, "_all_gather_flat", "all_gather_into_tensor"),
+                    (backend, "_reduce_scatter_flat", "reduce_scatter_tensor"), (dist, "all_reduce", "all_reduce"),
+                    (dist, "all_to_all_single", "all_to_all_single"), (dist, "isend", "isend"),
+                    (dist, "irecv", "irecv")]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in entry_points]
 
-    def keeping(f):
+    def noting(f, label):
         def call(*args, **kwargs):
-            sink.append((f, args, kwargs))
+            sink.append(label)
             return f(*args, **kwargs)
         return call
 
-    for module, name, f in saved:
-        setattr(module, name, keeping(f))
+    for (module, name, f), (_, _, label) in zip(saved, entry_points):
+        setattr(module, name, noting(f, label))
     try:
         return fn()
     finally:
@@ -209,14 +213,48 @@ def _keeping_calls(sink: list[tuple], fn: Callable[[], torch.Tensor]) -> torch.T
             setattr(module, name, f)
 
 
-def _replay(f: Callable, args: tuple, kwargs: dict, *, fresh: bool) -> Callable[[], None]:
-    """The kept call `f(*args, **kwargs)`, waited for; with `fresh`, into newly allocated memory each time:
-    a new output buffer (the first argument), or for all_reduce, which works in place, a copy of it."""
+def _union_over_ranks(names: list[str]) -> str:
+    """The names every rank noted, joined (a rank with nothing to move makes no call)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(set(names)))
+    return "+".join(sorted(set().union(*every))) or "-"
+
+
+def _raw_collective(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh, local: torch.Tensor, *,
+                    fresh: bool) -> Callable[[], None]:
+    """The raw torch.distributed collective `step` names, on ready buffers of its exact sizes for this rank
+    (its group's process group); with `fresh`, writing into newly allocated memory each call."""
+    import sbp.backends.dist as backend
+    from sbp.pieces import exchange_layout, gather, scatter
+
+    comm = mesh.binding
+    pg, _ = comm._group(comm.members(step.axes))
+    where = (plan.global_shape, plan.mesh_shape, step.src, step.dst, step.axes, mesh.coord)
+    new = lambda n: torch.randn(n, generator=torch.Generator().manual_seed(1))
+    match step.kind:
+        case "all_gather":
+            lay = gather(*where)
+            inp, out = new(lay.width), new(len(lay.numels) * lay.width)
+            call = lambda o: backend._all_gather_flat(o, inp, group=pg)
+        case "reduce_scatter":
+            lay = scatter(*where)
+            inp, out = new(len(lay.numels) * lay.width), new(lay.width)
+            call = lambda o: backend._reduce_scatter_flat(o, inp, group=pg)
+        case "all_reduce":
+            out = local.clone()
+            call = lambda o: dist.all_reduce(o, group=pg)
+        case "all_to_all" | "transfer":
+            lay = exchange_layout(*where)
+            inp, out = new(sum(lay.in_splits)), new(sum(lay.out_splits))
+            call = lambda o: dist.all_to_all_single(o, inp, list(lay.out_splits), list(lay.in_splits), group=pg)
+        case _:
+            raise ValueError(f"no raw collective for a {step.kind} step")
+
     def run() -> None:
-        out = args[0]
+        o = out
         if fresh:
-            out = out.clone() if f.__name__ == "all_reduce" else torch.empty_like(out)
-        _sync(f(out, *args[1:], **kwargs))
+            o = out.clone() if step.kind == "all_reduce" else torch.empty_like(out)
+        call(o)
     return run
 
 
@@ -234,7 +272,7 @@ def main(iters: int) -> None:
         print(f"torch {torch.__version__}, {WORLD} gloo ranks, fp32, median of {iters} iterations\n")
         print(f"{'mesh':<5} {'shape':<10} {'change':<26} {'sbp ms':>7} {'DT ms':>7} {'ratio':>6} "
               f"{'sbp B/rank':>11} {'counted':>9} {'DT B/rank':>10} {'sbp/coll':>8} {'sbp/new':>7}  "
-              f"sbp | DTensor collectives")
+              f"sbp step: sbp calls | DTensor collectives")
     for shape in SHAPES:
         for mesh_shape, src, dst in CASES:
             r = run_case(meshes[mesh_shape], tmeshes[mesh_shape], shape, src, dst, iters)
@@ -245,7 +283,7 @@ def main(iters: int) -> None:
                 print(f"{mesh_txt:<5} {'x'.join(map(str, shape)):<10} {f'[{src}]->[{dst}]':<26} "
                       f"{r['sbp_ms']:7.2f} {r['dt_ms']:7.2f} {r['sbp_ms'] / r['dt_ms']:6.2f} "
                       f"{r['plan_bytes']:11d} {r['counted']:9d} {r['dt_bytes']:10d} {coll:>8} {new:>7}  "
-                      f"{r['steps']} | {r['dt_calls']}", flush=True)
+                      f"{r['steps']}: {r['sbp_calls']} | {r['dt_calls']}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

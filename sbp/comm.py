@@ -14,6 +14,7 @@ all_gather         sum of the other members' pieces          own piece x (n - 1)
 reduce_scatter     own piece x (n - 1)                       sum of the pieces meant for the others
 all_reduce         2 (n - 1) / n of the tensor, rounded down    the same (the ring figure the planner prices)
 all_to_all         sum of what the peers send this rank      sum of what this rank sends to its peers
+send_recv          sum of what the peers send this rank      sum of what this rank sends to its peers
 =================  ========================================  ==============================================
 
 The padded figures (what really crossed the wire) are kept beside them as `wire_sent` / `wire_received`.
@@ -29,6 +30,8 @@ from .layout import split_sizes
 
 
 ChunkList = Union[Sequence[torch.Tensor], torch.Tensor]
+# a message to send: the contiguous tensor, or a function that packs it when its turn comes
+Outgoing = Union[torch.Tensor, Callable[[], torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class Communicator(Protocol):
     rank: int                              # world rank
     coord: tuple[int, ...] | None          # coord in the bound mesh; None outside it
     counters: Counters
+    point_to_point: bool                   # exchanges run as `send_recv` (else as `all_to_all_single`)
 
     def members(self, axes: tuple[int, ...]) -> tuple[int, ...]:
         """World ranks of this rank's group along `axes`, in member (row-major) order."""
@@ -119,6 +123,13 @@ class Communicator(Protocol):
         """Flat `all_to_all`: the i-th run of `in_splits[i]` elements of `inp` goes to member i; member i's
         run lands in the i-th run of `out_splits[i]` elements of `out`. `meanwhile` (local work touching
         neither buffer) runs while the call is in flight where the backend can. Returns `out`."""
+
+    def send_recv(self, sends: Sequence[tuple[int, Outgoing]], recvs: Sequence[tuple[int, torch.Tensor]],
+                  axes: tuple[int, ...], *, meanwhile: Callable[[], object] | None = None) -> None:
+        """Point-to-point inside the group along `axes`: ``(i, t)`` in `sends` sends `t` to member i (a
+        function giving `t` is called when its turn comes, so packing overlaps earlier sends), ``(i, buf)``
+        in `recvs` fills the contiguous `buf` with what member i sends here. At most one message per peer
+        and direction, none to itself. Every member calls it, also one with nothing to move."""
 
     def submesh_binding(self, mesh: Any, axes: tuple[int, ...], members: Any = None) -> "Communicator":
         """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group);
@@ -219,6 +230,16 @@ def count_all_to_all(index: int, send_numels: Sequence[int], recv_numels: Sequen
     sent = (sum(send_numels) - send_numels[index]) * itemsize
     received = (sum(recv_numels) - recv_numels[index]) * itemsize
     return CallRecord("all_to_all", (), sent=sent, received=received, wire_sent=sent, wire_received=received)
+
+
+def count_send_recv(sent_numel: int, received_numel: int, itemsize: int) -> CallRecord:
+    """Counts of a `send_recv`: what this rank sends to and receives from its peers.
+
+    >>> count_send_recv(6, 4, 2).received
+    8
+    """
+    sent, received = sent_numel * itemsize, received_numel * itemsize
+    return CallRecord("send_recv", (), sent=sent, received=received, wire_sent=sent, wire_received=received)
 
 
 def with_axes(call: CallRecord, axes: tuple[int, ...]) -> CallRecord:

@@ -22,7 +22,7 @@ from .comm import Communicator
 from .errors import MeshError, PlanError, ShapeError
 from .layout import Block, block, block_shape, check_global_shape, relative
 from .mesh import DeviceMesh
-from .pieces import exchange_layout, gather, scatter
+from .pieces import exchange_layout, gather, p2p_layout, scatter
 from .placement import Broadcast, Partial, Placement, Split, normalize
 from .planner import plan as make_plan
 from .reduce_transfer import run_reduce_transfer
@@ -137,6 +137,8 @@ def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         case "all_reduce":
             return _all_reduce(step, local, ctx)
         case "all_to_all" | "transfer":
+            if ctx.comm.point_to_point:
+                return _send_recv(step, local, ctx)
             return _exchange(step, local, ctx)
         case "reduce_transfer":
             return run_reduce_transfer(step, local, ctx.global_shape, ctx.mesh.shape, ctx.coord, ctx.comm)
@@ -259,11 +261,8 @@ def _exchange(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
     Send and receive buffers are the local and the result themselves where the blocks line up; the kept
     part is copied while the call is in flight (it touches neither buffer)."""
     lay = exchange_layout(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
-    out = local.new_empty(lay.shape)
-    keep = None if lay.keep is None else lambda: out[lay.keep[1]].copy_(local[lay.keep[0]])
+    out, keep = _result_and_keep(lay, local)
     if not lay.moves:  # nothing moves anywhere in this group: no call
-        if keep is not None:
-            keep()
         return out
     if lay.send_run is not None and local.is_contiguous():
         inp = local.view(-1)[lay.send_run[0]:lay.send_run[1]]
@@ -280,6 +279,46 @@ def _exchange(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
     for where, shape, offset in lay.recvs:
         out[where] = got[offset:offset + math.prod(shape)].view(shape)
     return out
+
+
+def _send_recv(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """all_to_all / transfer as point-to-point messages: each block is sent from the local and received
+    into the result where it is one run there (a block for two peers is not copied at all), else packed
+    just before its send or unpacked after; the kept part is copied while messages are in flight."""
+    lay = p2p_layout(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    out, keep = _result_and_keep(lay, local)
+    if not lay.moves:  # nothing moves anywhere in this group: no call
+        return out
+    flat_in = local.view(-1) if local.is_contiguous() else None
+    flat_out = out.view(-1)
+    sends = [(peer, flat_in[run[0]:run[1]] if run is not None and flat_in is not None else _packer(local, where))
+             for peer, run, where in lay.sends]
+    recvs, unpack = [], []
+    for peer, run, where, shape in lay.recvs:
+        if run is not None:
+            recvs.append((peer, flat_out[run[0]:run[1]]))
+        else:
+            buf = local.new_empty(shape)
+            recvs.append((peer, buf))
+            unpack.append((where, buf))
+    ctx.comm.send_recv(sends, recvs, step.axes, meanwhile=keep)
+    for where, buf in unpack:
+        out[where] = buf
+    return out
+
+
+def _result_and_keep(lay, local: torch.Tensor):
+    """An exchange's result buffer and the copy of the kept part into it (done now when nothing moves,
+    else returned to run while the messages are in flight)."""
+    out = local.new_empty(lay.shape)
+    keep = None if lay.keep is None else lambda: out[lay.keep[1]].copy_(local[lay.keep[0]])
+    if not lay.moves and keep is not None:
+        keep()
+    return out, keep
+
+
+def _packer(local: torch.Tensor, where: tuple[slice, ...]):
+    return lambda: local[where].contiguous()
 
 
 # ---- helpers --------------------------------------------------------------------------------------

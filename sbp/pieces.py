@@ -14,6 +14,9 @@ offsets into a contiguous tensor holding a block.
 - all_to_all / transfer (`exchange_layout`): the send (receive) buffer is a flat range of the local
   (result) when the blocks line up in member order; a rank's own kept part goes through the collective
   only when that saves a copy.
+- the same as point-to-point messages (`p2p_layout`, for communicators with `send_recv`): one message
+  per peer and direction, sent from a flat range of the local and received into a flat range of the
+  result wherever the block is one run there; only the others are packed or unpacked.
 
 >>> from sbp import S, B
 >>> g = gather((1023, 1021), (4,), (S(0),), (B,), (0,), (0,))
@@ -82,6 +85,21 @@ class ExchangeLayout:
     sends: tuple[Place, ...]
     recv_run: Run | None
     recvs: tuple[Place, ...]
+    keep: tuple[tuple[slice, ...], tuple[slice, ...]] | None
+    moves: bool
+
+
+@dataclass(frozen=True, slots=True)
+class P2PLayout:
+    """all_to_all / transfer as messages on one coord. `sends`: (peer, `run` of the contiguous flat local
+    or None, slices of the local) per peer, starting with the member after this one so that the group's
+    first messages go to different ranks; `recvs`: (peer, `run` of the flat result or None, slices of the
+    result, block shape) in member order. `keep` (slices of the local, slices of the result) is copied
+    locally; `moves`: some member of the group receives something (else no call at all)."""
+
+    shape: tuple[int, ...]
+    sends: tuple[tuple[int, Run | None, tuple[slice, ...]], ...]
+    recvs: tuple[tuple[int, Run | None, tuple[slice, ...], tuple[int, ...]], ...]
     keep: tuple[tuple[slice, ...], tuple[slice, ...]] | None
     moves: bool
 
@@ -270,3 +288,32 @@ def _exchange_option(send, recv, n: int, me: int, keep: Block | None, have: Bloc
     local_keep = None if carry_keep or keep is None else (relative(keep, have), relative(keep, want))
     return cost, (in_splits, out_splits, send_run, _places(flat_send, have, offsets(flat_send)), recv_run,
                   _places(flat_recv, want, offsets(flat_recv)), local_keep)
+
+
+@lru_cache(maxsize=4096)
+def p2p_layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+               dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> P2PLayout:
+    """The all_to_all / transfer messages at `coord`; see `P2PLayout`. A pair of members exchanges at most
+    one block each way (`sbp.transfer.exchange`: a member holds one source block).
+
+    >>> from sbp import S, B
+    >>> lay = p2p_layout((8, 8), (4,), (S(0),), (S(1),), (0,), (1,))
+    >>> [(peer, run) for peer, run, _ in lay.sends]     # columns of the local: packed when sent
+    [(2, None), (3, None), (0, None)]
+    >>> [(peer, run) for peer, run, _, _ in lay.recvs]  # rows of the result: received in place
+    [(0, (0, 4)), (2, (8, 12)), (3, (12, 16))]
+    """
+    ex = exchange(global_shape, mesh_shape, src, dst, axes, coord)
+    me, n = ex.members.index(coord), len(ex.members)
+    have, want = block(global_shape, mesh_shape, src, coord), block(global_shape, mesh_shape, dst, coord)
+    sends = sorted(((peer, b) for peer, b in ex.send[me] if block_numel(b)), key=lambda pb: (pb[0] - me) % n)
+    recvs = [(peer, b) for peer, b in ex.recv[me] if block_numel(b)]
+    for what, pairs in (("sends", sends), ("receives", recvs)):
+        if len({peer for peer, _ in pairs}) != len(pairs):
+            raise PlanError(f"exchange on mesh axes {axes}, {src} -> {dst}: coord {coord} {what} two blocks with "
+                            f"one peer: {pairs}")
+    keep = ex.keep[me]
+    return P2PLayout(block_shape(want), tuple((peer, run_in(b, have), relative(b, have)) for peer, b in sends),
+                     tuple((peer, run_in(b, want), relative(b, want), block_shape(b)) for peer, b in recvs),
+                     None if keep is None or not block_numel(keep) else (relative(keep, have), relative(keep, want)),
+                     ex.max_recv_elems > 0)

@@ -1,7 +1,8 @@
 """Running a ``reduce_transfer`` step on this rank: reduce each piece at its owner, then deliver it.
 
 The schedule is `sbp.transfer.reduce_exchange` (pure layout maths, the same one the planner prices).
-Two exact all_to_alls with per-peer sizes on the step's group:
+Two exact exchanges with per-peer sizes on the step's group (messages where the communicator has
+`send_recv`, else all_to_alls):
 
 =========  =======================================================================================
 phase      this rank
@@ -14,9 +15,11 @@ phase      this rank
 
 Every element is reduced once, at one rank, so all the copies a target holds are bit-identical. A
 phase in which no member of the group receives anything makes no call (every member knows it from
-the schedule alone), so the counters see at most two all_to_alls and exactly the planned bytes.
+the schedule alone), so the counters see at most two exchanges and exactly the planned bytes.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -62,17 +65,22 @@ def run_reduce_transfer(step: Step, local: torch.Tensor, global_shape: tuple[int
 
 def _all_to_all(comm: Communicator, axes: tuple[int, ...], send: Pairs, recv: Pairs, n: int, source: torch.Tensor,
                 held: Block) -> list[tuple[Block, torch.Tensor]]:
-    """One exact all_to_all: the blocks in `send` cut out of `source` (which holds `held`), one flat
-    buffer per peer; returns the received blocks, shaped, in the order of `recv`."""
+    """One exact exchange: the blocks in `send` cut out of `source` (which holds `held`), one flat message
+    per peer (packed when its turn comes); returns the received blocks, shaped, in the order of `recv`."""
     outbox: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for peer, b in send:
-        outbox[peer].append(source[relative(b, held)].reshape(-1))
+        outbox[peer].append(source[relative(b, held)])
     sizes = [0] * n
     for peer, b in recv:
         sizes[peer] += block_numel(b)
-    empty = source.new_empty(0)
-    flat = [parts[0] if len(parts) == 1 else torch.cat(parts) if parts else empty for parts in outbox]
-    got = comm.all_to_all(flat, [(k,) for k in sizes], axes)
+    if comm.point_to_point:
+        got = {peer: source.new_empty(k) for peer, k in enumerate(sizes) if k}
+        comm.send_recv([(peer, functools.partial(_flat, parts)) for peer, parts in enumerate(outbox) if parts],
+                       list(got.items()), axes)
+    else:
+        empty = source.new_empty(0)
+        got = dict(enumerate(comm.all_to_all([_flat(parts) if parts else empty for parts in outbox],
+                                             [(k,) for k in sizes], axes)))
     offsets = [0] * n
     out = []
     for peer, b in recv:
@@ -80,3 +88,8 @@ def _all_to_all(comm: Communicator, axes: tuple[int, ...], send: Pairs, recv: Pa
         out.append((b, got[peer][offsets[peer]:offsets[peer] + k].view(block_shape(b))))
         offsets[peer] += k
     return out
+
+
+def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The blocks back to back in one contiguous flat tensor (a view of a single contiguous block)."""
+    return parts[0].contiguous().view(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])

@@ -132,6 +132,30 @@ def run_cases(cases: Sequence[Case], mesh: sbp.DeviceMesh) -> list[list[dict[str
     return [run_case(case, mesh) for case in cases]
 
 
+def run_cases_routed(cases: Sequence[Case], mesh: sbp.DeviceMesh, *, point_to_point: bool,
+                     native: bool = False) -> list[list[dict[str, Any]]]:
+    """`run_cases` with exchanges as messages (`send_recv`) or as one all_to_all_single buffer; with
+    `native` on gloo, also the collectives NCCL uses (a native reduce_scatter, exchanges by
+    all_to_all_single), i.e. the CUDA route's code run on CPU."""
+    comm = mesh.binding
+    saved = vars(comm).copy()   # gloo workers keep their meshes between runs: put the route back after
+    comm.point_to_point = point_to_point
+    if native:
+        comm._gloo = False
+    try:
+        return run_cases(cases, mesh)
+    finally:
+        comm.point_to_point = saved.get("point_to_point", type(comm).point_to_point)
+        if native:
+            comm._gloo = saved["_gloo"]
+
+
+def has_exchange(case: Case) -> bool:
+    """Whether the plan of `case` on its first shape has an all_to_all or a transfer step."""
+    plan = sbp.plan(case.shapes[0], case.mesh_shape, case.src, case.dst, itemsize=4)
+    return any(step.kind in ("all_to_all", "transfer") for step in plan.steps)
+
+
 def run_case(case: Case, mesh: sbp.DeviceMesh) -> list[dict[str, Any]]:
     out = []
     for shape, (dtype_name, noncontig) in itertools.product(case.shapes, case.variants):

@@ -143,7 +143,7 @@ def test_grads_in_different_layouts_add_without_fallback():
 
 # ---- the backward runs the planned collectives (counted by the communicator) -------------------------
 
-KIND = {"transfer": "all_to_all"}
+KIND = {"transfer": "send_recv", "all_to_all": "send_recv"}  # the threads backend exchanges point-to-point
 CASES = [((4,), (8, 12), "S(0)", "S(1)"), ((4,), (8, 12), "B", "S(0)"), ((4,), (8, 12), "S(0)", "P(sum)"),
          ((4,), (10, 3), "S(0)", "B"), ((2, 2), (8, 12), "S(0), S(1)", "S(1), S(0)"),
          ((2, 2), (8, 12), "S(0), B", "P(max), S(1)"), ((2, 2), (9, 6), "B, S(1)", "S(0), S(0)"),

@@ -19,6 +19,7 @@ import sbp.testing
 from sbp.execute import execute, redistribute_local
 
 import conformance as conf
+from sbp.execute import redistribute_local
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=60)
 
@@ -28,7 +29,8 @@ PAIRS_1D = [("S(0)", "B"), ("S(0)", "S(1)"), ("S(1)", "S(0)"), ("B", "S(1)"), ("
 PAIRS_2D = [("S(0), S(1)", "S(1), S(0)"), ("S(0), S(0)", "S(1), S(1)"), ("S(0), S(0)", "B, S(0)"),
             ("S(0), B", "B, S(0)"), ("P(sum), P(sum)", "B, B"), ("P(sum), P(sum)", "S(0), S(1)"),
             ("S(0), S(1)", "B, B"), ("B, B", "S(0), S(0)"), ("P(sum), S(0)", "S(1), P(sum)"),
-            ("S(1), P(sum)", "B, S(0)"), ("S(0), S(0)", "P(sum), P(sum)"), ("B, S(1)", "S(1), S(1)")]
+            ("S(1), P(sum)", "B, S(0)"), ("S(0), S(0)", "P(sum), P(sum)"), ("B, S(1)", "S(1), S(1)"),
+            ("P(sum), S(0)", "S(0), B")]   # the last: one reduce_transfer step
 CASES = ([conf.Case((4,), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_1D]
          + [conf.Case((2, 2), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_2D])
 
@@ -36,10 +38,15 @@ CASES = ([conf.Case((4,), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_1
 @pytest.fixture(scope="module")
 def gloo_results() -> dict[str, list]:
     """Run every case on gloo in two calls (one per mesh shape); per case, the per-rank results."""
+    return _by_case(CASES, conf.run_cases)
+
+
+def _by_case(all_cases: list, run, **kwargs) -> dict[str, list]:
+    """`run(cases, mesh, **kwargs)` on gloo, one call per mesh shape; per case id, the per-rank results."""
     out = {}
     for mesh_shape in ((4,), (2, 2)):
-        cases = [c for c in CASES if c.mesh_shape == mesh_shape]
-        per_rank = spmd(functools.partial(conf.run_cases, cases), mesh_shape)
+        cases = [c for c in all_cases if c.mesh_shape == mesh_shape]
+        per_rank = spmd(functools.partial(run, cases, **kwargs), mesh_shape)
         for i, case in enumerate(cases):
             out[case.id] = [rank_results[i] for rank_results in per_rank]
     return out
@@ -48,6 +55,55 @@ def gloo_results() -> dict[str, list]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_conformance_gloo(case: conf.Case, gloo_results) -> None:
     conf.check_case(case, gloo_results[case.id])
+
+
+NATIVE_CASES = [c for c in CASES if c.src.startswith("P") or conf.has_exchange(c)]
+
+
+@pytest.fixture(scope="module")
+def native_results() -> dict[str, list]:
+    """The cases with a reduce_scatter or an exchange, run on the collectives the CUDA route uses (a native
+    reduce_scatter, exchanges by all_to_all_single) instead of gloo's faster ones."""
+    return _by_case(NATIVE_CASES, conf.run_cases_routed, point_to_point=False, native=True)
+
+
+@pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: c.id)
+def test_conformance_gloo_on_the_cuda_route(case: conf.Case, native_results) -> None:
+    conf.check_case(case, native_results[case.id])
+
+
+def _torch_calls_made(mesh: sbp.DeviceMesh, native: bool) -> dict[str, list[str]]:
+    """The torch.distributed functions sbp calls for P -> S(0) and S(0) -> S(1) on this route."""
+    import torch.distributed as dist
+    import sbp.backends.dist as backend
+    comm = mesh.binding   # the worker keeps this mesh for later runs: its route is put back below
+    if native:
+        comm._gloo = comm.point_to_point = False
+    names = [(dist, "isend"), (dist, "irecv"), (dist, "all_to_all_single"), (backend, "_reduce_scatter_flat")]
+    saved = [(module, name, getattr(module, name)) for module, name in names]
+    seen: list[str] = []
+    for module, name, f in saved:
+        setattr(module, name, lambda *a, _f=f, _n=name, **k: (seen.append(_n), _f(*a, **k))[1])
+    out = {}
+    try:
+        for src, dst in (("P", "S(0)"), ("S(0)", "S(1)")):
+            seen.clear()
+            redistribute_local(torch.ones(8, 8)[:8 if src == "P" else 2], mesh, (8, 8), src, dst)
+            out[f"{src}->{dst}"] = sorted(set(seen))
+    finally:
+        for module, name, f in saved:
+            setattr(module, name, f)
+        comm._gloo = comm.point_to_point = True
+    return out
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["gloo_route", "cuda_route"])
+def test_each_route_makes_the_torch_calls_it_names(native) -> None:
+    calls = spmd(functools.partial(_torch_calls_made, native=native), (4,))[0]
+    if native:   # NCCL's collectives
+        assert calls == {"P->S(0)": ["_reduce_scatter_flat"], "S(0)->S(1)": ["all_to_all_single"]}
+    else:        # gloo: reduce_scatter as all_to_all + fold, exchanges as messages
+        assert calls == {"P->S(0)": ["all_to_all_single"], "S(0)->S(1)": ["irecv", "isend"]}
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])

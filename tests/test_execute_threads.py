@@ -40,6 +40,16 @@ def test_conformance_2x2x2(case: conf.Case) -> None:
     _run_and_check(case)
 
 
+EXCHANGE_CASES = [c for c in conf.cases_1d(conf.FEW_VARIANTS) + conf.cases_2d() if conf.has_exchange(c)]
+
+
+@pytest.mark.parametrize("case", EXCHANGE_CASES, ids=lambda c: c.id)
+def test_conformance_exchanges_as_one_all_to_all(case: conf.Case) -> None:
+    """The route communicators without point-to-point take (NCCL's): the same cases, same checks."""
+    per_rank = spmd(functools.partial(conf.run_cases_routed, [case], point_to_point=False), case.mesh_shape)
+    conf.check_case(case, [results[0] for results in per_rank])
+
+
 @pytest.mark.parametrize("src, dst", [("S(0), S(0)", "B, B"), ("S(0), S(0)", "S(1), S(1)"), ("B, B", "S(0), S(0)"),
                                       ("P, P", "S(0), S(0)"), ("S(0), S(0)", "S(0), B"), ("S(0), S(0)", "P, P")])
 def test_nested_uneven_split(src: str, dst: str) -> None:
@@ -198,29 +208,39 @@ def test_all_reduce_works_in_place_only_on_tensors_the_executor_made() -> None:
         assert both == [[2.0, 2.0]] * 2 + [[4.0, 4.0]] * 2
 
 
-def test_collectives_read_and_write_the_local_and_the_result_themselves() -> None:
+@pytest.mark.parametrize("point_to_point", [True, False], ids=["send_recv", "all_to_all_single"])
+def test_collectives_read_and_write_the_local_and_the_result_themselves(point_to_point) -> None:
     """No copies around the collective where the layouts line up: the gathered buffer is the result,
-    the rows of an all_to_all land in the result, a reduce_scatter reads the caller's local."""
+    the rows of an exchange land in the result (as messages, or in one all_to_all buffer), a
+    reduce_scatter reads the caller's local, and a message of rows is a view of the caller's local."""
     def fn(mesh):
+        mesh.binding.point_to_point = point_to_point
         gathered, exchanged, scattered = [], [], []
         _spy(mesh.binding, "all_gather", gathered)
-        _spy(mesh.binding, "all_to_all_single", exchanged)
+        _spy(mesh.binding, "send_recv" if point_to_point else "all_to_all_single", exchanged)
         _spy(mesh.binding, "reduce_scatter", scattered)
         rows = torch.arange(16.).view(8, 2)[2 * mesh.rank:2 * mesh.rank + 2]
         storage = lambda t: t.untyped_storage().data_ptr()
         full = redistribute_local(rows, mesh, (8, 2), "S(0)", "B")
-        cols = redistribute_local(torch.arange(32.).view(8, 4)[:, mesh.rank:mesh.rank + 1].contiguous(), mesh,
-                                  (8, 4), "S(1)", "S(0)")
+        cols_local = torch.arange(32.).view(8, 4)[:, mesh.rank:mesh.rank + 1].contiguous()
+        cols = redistribute_local(cols_local, mesh, (8, 4), "S(1)", "S(0)")
         wide = torch.arange(32.).view(8, 4)[2 * mesh.rank:2 * mesh.rank + 2]
         t_rows = redistribute_local(wide, mesh, (8, 4), "S(0)", "S(1)")
         mine = torch.ones(8, 2)
         redistribute_local(mine, mesh, (8, 2), "P", "S(0)")
-        return (storage(full) == storage(gathered[0][1]["out"]), full.tolist(), cols.tolist(),
-                storage(t_rows) == storage(exchanged[-1][0][0]), t_rows.tolist(),
-                storage(scattered[0][0][0]) == storage(mine))
+        if point_to_point:
+            (sends, _, _), _ = exchanged[0]          # S(1) -> S(0): rows of a column, sent as they lie
+            (_, recvs, _), _ = exchanged[-1]         # S(0) -> S(1): rows of the result, received in place
+            in_place = len(recvs) == 3 and all(storage(buf) == storage(t_rows) for _, buf in recvs)
+            from_local = len(sends) == 3 and all(storage(t) == storage(cols_local) for _, t in sends)
+        else:
+            in_place, from_local = storage(t_rows) == storage(exchanged[-1][0][0]), True
+        return (storage(full) == storage(gathered[0][1]["out"]), full.tolist(), cols.tolist(), in_place,
+                from_local, t_rows.tolist(), storage(scattered[0][0][0]) == storage(mine))
 
-    for r, (gathered_is_result, full, cols, rows_in_place, t_rows, reads_local) in enumerate(spmd(fn, (4,))):
-        assert gathered_is_result and rows_in_place and reads_local
+    for r, (gathered_is_result, full, cols, rows_in_place, sent_from_local, t_rows, reads_local) in \
+            enumerate(spmd(fn, (4,))):
+        assert gathered_is_result and rows_in_place and sent_from_local and reads_local
         assert full == torch.arange(16.).view(8, 2).tolist()
         assert cols == torch.arange(32.).view(8, 4)[2 * r:2 * r + 2].tolist()
         assert t_rows == torch.arange(32.).view(8, 4)[:, r:r + 1].tolist()

@@ -142,3 +142,38 @@ def test_gloo_rank_that_exits_mid_redistribution(tmp_path):
 
 def _sum_of_ranks(mesh):
     return mesh.binding.all_reduce(torch.tensor([mesh.rank]), (0, 1), "sum").item()
+
+
+# ---- gloo messages (exchanges run as isend/irecv on CPU) -------------------------------------------------
+
+def _gloo_stall_in_exchange(mesh, outdir: str):
+    """(S(0), S(0)) -> (S(1), S(1)) on 2x2 is one transfer over both axes; rank 3 sends nothing for 3 s."""
+    x = sbp.distribute(torch.ones(8, 8), mesh, "S(0), S(0)")
+    if mesh.rank == 3:
+        real = mesh.binding.send_recv
+        mesh.binding.send_recv = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
+    start = time.monotonic()
+    try:
+        x.redistribute("S(1), S(1)")
+        result = ["ok", time.monotonic() - start]
+    except sbp.CommError as e:
+        result = [str(e), time.monotonic() - start]
+    pathlib.Path(outdir, f"rank{mesh.rank}.json").write_text(json.dumps(result))
+    if result[0] != "ok":
+        raise sbp.CommError(result[0])
+    return result
+
+
+def test_gloo_stall_in_point_to_point_exchange_is_an_error_within_the_timeout(tmp_path):
+    steps = sbp.plan((8, 8), (2, 2), "S(0), S(0)", "S(1), S(1)").steps
+    assert [(s.kind, s.axes) for s in steps] == [("transfer", (0, 1))]
+    with pytest.raises(sbp.testing.SpmdError):
+        sbp.testing.spmd(functools.partial(_gloo_stall_in_exchange, outdir=str(tmp_path)), (2, 2),
+                         backend="gloo", names=NAMES, timeout=1.5)
+    seen = _reports(tmp_path, range(3))
+    for rank in range(3):       # every rank receives a block from rank 3
+        message, elapsed = seen[rank]
+        assert message.startswith("send_recv (to ranks ") and "on mesh axes (0, 1) ('dp', 'tp')" in message, message
+        assert f"failed on rank {rank} (timeout 0:00:01.500000)" in message, message
+        assert elapsed < 3.0, elapsed   # gave up after the timeout, before rank 3 woke up
+    assert sbp.testing.spmd(_sum_of_ranks, (2, 2), backend="gloo", timeout=60) == [6, 6, 6, 6]

@@ -12,6 +12,7 @@ Three tiers over the same steps:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -197,7 +198,8 @@ EXEC_CASES = [  # (mesh, src, dst, axes)
 SHAPES = ((8, 12), (7, 5), (3, 1), (0, 4))
 
 
-def _run_steps(mesh: sbp.DeviceMesh) -> list:
+def _run_steps(mesh: sbp.DeviceMesh, point_to_point: bool = True) -> list:
+    mesh.binding.point_to_point = point_to_point
     out = []
     for (mshape, src, dst, axes), shape in itertools.product(EXEC_CASES, SHAPES):
         if tuple(mshape) != tuple(mesh.shape):
@@ -215,9 +217,10 @@ def _run_steps(mesh: sbp.DeviceMesh) -> list:
     return out
 
 
+@pytest.mark.parametrize("point_to_point", [True, False], ids=["send_recv", "all_to_all"])
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
-def test_threads_backend_runs_and_counts_it(mesh_shape):
-    per_rank = sbp.testing.spmd(_run_steps, mesh_shape)
+def test_threads_backend_runs_and_counts_it(mesh_shape, point_to_point):
+    per_rank = sbp.testing.spmd(functools.partial(_run_steps, point_to_point=point_to_point), mesh_shape)
     coords = sbp.DeviceMesh(mesh_shape).coords()
     assert per_rank[0], "no case for this mesh"
     for k, (step, shape, _, _, _) in enumerate(per_rank[0]):

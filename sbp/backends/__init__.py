@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..comm import (ChunkList, CallRecord, Counters, check_recv_shapes, count_all_gather, count_all_reduce,
-                    count_all_to_all, count_reduce_scatter, stacked, with_axes)
+from ..comm import (ChunkList, CallRecord, Counters, Outgoing, check_recv_shapes, count_all_gather,
+                    count_all_reduce, count_all_to_all, count_reduce_scatter, count_send_recv, stacked, with_axes)
 from ..errors import CommError
 from ..mesh import DeviceMesh
 
@@ -20,10 +20,12 @@ Members = tuple[int, ...]  # world ranks of one group, in member (row-major) ord
 class BoundComm:
     """A communicator bound to `mesh` (a pure value: shape and world ranks) for world rank `rank`.
 
-    Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_all_to_all` and `_rebind`.
+    Subclasses implement `_all_gather`, `_reduce_scatter`, `_all_reduce`, `_all_to_all` and `_rebind`;
+    `_send_recv` defaults to one `_all_to_all` (packed), which a backend with real point-to-point overrides.
     """
 
     backend = "abstract"
+    point_to_point = True  # the executor runs exchanges as `send_recv`; False: as `all_to_all_single`
 
     def __init__(self, mesh: DeviceMesh, rank: int, counters: Counters | None = None) -> None:
         self.mesh = DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type)  # unbound copy
@@ -150,6 +152,42 @@ class BoundComm:
         self._count(count_all_to_all(index, in_splits, out_splits, inp.element_size()), axes)
         return out
 
+    def send_recv(self, sends: Sequence[tuple[int, Outgoing]], recvs: Sequence[tuple[int, torch.Tensor]],
+                  axes: tuple[int, ...], *, meanwhile: Callable[[], object] | None = None) -> None:
+        """Point-to-point inside the group along `axes`, every member calling (SPMD), also one with nothing
+        to move. ``(i, t)`` in `sends` sends the contiguous `t` to member i; `t` may be a function that
+        returns it, called when its turn comes (packing then overlaps the sends already in flight).
+        ``(i, buf)`` in `recvs` fills the contiguous `buf` with member i's message, whose size the caller
+        knows. At most one message per peer and direction; a rank never sends to itself (it copies).
+        `meanwhile`: local work touching none of the buffers, run while messages are in flight.
+
+        >>> import sbp, sbp.testing, torch
+        >>> def fn(mesh):
+        ...     me, peer = mesh.coord[0], 1 - mesh.coord[0]
+        ...     got = torch.empty(2)
+        ...     mesh.binding.send_recv([(peer, torch.full((2,), float(me)))], [(peer, got)], (0,))
+        ...     return got.tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[1.0, 1.0], [0.0, 0.0]]
+        """
+        members = self.members(axes)
+        n, index = len(members), members.index(self.rank)
+        for what, pairs in (("send to", sends), ("receive from", recvs)):
+            peers = [i for i, _ in pairs]
+            if len(set(peers)) != len(peers) or any(not 0 <= i < n or i == index for i in peers):
+                raise ValueError(f"send_recv: a rank may {what} each other member (0..{n - 1}, not itself: "
+                                 f"{index}) at most once, got members {peers}")
+        if any(not buf.is_contiguous() for _, buf in recvs):
+            raise ValueError("send_recv needs contiguous receive buffers")
+        if n == 1:
+            if meanwhile is not None:
+                meanwhile()
+            return
+        sent = self._send_recv(list(sends), list(recvs), members, axes, meanwhile)
+        itemsize = recvs[0][1].element_size() if recvs else max((t.element_size() for t in sent), default=1)
+        self._count(count_send_recv(sum(t.numel() for t in sent), sum(b.numel() for _, b in recvs), itemsize),
+                    axes)
+
     def exchange(self, ranks: Sequence[int], send: dict[int, list[torch.Tensor]],
                  recv_shapes: dict[int, list[Sequence[int]]], *, dtype: torch.dtype,
                  device: "torch.device | str") -> dict[int, list[torch.Tensor]]:
@@ -172,6 +210,30 @@ class BoundComm:
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
         raise NotImplementedError  # pragma: no cover
 
+    def _send_recv(self, sends: list[tuple[int, Outgoing]], recvs: list[tuple[int, torch.Tensor]],
+                   members: Members, axes: tuple[int, ...],
+                   meanwhile: Callable[[], object] | None) -> list[torch.Tensor]:
+        """Messages as one `_all_to_all` (every member takes part): sends packed in member order, receives
+        unpacked. Returns the tensors sent."""
+        n = len(members)
+        outgoing = [(i, outgoing_tensor(t)) for i, t in sends]
+        ref = outgoing[0][1] if outgoing else (recvs[0][1] if recvs else None)
+        if ref is None:  # nothing to move here, but the others may: take part with empty buffers
+            ref = torch.empty(0, device=self.mesh.device_type)
+        in_splits, out_splits = [0] * n, [0] * n
+        for i, t in outgoing:
+            in_splits[i] = t.numel()
+        for i, buf in recvs:
+            out_splits[i] = buf.numel()
+        inp = torch.cat([t.reshape(-1) for _, t in sorted(outgoing, key=lambda it: it[0])]) if outgoing \
+            else ref.new_empty(0)
+        out = ref.new_empty(sum(out_splits))
+        self._all_to_all(out, inp, tuple(out_splits), tuple(in_splits), members, axes, meanwhile)
+        pieces = out.split(out_splits)
+        for i, buf in recvs:
+            buf.view(-1).copy_(pieces[i])
+        return [t for _, t in outgoing]
+
     def _count(self, call: CallRecord, axes: tuple[int, ...]) -> None:
         self.counters.record(with_axes(call, axes))
 
@@ -193,6 +255,19 @@ class BoundComm:
                     in_splits: tuple[int, ...], members: Members, axes: tuple[int, ...],
                     meanwhile: Callable[[], object] | None) -> None:
         raise NotImplementedError  # pragma: no cover
+
+
+def outgoing_tensor(t: Outgoing) -> torch.Tensor:
+    """A message of `send_recv`: the tensor (packed now if given as a function), which must be contiguous.
+
+    >>> outgoing_tensor(lambda: torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    t = t() if callable(t) else t
+    if not t.is_contiguous():
+        raise ValueError(f"send_recv sends contiguous tensors only, got one of shape {tuple(t.shape)} and "
+                         f"strides {t.stride()}")
+    return t
 
 
 def bound(mesh: DeviceMesh, comm: Any) -> DeviceMesh:
