@@ -95,7 +95,9 @@ class Communicator(Protocol):
     rank: int                              # world rank
     coord: tuple[int, ...] | None          # coord in the bound mesh; None outside it
     counters: Counters
-    point_to_point: bool                   # exchanges run as `send_recv` (else as `all_to_all_single`)
+    exchange_route: str                    # how the executor runs exchanges: "auto" (by messages where they
+                                           # copy nothing), "messages" (`send_recv`), "all_to_all" (one
+                                           # `all_to_all_single`)
 
     def members(self, axes: tuple[int, ...]) -> tuple[int, ...]:
         """World ranks of this rank's group along `axes`, in member (row-major) order."""

@@ -22,7 +22,7 @@ from .comm import Communicator
 from .errors import MeshError, PlanError, ShapeError
 from .layout import Block, block, block_shape, check_global_shape, relative
 from .mesh import DeviceMesh
-from .pieces import exchange_layout, gather, p2p_layout, scatter
+from .pieces import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
 from .placement import Broadcast, Partial, Placement, Split, normalize
 from .planner import plan as make_plan
 from .reduce_transfer import run_reduce_transfer
@@ -137,7 +137,9 @@ def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         case "all_reduce":
             return _all_reduce(step, local, ctx)
         case "all_to_all" | "transfer":
-            if ctx.comm.point_to_point:
+            route = ctx.comm.exchange_route
+            if route == "messages" or route == "auto" and messages_copy_nothing(
+                    ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord):
                 return _send_recv(step, local, ctx)
             return _exchange(step, local, ctx)
         case "reduce_transfer":

@@ -102,6 +102,7 @@ class P2PLayout:
     recvs: tuple[tuple[int, Run | None, tuple[slice, ...], tuple[int, ...]], ...]
     keep: tuple[tuple[slice, ...], tuple[slice, ...]] | None
     moves: bool
+    copies: int = 0  # elements packed and unpacked (blocks that are not one run of the local / result)
 
 
 def group_coords(mesh_shape: tuple[int, ...], axes: tuple[int, ...],
@@ -313,7 +314,33 @@ def p2p_layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: 
             raise PlanError(f"exchange on mesh axes {axes}, {src} -> {dst}: coord {coord} {what} two blocks with "
                             f"one peer: {pairs}")
     keep = ex.keep[me]
-    return P2PLayout(block_shape(want), tuple((peer, run_in(b, have), relative(b, have)) for peer, b in sends),
-                     tuple((peer, run_in(b, want), relative(b, want), block_shape(b)) for peer, b in recvs),
+    sends_at = tuple((peer, run_in(b, have), relative(b, have)) for peer, b in sends)
+    recvs_at = tuple((peer, run_in(b, want), relative(b, want), block_shape(b)) for peer, b in recvs)
+    copies = sum(block_numel(b) for (_, b), (_, run, _) in zip(sends, sends_at) if run is None) + \
+        sum(block_numel(b) for (_, b), (_, run, _, _) in zip(recvs, recvs_at) if run is None)
+    return P2PLayout(block_shape(want), sends_at, recvs_at,
                      None if keep is None or not block_numel(keep) else (relative(keep, have), relative(keep, want)),
-                     ex.max_recv_elems > 0)
+                     ex.max_recv_elems > 0, copies)
+
+
+@lru_cache(maxsize=4096)
+def messages_copy_nothing(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+                          dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> bool:
+    """Whether the group through `coord` should exchange by messages rather than one all_to_all_single:
+    yes when no member's messages need packing or unpacking (every block is one run of the local it
+    leaves and of the result it enters). Every member computes the same answer, so the group takes
+    one route.
+
+    Measured on gloo (`docs/execution.md`): zero-copy messages beat the collective, most where one
+    block goes to two peers (the collective's buffer holds it twice) or members have nothing to move
+    (they take no part); once blocks must be packed, the one collective is faster even when the
+    messages would copy fewer elements.
+
+    >>> from sbp import S, B
+    >>> messages_copy_nothing((8, 8), (4,), (S(0),), (S(1),), (0,), (0,))             # columns are packed
+    False
+    >>> messages_copy_nothing((8, 8), (2, 2), (S(0), S(0)), (B, S(0)), (0, 1), (0, 0))  # rows to two peers
+    True
+    """
+    where = (global_shape, mesh_shape, src, dst, axes)
+    return not any(p2p_layout(*where, c).copies for c in group_coords(mesh_shape, axes, coord))

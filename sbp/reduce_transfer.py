@@ -1,8 +1,8 @@
 """Running a ``reduce_transfer`` step on this rank: reduce each piece at its owner, then deliver it.
 
 The schedule is `sbp.transfer.reduce_exchange` (pure layout maths, the same one the planner prices).
-Two exact exchanges with per-peer sizes on the step's group (messages where the communicator has
-`send_recv`, else all_to_alls):
+Two exact exchanges with per-peer sizes on the step's group (messages, unless the communicator's
+`exchange_route` is "all_to_all"):
 
 =========  =======================================================================================
 phase      this rank
@@ -73,7 +73,7 @@ def _all_to_all(comm: Communicator, axes: tuple[int, ...], send: Pairs, recv: Pa
     sizes = [0] * n
     for peer, b in recv:
         sizes[peer] += block_numel(b)
-    if comm.point_to_point:
+    if comm.exchange_route != "all_to_all":  # messages copy no more here: a block in one run goes as it is
         got = {peer: source.new_empty(k) for peer, k in enumerate(sizes) if k}
         comm.send_recv([(peer, functools.partial(_flat, parts)) for peer, parts in enumerate(outbox) if parts],
                        list(got.items()), axes)

@@ -132,20 +132,20 @@ def run_cases(cases: Sequence[Case], mesh: sbp.DeviceMesh) -> list[list[dict[str
     return [run_case(case, mesh) for case in cases]
 
 
-def run_cases_routed(cases: Sequence[Case], mesh: sbp.DeviceMesh, *, point_to_point: bool,
+def run_cases_routed(cases: Sequence[Case], mesh: sbp.DeviceMesh, *, route: str,
                      native: bool = False) -> list[list[dict[str, Any]]]:
-    """`run_cases` with exchanges as messages (`send_recv`) or as one all_to_all_single buffer; with
-    `native` on gloo, also the collectives NCCL uses (a native reduce_scatter, exchanges by
-    all_to_all_single), i.e. the CUDA route's code run on CPU."""
+    """`run_cases` with exchanges by `route` ("messages": `send_recv`, "all_to_all": one
+    all_to_all_single); with `native` on gloo, also a native reduce_scatter: the CUDA route's code run
+    on CPU."""
     comm = mesh.binding
     saved = vars(comm).copy()   # gloo workers keep their meshes between runs: put the route back after
-    comm.point_to_point = point_to_point
+    comm.exchange_route = route
     if native:
         comm._gloo = False
     try:
         return run_cases(cases, mesh)
     finally:
-        comm.point_to_point = saved.get("point_to_point", type(comm).point_to_point)
+        comm.exchange_route = saved.get("exchange_route", type(comm).exchange_route)
         if native:
             comm._gloo = saved["_gloo"]
 

@@ -64,7 +64,7 @@ NATIVE_CASES = [c for c in CASES if c.src.startswith("P") or conf.has_exchange(c
 def native_results() -> dict[str, list]:
     """The cases with a reduce_scatter or an exchange, run on the collectives the CUDA route uses (a native
     reduce_scatter, exchanges by all_to_all_single) instead of gloo's faster ones."""
-    return _by_case(NATIVE_CASES, conf.run_cases_routed, point_to_point=False, native=True)
+    return _by_case(NATIVE_CASES, conf.run_cases_routed, route="all_to_all", native=True)
 
 
 @pytest.mark.parametrize("case", NATIVE_CASES, ids=lambda c: c.id)
@@ -72,38 +72,58 @@ def test_conformance_gloo_on_the_cuda_route(case: conf.Case, native_results) -> 
     conf.check_case(case, native_results[case.id])
 
 
-def _torch_calls_made(mesh: sbp.DeviceMesh, native: bool) -> dict[str, list[str]]:
-    """The torch.distributed functions sbp calls for P -> S(0) and S(0) -> S(1) on this route."""
+EXCHANGE_CASES = [c for c in CASES if conf.has_exchange(c)]
+
+
+@pytest.fixture(scope="module")
+def messages_results() -> dict[str, list]:
+    """The cases with an exchange, every exchange as isend/irecv (packed where the blocks need it)."""
+    return _by_case(EXCHANGE_CASES, conf.run_cases_routed, route="messages")
+
+
+@pytest.mark.parametrize("case", EXCHANGE_CASES, ids=lambda c: c.id)
+def test_conformance_gloo_exchanges_as_messages(case: conf.Case, messages_results) -> None:
+    conf.check_case(case, messages_results[case.id])
+
+
+ROUTED = (("P(sum), B", "S(0), B"),       # a reduce_scatter over axis 0
+          ("S(0), S(0)", "B, S(0)"),      # a transfer whose blocks are rows: zero-copy messages
+          ("S(0), S(0)", "S(1), S(1)"))   # a transfer of column blocks: packed
+
+
+def _torch_calls_made(mesh: sbp.DeviceMesh, native: bool) -> list[list[str]]:
+    """The torch.distributed functions rank 0 calls for each change in `ROUTED` on this route."""
     import torch.distributed as dist
     import sbp.backends.dist as backend
     comm = mesh.binding   # the worker keeps this mesh for later runs: its route is put back below
     if native:
-        comm._gloo = comm.point_to_point = False
+        comm._gloo, comm.exchange_route = False, "all_to_all"
     names = [(dist, "isend"), (dist, "irecv"), (dist, "all_to_all_single"), (backend, "_reduce_scatter_flat")]
     saved = [(module, name, getattr(module, name)) for module, name in names]
     seen: list[str] = []
     for module, name, f in saved:
         setattr(module, name, lambda *a, _f=f, _n=name, **k: (seen.append(_n), _f(*a, **k))[1])
-    out = {}
+    out = []
     try:
-        for src, dst in (("P", "S(0)"), ("S(0)", "S(1)")):
+        for src, dst in ROUTED:
             seen.clear()
-            redistribute_local(torch.ones(8, 8)[:8 if src == "P" else 2], mesh, (8, 8), src, dst)
-            out[f"{src}->{dst}"] = sorted(set(seen))
+            local = torch.ones(sbp.local_shape((8, 8), mesh.shape, src, mesh.coord))
+            redistribute_local(local, mesh, (8, 8), src, dst)
+            out.append(sorted(set(seen)))
     finally:
         for module, name, f in saved:
             setattr(module, name, f)
-        comm._gloo = comm.point_to_point = True
+        comm._gloo, comm.exchange_route = True, "auto"
     return out
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["gloo_route", "cuda_route"])
 def test_each_route_makes_the_torch_calls_it_names(native) -> None:
-    calls = spmd(functools.partial(_torch_calls_made, native=native), (4,))[0]
+    calls = spmd(functools.partial(_torch_calls_made, native=native), (2, 2))[0]
     if native:   # NCCL's collectives
-        assert calls == {"P->S(0)": ["_reduce_scatter_flat"], "S(0)->S(1)": ["all_to_all_single"]}
-    else:        # gloo: reduce_scatter as all_to_all + fold, exchanges as messages
-        assert calls == {"P->S(0)": ["all_to_all_single"], "S(0)->S(1)": ["irecv", "isend"]}
+        assert calls == [["_reduce_scatter_flat"], ["all_to_all_single"], ["all_to_all_single"]]
+    else:        # gloo: reduce_scatter as all_to_all + fold; zero-copy exchanges as messages
+        assert calls == [["all_to_all_single"], ["irecv", "isend"], ["all_to_all_single"]]
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])

@@ -43,10 +43,12 @@ def test_conformance_2x2x2(case: conf.Case) -> None:
 EXCHANGE_CASES = [c for c in conf.cases_1d(conf.FEW_VARIANTS) + conf.cases_2d() if conf.has_exchange(c)]
 
 
+@pytest.mark.parametrize("route", ["messages", "all_to_all"])
 @pytest.mark.parametrize("case", EXCHANGE_CASES, ids=lambda c: c.id)
-def test_conformance_exchanges_as_one_all_to_all(case: conf.Case) -> None:
-    """The route communicators without point-to-point take (NCCL's): the same cases, same checks."""
-    per_rank = spmd(functools.partial(conf.run_cases_routed, [case], point_to_point=False), case.mesh_shape)
+def test_conformance_exchanges_on_each_route(case: conf.Case, route: str) -> None:
+    """Every exchange as messages (packed where needed) and as one all_to_all (NCCL's route); the
+    default ("auto") takes one or the other per group: same cases, same checks."""
+    per_rank = spmd(functools.partial(conf.run_cases_routed, [case], route=route), case.mesh_shape)
     conf.check_case(case, [results[0] for results in per_rank])
 
 
@@ -208,16 +210,16 @@ def test_all_reduce_works_in_place_only_on_tensors_the_executor_made() -> None:
         assert both == [[2.0, 2.0]] * 2 + [[4.0, 4.0]] * 2
 
 
-@pytest.mark.parametrize("point_to_point", [True, False], ids=["send_recv", "all_to_all_single"])
-def test_collectives_read_and_write_the_local_and_the_result_themselves(point_to_point) -> None:
+@pytest.mark.parametrize("route", ["messages", "all_to_all"])
+def test_collectives_read_and_write_the_local_and_the_result_themselves(route) -> None:
     """No copies around the collective where the layouts line up: the gathered buffer is the result,
     the rows of an exchange land in the result (as messages, or in one all_to_all buffer), a
     reduce_scatter reads the caller's local, and a message of rows is a view of the caller's local."""
     def fn(mesh):
-        mesh.binding.point_to_point = point_to_point
+        mesh.binding.exchange_route = route
         gathered, exchanged, scattered = [], [], []
         _spy(mesh.binding, "all_gather", gathered)
-        _spy(mesh.binding, "send_recv" if point_to_point else "all_to_all_single", exchanged)
+        _spy(mesh.binding, "send_recv" if route == "messages" else "all_to_all_single", exchanged)
         _spy(mesh.binding, "reduce_scatter", scattered)
         rows = torch.arange(16.).view(8, 2)[2 * mesh.rank:2 * mesh.rank + 2]
         storage = lambda t: t.untyped_storage().data_ptr()
@@ -228,7 +230,7 @@ def test_collectives_read_and_write_the_local_and_the_result_themselves(point_to
         t_rows = redistribute_local(wide, mesh, (8, 4), "S(0)", "S(1)")
         mine = torch.ones(8, 2)
         redistribute_local(mine, mesh, (8, 2), "P", "S(0)")
-        if point_to_point:
+        if route == "messages":
             (sends, _, _), _ = exchanged[0]          # S(1) -> S(0): rows of a column, sent as they lie
             (_, recvs, _), _ = exchanged[-1]         # S(0) -> S(1): rows of the result, received in place
             in_place = len(recvs) == 3 and all(storage(buf) == storage(t_rows) for _, buf in recvs)

@@ -147,17 +147,23 @@ def _sum_of_ranks(mesh):
 # ---- gloo messages (exchanges run as isend/irecv on CPU) -------------------------------------------------
 
 def _gloo_stall_in_exchange(mesh, outdir: str):
-    """(S(0), S(0)) -> (S(1), S(1)) on 2x2 is one transfer over both axes; rank 3 sends nothing for 3 s."""
+    """(S(0), S(0)) -> (S(1), S(1)) on 2x2 is one transfer over both axes, run as messages here; every rank
+    receives a block from rank 3, which sends nothing for 3 s."""
     x = sbp.distribute(torch.ones(8, 8), mesh, "S(0), S(0)")
+    comm = mesh.binding
+    comm.exchange_route = "messages"   # column blocks: "auto" would take one all_to_all
     if mesh.rank == 3:
-        real = mesh.binding.send_recv
-        mesh.binding.send_recv = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
+        real = comm.send_recv
+        comm.send_recv = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
     start = time.monotonic()
     try:
         x.redistribute("S(1), S(1)")
         result = ["ok", time.monotonic() - start]
     except sbp.CommError as e:
         result = [str(e), time.monotonic() - start]
+    finally:
+        vars(comm).pop("send_recv", None)
+        comm.exchange_route = "auto"
     pathlib.Path(outdir, f"rank{mesh.rank}.json").write_text(json.dumps(result))
     if result[0] != "ok":
         raise sbp.CommError(result[0])

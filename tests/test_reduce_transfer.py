@@ -198,8 +198,8 @@ EXEC_CASES = [  # (mesh, src, dst, axes)
 SHAPES = ((8, 12), (7, 5), (3, 1), (0, 4))
 
 
-def _run_steps(mesh: sbp.DeviceMesh, point_to_point: bool = True) -> list:
-    mesh.binding.point_to_point = point_to_point
+def _run_steps(mesh: sbp.DeviceMesh, route: str = "auto") -> list:
+    mesh.binding.exchange_route = route
     out = []
     for (mshape, src, dst, axes), shape in itertools.product(EXEC_CASES, SHAPES):
         if tuple(mshape) != tuple(mesh.shape):
@@ -217,10 +217,10 @@ def _run_steps(mesh: sbp.DeviceMesh, point_to_point: bool = True) -> list:
     return out
 
 
-@pytest.mark.parametrize("point_to_point", [True, False], ids=["send_recv", "all_to_all"])
+@pytest.mark.parametrize("route", ["auto", "all_to_all"])
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (2, 2, 2)])
-def test_threads_backend_runs_and_counts_it(mesh_shape, point_to_point):
-    per_rank = sbp.testing.spmd(functools.partial(_run_steps, point_to_point=point_to_point), mesh_shape)
+def test_threads_backend_runs_and_counts_it(mesh_shape, route):
+    per_rank = sbp.testing.spmd(functools.partial(_run_steps, route=route), mesh_shape)
     coords = sbp.DeviceMesh(mesh_shape).coords()
     assert per_rank[0], "no case for this mesh"
     for k, (step, shape, _, _, _) in enumerate(per_rank[0]):

@@ -25,7 +25,9 @@ class BoundComm:
     """
 
     backend = "abstract"
-    point_to_point = True  # the executor runs exchanges as `send_recv`; False: as `all_to_all_single`
+    # how the executor runs exchanges: "auto" as messages (`send_recv`) where they copy nothing, else as
+    # one `all_to_all_single`; "messages" always; "all_to_all" never
+    exchange_route = "auto"
 
     def __init__(self, mesh: DeviceMesh, rank: int, counters: Counters | None = None) -> None:
         self.mesh = DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type)  # unbound copy

@@ -15,8 +15,9 @@ Where gloo is slow at something, the CPU route differs (measured, `docs/executio
 
 - reduce_scatter runs as one `all_to_all_single` of the chunks and a local fold in member order (gloo's
   reduce_scatter costs about an all_reduce; the fold moves the same bytes in about 0.6 of the time);
-- exchanges (`send_recv`) are isend/irecv straight from the local and into the result, so a block for
-  two peers is not packed twice and strided blocks are packed while earlier ones are on the wire.
+- exchanges whose blocks are all runs of the local and of the result run as isend/irecv (`send_recv`)
+  straight from one into the other, so a block for two peers is not packed twice
+  (`sbp.pieces.messages_copy_nothing`).
 
 On CUDA (NCCL) the collectives are the native ones and exchanges are one `all_to_all_single` (a batch
 of point-to-point calls on NCCL needs every group member in its first call, which exchanges do not
@@ -149,7 +150,8 @@ class DistComm(BoundComm):
         self.timeout = timeout
         self._groups = groups
         self._orders: dict[Members, list[int] | None] = {}
-        self.point_to_point = self._gloo = mesh.device_type == "cpu"
+        self._gloo = mesh.device_type == "cpu"
+        self.exchange_route = "auto" if self._gloo else "all_to_all"
 
     def _rebind(self, mesh: DeviceMesh) -> "DistComm":
         return DistComm(mesh, self.rank, self._groups, self.timeout, self.counters)
