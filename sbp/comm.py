@@ -112,6 +112,11 @@ class Communicator(Protocol):
         """`chunks[i]` (equal shapes; or a tensor stacked along dim 0) is meant for member i; returns the
         `op`-reduction over the members of the chunk meant for this rank."""
 
+    def reduce_scatter_runs(self, flat: torch.Tensor, numels: Sequence[int], axes: tuple[int, ...],
+                            op: str) -> torch.Tensor:
+        """Uneven reduce_scatter: the contiguous 1-d `flat` holds member i's piece as its i-th run of
+        `numels[i]` elements; returns the `op`-reduction over the members of this rank's run (flat)."""
+
     def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str, *, inplace: bool = False) -> torch.Tensor:
         """The `op`-reduction of every member's `t`: a new tensor, or with `inplace` possibly `t` itself."""
 

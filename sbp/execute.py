@@ -228,23 +228,21 @@ def _all_gather(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
 
 
 def _reduce_scatter(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-    """P(op) -> S(d) on step.axes: the local as the input when its pieces are equal runs of it in member
-    order, else its pieces copied into one padded buffer; reduce-scatter; trim this rank's piece."""
+    """P(op) -> S(d) on step.axes: the local as the input when its pieces are runs of it in member order
+    (equal: `reduce_scatter`; unequal: `reduce_scatter_runs`, which pads only where the backend needs
+    it), else its pieces copied into one padded buffer; reduce-scatter; trim this rank's piece."""
     lay = scatter(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
     if lay.width == 0:
         return local.new_empty(lay.shape)
-    n = len(lay.numels)
+    if lay.runs is not None:   # unequal runs of the local, in member order
+        flat = local.contiguous().view(-1)
+        return ctx.comm.reduce_scatter_runs(flat, lay.numels, step.axes, _op(step)).view(lay.shape)
     if lay.direct:
         inp = local.reshape(-1)
     else:
-        inp = local.new_empty(n * lay.width)
-        if lay.runs is not None:
-            flat = local.reshape(-1)
-            for src_at, buf_at, size in lay.runs:
-                inp[buf_at:buf_at + size] = flat[src_at:src_at + size]
-        else:
-            for where, shape, offset in lay.places:
-                inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
+        inp = local.new_empty(len(lay.numels) * lay.width)
+        for where, shape, offset in lay.places:
+            inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
         for lo, hi in lay.pads:
             inp[lo:hi] = 0
     got = ctx.comm.reduce_scatter(inp, step.axes, _op(step), numels=lay.numels)  # n pieces of width

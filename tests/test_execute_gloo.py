@@ -126,6 +126,22 @@ def test_each_route_makes_the_torch_calls_it_names(native) -> None:
         assert calls == [["all_to_all_single"], ["irecv", "isend"], ["all_to_all_single"]]
 
 
+def _uneven_reduce_scatter_traffic(mesh: sbp.DeviceMesh) -> tuple:
+    comm = mesh.binding
+    comm.counters.reset()
+    out = redistribute_local(torch.full((7, 5), float(mesh.rank + 1)), mesh, (7, 5), "P", "S(0)")
+    call = comm.counters.calls[-1]
+    return out.tolist(), call.collective, call.received, call.wire_received
+
+
+def test_uneven_reduce_scatter_sends_the_runs_unpadded_on_gloo() -> None:
+    """7 rows over 4 ranks are 2,2,2,1: gloo's route sends each member exactly its rows (no padding)."""
+    for rank, (out, kind, received, wire) in enumerate(spmd(_uneven_reduce_scatter_traffic, (4,))):
+        rows = 2 if rank < 3 else 1
+        assert out == [[10.0] * 5] * rows
+        assert kind == "reduce_scatter" and received == wire == 3 * rows * 5 * 4
+
+
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_every_collective_kind_forced(mesh_shape) -> None:
     conf.check_hand_steps(mesh_shape, spmd(conf.run_hand_steps, mesh_shape))

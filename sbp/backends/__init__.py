@@ -105,6 +105,33 @@ class BoundComm:
         self._count(count_reduce_scatter(index, inp[0].numel(), numels, len(members), inp.element_size()), axes)
         return out
 
+    def reduce_scatter_runs(self, flat: torch.Tensor, numels: Sequence[int], axes: tuple[int, ...],
+                            op: str) -> torch.Tensor:
+        """Uneven reduce_scatter: the contiguous 1-d `flat` holds member i's piece as its i-th run of
+        `numels[i]` elements; returns the `op`-reduction over the members of this rank's run (1-d).
+        Backends whose reduce_scatter needs equal pieces pad them (one copy); gloo sends the runs as
+        they are.
+
+        >>> import sbp, sbp.testing, torch
+        >>> def fn(mesh):    # 5 elements cut 3, 2; each rank contributes 1..5
+        ...     return mesh.binding.reduce_scatter_runs(torch.arange(1., 6.), [3, 2], (0,), "sum").tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[2.0, 4.0, 6.0], [8.0, 10.0]]
+        """
+        members = self.members(axes)
+        n, index = len(members), members.index(self.rank)
+        numels = tuple(int(k) for k in numels)
+        if len(numels) != n or sum(numels) != flat.numel() or flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError(f"reduce_scatter_runs needs a contiguous 1-d tensor cut into one run per member "
+                             f"({n}), got shape {tuple(flat.shape)} and runs {list(numels)}")
+        if n == 1:
+            out, width = flat.clone(), numels[0]
+        else:
+            out, width = self._reduce_scatter_runs(flat, numels, members, axes, op)
+        call = count_reduce_scatter(index, width, numels, n, flat.element_size())
+        self._count(call, axes)
+        return out
+
     def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str, *, inplace: bool = False) -> torch.Tensor:
         """The `op`-reduction of every member's `t`, contiguous; a new tensor unless `inplace`, which lets
         the backend reduce into `t` itself (the caller owns it)."""
@@ -211,6 +238,17 @@ class BoundComm:
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
         raise NotImplementedError  # pragma: no cover
+
+    def _reduce_scatter_runs(self, flat: torch.Tensor, numels: tuple[int, ...], members: Members,
+                             axes: tuple[int, ...], op: str) -> tuple[torch.Tensor, int]:
+        """Runs padded to the longest into one stacked buffer, then `_reduce_scatter`; returns this rank's
+        run and the padded width (what crossed the wire per piece)."""
+        n, width = len(members), max(numels)
+        stacked = flat.new_zeros((n, width))
+        for i, piece in enumerate(flat.split(list(numels))):
+            stacked[i, :piece.numel()] = piece
+        out = self._reduce_scatter(stacked, members, axes, op)
+        return out[:numels[members.index(self.rank)]], width
 
     def _send_recv(self, sends: list[tuple[int, Outgoing]], recvs: list[tuple[int, torch.Tensor]],
                    members: Members, axes: tuple[int, ...],

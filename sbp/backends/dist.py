@@ -224,15 +224,24 @@ class DistComm(BoundComm):
         """gloo: every member's chunk for this rank by one all_to_all, folded in member order (the same
         order as the threads backend, so both give bit-identical results)."""
         n = len(members)
-        inp = stacked.reshape(n, -1)
-        got = torch.empty_like(inp)
-        self._all_to_all(got.view(-1), inp.reshape(-1), (inp.shape[1],) * n, (inp.shape[1],) * n, members, axes,
-                         None, what=f"reduce_scatter({op})")
+        flat = stacked.reshape(-1)
+        out, _ = self._reduce_scatter_runs(flat, (flat.numel() // n,) * n, members, axes, op)
+        return out.view(stacked.shape[1:])
+
+    def _reduce_scatter_runs(self, flat: torch.Tensor, numels: tuple[int, ...], members: Members,
+                             axes: tuple[int, ...], op: str) -> tuple[torch.Tensor, int]:
+        """gloo: the runs as they are (no padding) by one all_to_all, then the fold; NCCL: padded."""
+        if not self._gloo:
+            return super()._reduce_scatter_runs(flat, numels, members, axes, op)
+        n, mine = len(members), numels[members.index(self.rank)]
+        got = flat.new_empty((n, mine))
+        self._all_to_all(got.view(-1), flat, (mine,) * n, numels, members, axes, None,
+                         what=f"reduce_scatter({op})")
         fn = REDUCE_FNS[op]
         out = got[0].clone()
         for row in got[1:]:
             fn(out, row, out=out)
-        return out.view(stacked.shape[1:])
+        return out, mine
 
     def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str,
                     inplace: bool) -> torch.Tensor:
