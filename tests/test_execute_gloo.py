@@ -30,7 +30,8 @@ PAIRS_2D = [("S(0), S(1)", "S(1), S(0)"), ("S(0), S(0)", "S(1), S(1)"), ("S(0), 
             ("S(0), B", "B, S(0)"), ("P(sum), P(sum)", "B, B"), ("P(sum), P(sum)", "S(0), S(1)"),
             ("S(0), S(1)", "B, B"), ("B, B", "S(0), S(0)"), ("P(sum), S(0)", "S(1), P(sum)"),
             ("S(1), P(sum)", "B, S(0)"), ("S(0), S(0)", "P(sum), P(sum)"), ("B, S(1)", "S(1), S(1)"),
-            ("P(sum), S(0)", "S(0), B")]   # the last: one reduce_transfer step
+            ("P(sum), S(0)", "S(0), B"),   # one reduce_transfer step
+            ("B, S(0)", "B, S(1)"), ("S(1), B", "S(0), B")]   # exchanges inside one axis's group
 CASES = ([conf.Case((4,), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_1D]
          + [conf.Case((2, 2), s, d, variants=conf.GLOO_VARIANTS) for s, d in PAIRS_2D])
 
