@@ -156,13 +156,15 @@ def has_exchange(case: Case) -> bool:
     return any(step.kind in ("all_to_all", "transfer") for step in plan.steps)
 
 
-def run_case(case: Case, mesh: sbp.DeviceMesh) -> list[dict[str, Any]]:
+def run_case(case: Case, mesh: sbp.DeviceMesh, device: str = "cpu") -> list[dict[str, Any]]:
+    """Run `case` on this rank with the locals on `device`; results come back on the CPU (and say
+    whether they were on `device`)."""
     out = []
     for shape, (dtype_name, noncontig) in itertools.product(case.shapes, case.variants):
         dtype = getattr(torch, dtype_name)
         seed = stable_seed(case.id, shape, dtype_name)
         g = global_tensor(shape, dtype, seed)
-        local = source_local(g, mesh.shape, case.src, mesh.coord, seed)
+        local = source_local(g, mesh.shape, case.src, mesh.coord, seed).to(device)
         if noncontig:
             local = strided(local)
         step_bytes, step_calls = [], []
@@ -177,8 +179,9 @@ def run_case(case: Case, mesh: sbp.DeviceMesh) -> list[dict[str, Any]]:
                 step_calls.append(len(counters.calls) - calls)
         else:
             result = redistribute_local(local, mesh, shape, case.src, case.dst)
-        out.append({"shape": shape, "dtype": dtype_name, "noncontig": noncontig, "local": result,
-                    "contiguous": result.is_contiguous(), "step_bytes": step_bytes, "step_calls": step_calls})
+        out.append({"shape": shape, "dtype": dtype_name, "noncontig": noncontig, "local": result.cpu(),
+                    "device": result.device.type, "contiguous": result.is_contiguous(), "step_bytes": step_bytes,
+                    "step_calls": step_calls})
     return out
 
 
