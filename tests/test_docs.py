@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import sbp
+from sbp.ops.dispatch import clear_cache
+from sbp.ops.rules import TABLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -65,5 +67,12 @@ def test_python_block_runs(name: str, line: int, code: str, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    exec(compiled, {"__name__": f"docs_{name}_{line}"})
-    assert os.getcwd() == str(tmp_path)
+    rules = dict(TABLE)
+    try:
+        exec(compiled, {"__name__": f"docs_{name}_{line}"})
+    finally:
+        left = {str(op) for op in TABLE.keys() ^ rules.keys()}
+        TABLE.clear()
+        TABLE.update(rules)     # a snippet that registers a rule must not change the table for other tests
+        clear_cache()
+    assert not left, f"docs/{name}:{line} leaves the rule table changed ({sorted(left)}): restore it as it shows"

@@ -58,6 +58,20 @@ def test_conformance_gloo(case: conf.Case, gloo_results) -> None:
     conf.check_case(case, gloo_results[case.id])
 
 
+FULL_TABLES = conf.cases_1d(conf.FEW_VARIANTS) + conf.cases_2d()
+
+
+@pytest.fixture(scope="module")
+def full_results() -> dict[str, list]:
+    """Every pair of the 1-D and 2x2 tables on gloo (three dtype/stride variants, four shapes)."""
+    return _by_case(FULL_TABLES, conf.run_cases)
+
+
+@pytest.mark.parametrize("case", FULL_TABLES, ids=lambda c: c.id)
+def test_conformance_gloo_every_pair(case: conf.Case, full_results) -> None:
+    conf.check_case(case, full_results[case.id])
+
+
 NATIVE_CASES = [c for c in CASES if c.src.startswith("P") or conf.has_exchange(c)]
 
 
