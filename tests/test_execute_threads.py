@@ -8,12 +8,14 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import sbp
 import sbp.testing
 from sbp import B, Partial, S
 from sbp.execute import execute, execute_step, identity, redistribute_local
 from sbp.steps import Plan, Step
+from sbp.testing.strategies import layouts, placements as placements_of
 
 import conformance as conf
 
@@ -369,3 +371,27 @@ def test_point_to_point_exchange_among_some_ranks() -> None:
     assert out[1] is None
     assert out[0] == ({2: [[2.0] * 3, []], 3: [[3.0] * 4, []]}, 7 * 4)
     assert out[3][0] == {0: [[0.0], []], 2: [[2.0] * 3, []]}
+
+
+# ---- random layouts on every exchange route ---------------------------------------------------------
+
+
+def _redistributed_on_route(mesh, shape, src, dst, route):
+    mesh.binding.exchange_route = route
+    g = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    local = g[sbp.local_slices(shape, mesh, src, mesh.coord)].contiguous()
+    return redistribute_local(local, mesh, shape, src, dst)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=layouts(partial=False), data=st.data(), route=st.sampled_from(["auto", "messages", "all_to_all"]))
+def test_random_split_broadcast_changes_on_every_route(case, data, route):
+    """Any Split/Broadcast change on a random mesh (up to 3 axes), shape (uneven, empty) and route gives
+    every rank exactly its block of the target layout."""
+    mesh_shape, shape, src = case
+    dst = data.draw(placements_of(len(mesh_shape), len(shape), partial=False))
+    g = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    per_rank = spmd(functools.partial(_redistributed_on_route, shape=shape, src=src, dst=dst, route=route),
+                    mesh_shape)
+    for coord, got in zip(sbp.DeviceMesh(mesh_shape).coords(), per_rank):
+        assert torch.equal(got, g[sbp.local_slices(shape, mesh_shape, dst, coord)]), (coord, src, dst, route)
