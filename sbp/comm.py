@@ -157,7 +157,7 @@ def reduce_list(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     fn = REDUCE_FNS[op]
     out = tensors[0].clone()
     for t in tensors[1:]:
-        out = fn(out, t)
+        fn(out, t, out=out)
     return out
 
 

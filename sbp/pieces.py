@@ -102,7 +102,7 @@ class P2PLayout:
     recvs: tuple[tuple[int, Run | None, tuple[slice, ...], tuple[int, ...]], ...]
     keep: tuple[tuple[slice, ...], tuple[slice, ...]] | None
     moves: bool
-    copies: int = 0  # elements packed and unpacked (blocks that are not one run of the local / result)
+    copies: int  # elements packed and unpacked (blocks that are not one run of the local / result)
 
 
 def group_coords(mesh_shape: tuple[int, ...], axes: tuple[int, ...],

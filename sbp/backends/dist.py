@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import REDUCE_FNS, Counters, Outgoing
+from ..comm import Counters, Outgoing, reduce_list
 from ..errors import CommError, MeshError
 from ..mesh import DeviceMesh
 from . import BoundComm, Members, bound, outgoing_tensor
@@ -210,38 +210,29 @@ class DistComm(BoundComm):
 
     def _reduce_scatter(self, stacked: torch.Tensor, members: Members, axes: tuple[int, ...],
                         op: str) -> torch.Tensor:
+        if self._gloo:   # by one all_to_all and a fold (see the module notes)
+            flat = stacked.reshape(-1)
+            out, _ = self._reduce_scatter_runs(flat, (flat.numel() // len(members),) * len(members), members,
+                                               axes, op)
+            return out.view(stacked.shape[1:])
         pg, order = self._group(members)
-        if self._gloo:
-            return self._reduce_scatter_by_all_to_all(stacked, members, axes, op)
         inp = stacked.reshape(-1) if order is None else stacked[order].reshape(-1)
         out = stacked.new_empty(stacked.shape[1:])
         self._call(f"reduce_scatter({op})", axes, members, inp,
                    lambda: _reduce_scatter_flat(out.view(-1), inp, op=_REDUCE_OPS[op], group=pg))
         return out
 
-    def _reduce_scatter_by_all_to_all(self, stacked: torch.Tensor, members: Members, axes: tuple[int, ...],
-                                      op: str) -> torch.Tensor:
-        """gloo: every member's chunk for this rank by one all_to_all, folded in member order (the same
-        order as the threads backend, so both give bit-identical results)."""
-        n = len(members)
-        flat = stacked.reshape(-1)
-        out, _ = self._reduce_scatter_runs(flat, (flat.numel() // n,) * n, members, axes, op)
-        return out.view(stacked.shape[1:])
-
     def _reduce_scatter_runs(self, flat: torch.Tensor, numels: tuple[int, ...], members: Members,
                              axes: tuple[int, ...], op: str) -> tuple[torch.Tensor, int]:
-        """gloo: the runs as they are (no padding) by one all_to_all, then the fold; NCCL: padded."""
+        """gloo: the runs as they are (no padding) by one all_to_all, then folded in member order (as the
+        threads backend folds, so both give bit-identical results); NCCL: padded."""
         if not self._gloo:
             return super()._reduce_scatter_runs(flat, numels, members, axes, op)
         n, mine = len(members), numels[members.index(self.rank)]
         got = flat.new_empty((n, mine))
         self._all_to_all(got.view(-1), flat, (mine,) * n, numels, members, axes, None,
                          what=f"reduce_scatter({op})")
-        fn = REDUCE_FNS[op]
-        out = got[0].clone()
-        for row in got[1:]:
-            fn(out, row, out=out)
-        return out, mine
+        return reduce_list(got.unbind(0), op), mine
 
     def _all_reduce(self, t: torch.Tensor, members: Members, axes: tuple[int, ...], op: str,
                     inplace: bool) -> torch.Tensor:
