@@ -59,6 +59,7 @@ def main() -> None:
     counters = mesh.binding.counters
     say(f"raw-local API: ok; rank 0 received {counters.received} bytes in {len(counters.calls)} collectives")
     print(f"rank {rank}: all {len(TOUR)} layouts checked")
+    torch.distributed.barrier()   # tear down together: no rank closes its connections under the others
     torch.distributed.destroy_process_group()
 
 

@@ -254,10 +254,20 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
                       LOCAL_RANK=str(rank))
     try:
         worker(args)
-    finally:
+    except BaseException:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    finish()
+
+
+def finish() -> None:
+    """Every rank waits for the others (rank 0 may still be checking), then all tear down together: a rank
+    that exits while a peer still holds its gloo connections can abort in gloo's teardown."""
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def parse(argv=None):
@@ -289,8 +299,7 @@ def main(argv=None) -> None:
     world = math.prod(int(n) for n in args.mesh.lower().split("x"))
     if "RANK" in os.environ:  # torchrun (or another launcher) started us
         worker(args)
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        finish()
         return
     import torch.multiprocessing as mp
     try:
