@@ -329,6 +329,8 @@ ROWS: list[Row] = [
     T("parallelize-not-module", lambda m: sbp.nn.parallelize(5, m, {}), E, "parallelize needs an nn.Module, got int"),
     Row("parallelize-pure-mesh", lambda: sbp.nn.parallelize(nn.Linear(2, 2), M1, {"": "colwise"}), E, "parallelize needs a bound sbp.DeviceMesh"),
     T("ops-different-meshes", lambda m: _x(m) + sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2,), ranks=(1, 0))), "B"), E, "mixes global tensors on different meshes"),
+    T("ops-different-mesh-ndim-mm", lambda m: _x(m) @ sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2, 1))), "B, B"), E, "aten.mm.default mixes global tensors on different meshes"),
+    T("ops-different-mesh-ndim-cat", lambda m: torch.cat([_x(m), sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2, 1))), "S(0), B")]), E, "aten.cat.default mixes global tensors on different meshes"),
     T("ops-matmul-shapes", lambda m: _x(m) @ _x(m, "B", torch.ones(3, 3)), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and (B,): a and b must have same reduction dim, but got [4, 4] X [3, 3]."),
     T("ops-matmul-plain", lambda m: _x(m) @ torch.ones(3, 3), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and plain: "),
     T("ops-sum-dim", lambda m: _x(m).sum(5), SE, "aten.sum.dim_IntList on global shape (4, 4) with placements (S(0),): Dimension out of range (expected to be in range of [-2, 1], but got 5)"),

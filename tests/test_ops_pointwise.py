@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 import sbp
 import sbp.testing
 from ops_kit import check_op, make_global, meshes, placements_for, randn, shape
+from sbp import Partial
 
 SETTINGS = settings(max_examples=15, deadline=None)
 
@@ -152,3 +153,39 @@ def test_partial_sum_is_reduced_before_non_finite_scalars(fn):
     for first, second in sbp.testing.spmd(rank, (2,)):
         torch.testing.assert_close(first, want, rtol=0, atol=1e-12, equal_nan=True)
         torch.testing.assert_close(second, want, rtol=0, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("cast", [torch.int8, torch.uint8, torch.int16, torch.float32, torch.int64],
+                         ids=str)
+def test_partial_max_min_through_integer_casts(op, cast):
+    """A cast that wraps (narrower, or signed <-> unsigned) is not monotone: the Partial is reduced first;
+    widening and float casts keep it."""
+    full = torch.tensor([[200, -1, 7], [100, 5, -300]], dtype=torch.int64)
+
+    def rank(mesh):
+        x = sbp.distribute(full, mesh, "S(0)")
+        part = x.amax(0) if op == "max" else x.amin(0)
+        with sbp.strict():
+            y = part.to(cast)
+        return y.placements, y.full()
+
+    reduced = full.amax(0) if op == "max" else full.amin(0)
+    for placements, got in sbp.testing.spmd(rank, (2,)):
+        assert torch.equal(got, reduced.to(cast))
+        wraps = cast in (torch.int8, torch.uint8, torch.int16)
+        assert (placements == (Partial(op),)) == (not wraps)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float32], ids=str)
+def test_neg_of_partial_max(dtype):
+    """neg maps P(max) to P(min) on floats; on integers it wraps (-0 of uint8 is 0, -(-128) of int8 is -128)."""
+    full = torch.tensor([[0, 0, -128], [5, 3, 1]]).to(dtype)
+
+    def rank(mesh):
+        m = sbp.distribute(full, mesh, "S(0)").amax(0)
+        with sbp.strict():
+            return (-m).full()
+
+    for got in sbp.testing.spmd(rank, (2,)):
+        assert torch.equal(got, -full.amax(0))

@@ -161,3 +161,53 @@ def test_in_place_through_views():
     (ry * ry).sum().backward()
     for y, grad in sbp.testing.spmd(fn, (2,)):
         assert torch.allclose(y, ry) and torch.allclose(grad, ref.grad)
+
+
+@pytest.mark.parametrize("pls", [("B",), ("S(0)",), ("S(1)",), ("P(sum)",)])
+def test_vector_matrix_product_has_the_vector_shape(pls):
+    """torch builds ``v @ M`` as unsqueeze -> mm -> squeeze_: the in-place squeeze must shrink the global
+    shape too (it was (1, 5) with a (5,) local)."""
+    v, m = randn((7,)), randn((7, 5), 1)
+    vec_pls = ("S(0)",) if pls == ("S(0)",) else ("B",)
+    check_op(lambda a, b: a @ b, [v, m], [vec_pls, pls], (2,))
+    check_op(lambda a, b: b.t() @ a, [v, m], [vec_pls, pls], (2,))
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)])
+def test_in_place_views_change_the_global_shape(mesh):
+    full = randn((1, 7, 5))
+
+    def fn(x):
+        y = x * 1.0                       # a non-leaf to change in place
+        y.squeeze_(0)
+        y.t_()
+        y.unsqueeze_(1)
+        y.transpose_(0, 2)
+        y.swapdims_(1, 2)
+        return y
+
+    for pls in (("S(1)",) * len(mesh), ("S(2)",) + ("B",) * (len(mesh) - 1), ("P(sum)",) * len(mesh)):
+        check_op(fn, [full], [pls], mesh)
+
+    def rank(mesh_):
+        x = make_global(full, mesh_, ("S(1)",) * len(mesh))
+        same = x
+        x.squeeze_(0)
+        return (x is same, tuple(x.shape), x.placements, tuple(x.local_shape), mesh_.coord,
+                torch.equal(x.full(), full[0]))
+
+    for same, gshape, placements, lshape, coord, equal in sbp.testing.spmd(rank, mesh):
+        assert same and equal and gshape == (7, 5) and placements == (S(0),) * len(mesh)
+        assert lshape == sbp.local_shape((7, 5), mesh, placements, coord)
+
+
+def test_in_place_squeeze_of_a_split_size_one_dim():
+    """A size-1 dim split over 2 ranks (one rank holds it, the other an empty shard): squeezing it in
+    place gives the owner's values as a Partial, like the out-of-place squeeze."""
+    def rank(mesh):
+        x = sbp.distribute(torch.arange(4.).view(1, 4), mesh, "S(0)")
+        x.squeeze_(0)
+        return tuple(x.shape), x.full().tolist()
+
+    for gshape, values in sbp.testing.spmd(rank, (2,)):
+        assert gshape == (4,) and values == [0.0, 1.0, 2.0, 3.0]

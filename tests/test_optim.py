@@ -88,3 +88,27 @@ def test_foreach_with_mismatched_placements_runs_per_index():
         assert pls == [(S(0),), (Partial("sum"),)]   # in-place ops keep each tensor's layout
         for g, e in zip(got + got_roots, ref + roots):
             assert torch.allclose(g, e, atol=TOL), (g, e)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_clip_grad_norm_foreach_matches_single_device(mesh_shape):
+    """``clip_grad_norm_(foreach=True)`` runs ``_foreach_norm``, a reduction per tensor (not pointwise)."""
+    w, b, gw, gb = randn((5, 3)), randn((3,), 1), randn((5, 3), 2), randn((3,), 3)
+    ref = [nn.Parameter(w.clone()), nn.Parameter(b.clone())]
+    ref[0].grad, ref[1].grad = gw.clone(), gb.clone()
+    total_ref = nn.utils.clip_grad_norm_(ref, 0.5, foreach=True)
+    pls = {(2,): ((S(0),), (B,)), (2, 2): ((S(0), S(1)), (B, S(0)))}[mesh_shape]
+
+    def fn(mesh):
+        with sbp.strict():
+            ps = [nn.Parameter(make_global(w, mesh, pls[0])), nn.Parameter(make_global(b, mesh, pls[1]))]
+            ps[0].grad, ps[1].grad = make_global(gw, mesh, pls[0]), make_global(gb, mesh, pls[1])
+            norms = torch._foreach_norm([p.grad for p in ps])
+            total = nn.utils.clip_grad_norm_(ps, 0.5, foreach=True)
+            return [tuple(n.shape) for n in norms], total.full(), [p.grad.full() for p in ps]
+
+    for shapes, total, grads in sbp.testing.spmd(fn, mesh_shape):
+        assert shapes == [(), ()]
+        torch.testing.assert_close(total, total_ref)
+        for got, want in zip(grads, ref):
+            torch.testing.assert_close(got, want.grad)

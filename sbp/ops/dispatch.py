@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..tensor import GlobalTensor, redistribute_raw
-from .decision import CACHE_SIZE, _SpecToken, spec_token
+from .decision import CACHE_SIZE, _SpecToken, _mixed, spec_token
 from .select import decide
 from .spec import FLOAT, B
 from . import rules
@@ -122,6 +122,9 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
     special = rules.special(func)
     if special is not None:
         return special(func, args, kwargs)
+    for t in leaves:   # before deciding: placements are read against the first tensor's mesh
+        if isinstance(t, GlobalTensor) and t._mesh is not mesh and t._mesh != mesh:
+            _mixed(func, mesh, t)
     with _DECIDING:   # thread-ranks of one process share decisions: one decides, the others reuse it
         decision = _CACHE.get(key) if key is not None else None
         if decision is None:

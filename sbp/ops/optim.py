@@ -7,7 +7,9 @@ and the same shape, which is what an optimizer sees for its parameters, gradient
 foreach op runs once on the local lists (one fused local call, no redistribution). Otherwise each index
 is dispatched as its own pointwise op (``aten.add_``, ``aten.addcdiv_``, ...), which redistributes as
 that op's rule says; an in-place op without an in-place form (``_foreach_maximum_``) computes
-out of place and copies back.
+out of place and copies back. The foreach ops that reduce each tensor to one value (``_foreach_norm``,
+``_foreach_max``: what ``clip_grad_norm_(foreach=True)`` runs) are not pointwise: each tensor goes
+through the reduction's own rule (a norm over a split dim is a Partial, reduced where needed).
 """
 from __future__ import annotations
 
@@ -94,6 +96,13 @@ def _local_args(args: tuple, kwargs: dict) -> tuple[list, dict]:
     return [loc(a) for a in args], {k: loc(v) for k, v in kwargs.items()}
 
 
+# foreach ops that reduce each tensor to one value (not pointwise): run as that reduction per tensor
+_REDUCING = {
+    "_foreach_norm": lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype),
+    "_foreach_max": lambda t: torch.amax(t),
+}
+
+
 def foreach(func, args: tuple, kwargs: dict) -> Any:
     """Run a ``_foreach_*`` op on global tensors (see the module docstring).
 
@@ -105,6 +114,9 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
     >>> sbp.testing.spmd(fn, (2,))[0]
     [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
     """
+    reduce = _REDUCING.get(func._schema.name.split("::")[-1])
+    if reduce is not None:   # one value per tensor: the reduction's own rule, tensor by tensor
+        return [reduce(t, *args[1:], **kwargs) for t in args[0]]
     if _lined_up(func, args):
         largs, lkwargs = _local_args(args, kwargs)
         out = func(*largs, **lkwargs)

@@ -7,7 +7,7 @@ every input S(d') of output dim d      S(d)   (an input broadcast along d, or la
 all B                                  B
 P(sum) on one `LINEAR` group, rest B   P(sum) (e.g. add: P+P; mul: P*B, B*P; div: P/B; neg P)
 P(max|min) where `MONOTONE`            P(max|min) (relu, exp, sigmoid, tanh, clamp, maximum...)
-P(max|min) where `ANTITONE` (neg)      P(min|max)
+P(max|min) where `ANTITONE` (neg)      P(min|max)   (floating dtypes: integer neg wraps)
 =====================================  ======================================================
 
 A Partial signature needs every argument of the group to be a tensor (a plain tensor is B, which
@@ -182,8 +182,9 @@ def partial_sigs(spec: OpSpec, name: str, nout: int) -> list[Sig]:
     if name in JOINT:
         p = JOINT[name]
         sigs.append(spec.sig({"self": p, "other": p}, (p,) * nout))
-    for arg in ANTITONE.get(name, ()):
-        sigs += [spec.sig({arg: PMAX}, (PMIN,) * nout), spec.sig({arg: PMIN}, (PMAX,) * nout)]
+    if out_dtype.is_floating_point:   # integer neg wraps (-(-128) is -128 in int8, -x of uint8 is 256 - x)
+        for arg in ANTITONE.get(name, ()):
+            sigs += [spec.sig({arg: PMAX}, (PMIN,) * nout), spec.sig({arg: PMIN}, (PMAX,) * nout)]
     return sigs
 
 
@@ -210,9 +211,20 @@ def _to_copy_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     sigs = broadcast_sigs(spec, 1)
     if src == dst or _widens(src, dst):
         sigs.append(Sig((PSUM,), (PSUM,)))   # rounding each part would not sum to the rounded value
-    if dst is not torch.bool and not dst.is_complex and not src.is_complex:
-        sigs += [Sig((PMAX,), (PMAX,)), Sig((PMIN,), (PMIN,))]  # rounding is monotone
+    if dst is not torch.bool and not dst.is_complex and not src.is_complex and not _wraps(src, dst):
+        sigs += [Sig((PMAX,), (PMAX,)), Sig((PMIN,), (PMIN,))]  # rounding and truncation are monotone
     return sigs
+
+
+def _wraps(src: torch.dtype, dst: torch.dtype) -> bool:
+    """An integer cast that does not keep every value (narrower, or signed <-> unsigned): it wraps around,
+    so it is not monotone (int64 200 -> int8 -56, int64 -1 -> uint8 255).
+
+    >>> _wraps(torch.int64, torch.int8), _wraps(torch.int8, torch.uint8), _wraps(torch.uint8, torch.int16)
+    (True, True, False)
+    """
+    integral = lambda t: not t.is_floating_point and not t.is_complex and t is not torch.bool
+    return integral(src) and integral(dst) and torch.promote_types(src, dst) != dst
 
 
 def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -223,7 +235,8 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return (src, dst) == (torch.complex64, torch.complex128)
 
 
-TO_COPY = Rule(_to_copy_sigs, doc="S/B kept; P(sum) when the dtype is kept or widened; P(max|min) unless ->bool")
+TO_COPY = Rule(_to_copy_sigs, doc="S/B kept; P(sum) when the dtype is kept or widened; P(max|min) unless ->bool or "
+                                   "a wrapping integer cast")
 
 
 def _identity_sigs(spec: OpSpec, axis: int) -> list[Sig]:

@@ -144,12 +144,15 @@ def lookup(func) -> Optional[Rule]:
 
 
 def special(func) -> Optional[Callable]:
-    """A handler that replaces signature matching for `func` (``_foreach_*`` ops), or None.
+    """A handler that replaces signature matching for `func` (``_foreach_*`` ops, in-place views such as
+    ``squeeze_``), or None.
 
     >>> special(torch.ops.aten._foreach_add_.List) is optim.foreach, special(torch.ops.aten.add.Tensor)
     (True, None)
     """
-    return optim.foreach if optim.is_foreach(func) else None
+    if optim.is_foreach(func):
+        return optim.foreach
+    return views.inplace_view if views.is_inplace_view(func) else None
 
 
 def register(func, rule: Optional[Rule]) -> Optional[Rule]:

@@ -365,3 +365,49 @@ def _full_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 
 
 FULL_NO_META = Rule(_full_sigs, meta=False, doc="B inputs (the op needs whole values, e.g. .item()); no warning")
+
+
+# ---- in-place views ------------------------------------------------------------------------------------------
+INPLACE_VIEWS = ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "detach_")
+
+
+def is_inplace_view(func) -> bool:
+    """Whether `func` changes its input's shape in place (``x.squeeze_()``, ``x.t_()``, ...).
+
+    >>> is_inplace_view(torch.ops.aten.squeeze_.dim), is_inplace_view(torch.ops.aten.squeeze.dim)
+    (True, False)
+    """
+    return func._schema.name.split("::")[-1] in INPLACE_VIEWS
+
+
+def inplace_view(func, args: tuple, kwargs: dict) -> Any:
+    """``x.squeeze_(0)``, ``x.t_()``, ...: `x` becomes the out-of-place view (its rule places it): it takes
+    that view's local, placements and global shape and strides, and stays the same Python object.
+    (torch builds ``vector @ matrix`` with an in-place ``squeeze_``.)
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.ones(1, 4, 2), mesh, "S(1)")
+    ...     x.squeeze_(0).t_()
+    ...     return tuple(x.shape), x.placements, tuple(x.local_shape)
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    ((2, 4), (S(1),), (2, 2))
+    """
+    from ..tensor import GlobalTensor
+
+    x = args[0]
+    view = getattr(aten, func._schema.name.split("::")[-1][:-1])(*args, **kwargs)
+    if not isinstance(x, GlobalTensor) or not isinstance(view, GlobalTensor):
+        return NotImplemented
+    d = x.__dict__
+    d["_local"], d["_placements"] = view._local, view._placements
+    d.pop("_sbp_key", None)
+    with torch.utils._mode_utils.no_dispatch():   # the wrapper's own sizes, as torch changes a subclass's
+        meta = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            aten.as_strided_.default(x, view.shape, view.stride(), 0)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta)
+    return x
+
