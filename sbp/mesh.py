@@ -14,6 +14,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from .errors import MeshError
 
+MAX_RANKS = 1 << 24   # 16,777,216: far beyond any torch.distributed world, small enough to list
+
 AxisRef = "int | str"
 
 
@@ -63,6 +65,9 @@ class DeviceMesh:
                 raise MeshError(f"mesh axis names must be unique, got {names} (duplicated: {', '.join(dup)})")
             object.__setattr__(self, "names", names)
         size = math.prod(shape)
+        if size > MAX_RANKS:
+            raise MeshError(f"mesh shape {shape} has {size} ranks; a mesh holds at most {MAX_RANKS} "
+                            f"(its rank list is kept)")
         try:
             ranks = tuple(range(size)) if self.ranks is None else tuple(self.ranks)
         except TypeError:
@@ -111,6 +116,8 @@ class DeviceMesh:
     # ---- rank <-> coord ----------------------------------------------------------------------------
     def coord_of(self, rank: int) -> tuple[int, ...]:
         """The coord of a world rank in this mesh (row-major)."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise MeshError(f"a rank is an int, got {rank!r}")
         try:
             index = self.ranks.index(rank)
         except ValueError:
@@ -254,7 +261,7 @@ def as_mesh_shape(mesh: "DeviceMesh | Sequence[int] | int") -> tuple[int, ...]:
     """
     if isinstance(mesh, DeviceMesh):
         return mesh.shape
-    if type(mesh) is tuple and mesh and all(type(n) is int and n > 0 for n in mesh):
+    if type(mesh) is tuple and mesh and all(type(n) is int and n > 0 for n in mesh) and math.prod(mesh) <= MAX_RANKS:
         return mesh
     if isinstance(mesh, str):
         try:

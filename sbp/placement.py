@@ -160,6 +160,9 @@ def placements(spec: "str | Placement | Iterable[Placement | str]") -> tuple[Pla
         if not parts:
             return ()
         return tuple(parse_placement(p) for p in parts)
+    if isinstance(spec, (set, frozenset, dict)):
+        raise PlacementError(f"placements must be in mesh-axis order (a tuple or list, one per axis), got a "
+                             f"{type(spec).__name__}, which has no order: {spec!r}")
     try:
         items = list(spec)
     except TypeError:

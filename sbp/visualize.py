@@ -30,6 +30,11 @@ def visualize(x=None, *, global_shape: Optional[Sequence[int]] = None, mesh: Opt
         if not isinstance(x, GlobalTensor):
             raise SbpError(f"visualize(x) needs an sbp.GlobalTensor, got {type(x).__name__}; for a layout without "
                            f"data pass global_shape=, mesh= and placements=")
+        given = [name for name, v in (("global_shape", global_shape), ("mesh", mesh), ("placements", placements))
+                 if v is not None]
+        if given:
+            raise SbpError(f"visualize(x) takes the layout from x; {', '.join(given)}= would be ignored (pass "
+                           f"either a GlobalTensor or global_shape=, mesh= and placements=)")
         global_shape, mesh, placements = tuple(x.shape), x.mesh, x.placements
     if global_shape is None or mesh is None or placements is None:
         raise SbpError("visualize needs a GlobalTensor, or global_shape=, mesh= and placements=")

@@ -90,6 +90,7 @@ def test_reduce_transfer_in_text_and_json(capsys):
 @pytest.mark.parametrize("argv, names", [
     (["plan", "--mesh", "2xa", "--shape", "4", "--src", "S0", "--dst", "B"], "--mesh"),
     (["plan", "--mesh", "0x2", "--shape", "4", "--src", "S0,B", "--dst", "B,B"], "--mesh"),
+    (["plan", "--mesh", "99999999999", "--shape", "4", "--src", "S0", "--dst", "B"], "--mesh"),
     (["plan", "--mesh", "2", "--shape", "4x", "--src", "S0", "--dst", "B"], "--shape"),
     (["plan", "--mesh", "2", "--shape", "4x-1", "--src", "S0", "--dst", "B"], "--shape"),
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S(0", "--dst", "B"], "--src"),

@@ -404,3 +404,38 @@ def _tied(mesh):
 
 def test_tied_parameters_stay_tied():
     assert sbp.testing.spmd(_tied, (2,))[0] == (True, (sbp.S(0),))
+
+
+@pytest.mark.parametrize("plan", [{"0": "colwise", "2": "rowwise"}, {"": "colwise"}], ids=["mlp", "root"])
+def test_an_input_reused_across_forward_passes_is_converted_anew(plan):
+    """Modules reading one tensor share its conversion within a forward pass only: a buffer refilled in
+    place, an input seen first under no_grad, and one input used for two training steps all give the
+    single-device numbers and gradients."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 6)).double() if "0" in plan \
+        else nn.Linear(6, 4).double()
+    batches = [torch.randn(5, 6, dtype=torch.float64) for _ in range(3)]
+
+    def run(mesh):
+        m = copy.deepcopy(base)
+        if mesh is not None:
+            sbp.nn.parallelize(m, mesh, plan)
+        full = lambda y: y.full() if isinstance(y, sbp.GlobalTensor) else y
+        buf, outs = torch.empty(5, 6, dtype=torch.float64), []
+        for x in batches:
+            buf.copy_(x)
+            with torch.no_grad():
+                outs.append(full(m(buf)))
+        x = batches[0].clone().requires_grad_(True)
+        with torch.no_grad():
+            m(x)
+        for _ in range(2):   # the same input tensor in two steps: its gradient accumulates twice
+            full(m(x)).pow(2).sum().backward()
+        return outs, x.grad
+
+    want_outs, want_grad = run(None)
+    for outs, grad in sbp.testing.spmd(run, (2,)):
+        for got, want in zip(outs, want_outs):
+            torch.testing.assert_close(got, want)
+        assert grad is not None
+        torch.testing.assert_close(grad, want_grad)

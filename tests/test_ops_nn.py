@@ -156,3 +156,27 @@ def test_mse_loss(data, mesh):
     reduction = data.draw(st.sampled_from(["mean", "sum", "none"]))
     pls = [data.draw(placements_for(len(s), len(mesh))) for _ in range(2)]
     check_op(lambda x, t: F.mse_loss(x, t, reduction=reduction), [randn(s, 0), randn(s, 1)], pls, mesh)
+
+
+@pytest.mark.parametrize("vocab, mesh", [(10, (2,)), (10, (4,)), (3, (4,))])
+@pytest.mark.parametrize("bad", [12, -1, 10])
+def test_vocab_parallel_embedding_refuses_indices_outside_the_vocabulary(vocab, mesh, bad):
+    """Masking another rank's rows must not turn an index outside the whole vocabulary into a row of zeros:
+    it raises, as the lookup on one device does (also on a rank whose vocabulary shard is empty)."""
+    weight = randn((vocab, 4))
+    ids = torch.tensor([1, bad, 0])
+    with pytest.raises(IndexError):
+        F.embedding(ids, weight)
+
+    def rank(mesh_):
+        w = sbp.distribute(weight, mesh_, "S(0)")
+        try:
+            F.embedding(ids, w)
+        except IndexError as e:
+            return str(e)
+        return None
+
+    for message in sbp.testing.spmd(rank, mesh):
+        assert message is not None and "out of range" in message
+    ok = torch.tensor([1, vocab - 1, 0])
+    check_op(lambda w: F.embedding(ok, w), [weight], [("S(0)",) * len(mesh)], mesh)

@@ -71,3 +71,26 @@ def test_docs_example_runs():
     namespace: dict = {"__name__": "docs_testing_example"}
     exec(compile(code, str(DOCS), "exec"), namespace)
     namespace["test_redistribution_chains"]()
+
+
+def test_assert_layout_equivalent_nan_and_ranks_outside_the_mesh():
+    """NaN in the same places is the same logical value (exact and close paths agree); a rank outside a
+    tensor's mesh holds nothing of it and compares nothing."""
+    t = torch.tensor([float("nan"), 1.0, 2.0, 3.0])
+
+    def fn(mesh):
+        sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), t)
+        sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), sbp.distribute(t, mesh, "B"),
+                                             exact=False)
+        sub = sbp.testing.submesh(mesh, (1,), ranks=[0])
+        sbp.testing.assert_layout_equivalent(sbp.distribute(t, sub, "B"), t)
+        other = t.clone()
+        other[1] = float("nan")
+        try:
+            sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), other)
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    for message in sbp.testing.spmd(fn, (2,)):
+        assert message is not None and "at index (1,) (x=1.0, y=nan)" in message

@@ -43,20 +43,26 @@ class _Context:
     # local -> global length of dim 0 (the batch) on the data-parallel axes, recorded when a global tensor
     # is turned into a local one, so a later local input gets its global shape without a collective
     batch_lengths: dict[int, int] = field(default_factory=dict)
-    # the last input converted at a boundary (weakly held), its target placements and the result: modules
-    # reading one tensor (q, k, v) share one conversion, so their gradients are summed before the one
-    # all_reduce, as with Megatron's fused qkv
+    # the last input converted at a boundary in this forward pass (weakly held), what it was converted
+    # under (target placements, the tensor's version, grad mode) and the result: modules reading one
+    # tensor (q, k, v) share one conversion, so their gradients are summed before the one all_reduce, as
+    # with Megatron's fused qkv. Forgotten when the root module's forward starts.
     last_input: tuple[Any, Any, Any] = (None, None, None)
 
     def shared(self, x: torch.Tensor, pls: tuple[Placement, ...], convert) -> GlobalTensor:
-        """`convert(x)`, reused when the previous conversion was of this very tensor to these placements
-        (an input changed in place between two modules' calls would be seen as it was at the first)."""
-        ref, last_pls, out = self.last_input
-        if ref is not None and ref() is x and last_pls == pls:
+        """`convert(x)`, reused when the previous conversion in this forward pass was of this very tensor,
+        unchanged since (same version), to these placements, in the same grad mode."""
+        ref, key, out = self.last_input
+        now = (pls, x._version, torch.is_grad_enabled())
+        if ref is not None and ref() is x and key == now:
             return out
         out = convert(x)
-        self.last_input = (weakref.ref(x), pls, out)
+        self.last_input = (weakref.ref(x), now, out)
         return out
+
+    def forget(self, *_: Any) -> None:
+        """A new forward pass of the root module: no conversion of an earlier pass is reused."""
+        self.last_input = (None, None, None)
 
     @property
     def dp_axes(self) -> tuple[int, ...]:
@@ -115,6 +121,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, "str | S
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
+    module.register_forward_pre_hook(ctx.forget, prepend=True)   # before any conversion of this pass
     if ctx.dp_axes and "" not in matched:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
     return module

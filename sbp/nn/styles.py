@@ -167,7 +167,7 @@ def as_style(value: "str | Style", pattern: str) -> Style:
     >>> as_style("rowwise", "mlp.fc2")
     Rowwise(input_placement=S(-1), output_placement=B, use_local_output=False, local_input=False)
     """
-    if isinstance(value, Style):
+    if isinstance(value, Style) and type(value) is not Style:
         return value
     if isinstance(value, str) and value in STYLES:
         return STYLES[value]()

@@ -99,8 +99,14 @@ def _run_embedding(call: Call) -> Any:
     if not splits(call.choice.inputs[0], 0):
         return call.default()
     lo, hi = call.in_block(0)[0]
+    vocab = call.spec.inputs[0].shape[0]
+    # another rank's rows are masked; an index outside the whole vocabulary is left out of range of the
+    # local rows too, so the lookup raises as torch's does (not a silent row of zeros)
     outside = (indices < lo) | (indices >= hi)
+    outside &= (indices >= 0) & (indices < vocab)
     if hi == lo:
+        if not bool(outside.all()) and indices.numel():
+            raise IndexError("index out of range in self")
         return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
     local = (indices - lo).masked_fill(outside, 0)
     padding = call.args[2] if len(call.args) > 2 else -1

@@ -34,6 +34,10 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
                            f"{name} is a {type(t).__name__}")
     if exact is not None and not isinstance(exact, bool):
         raise SbpError(f"assert_layout_equivalent(exact=...) must be None or a bool, got {exact!r}")
+    _check_tolerances(rtol, atol)
+    if isinstance(x, GlobalTensor) and isinstance(y, GlobalTensor) and x.mesh != y.mesh:
+        raise SbpError(f"assert_layout_equivalent compares tensors on one mesh; x is on {x.mesh!r}, y on "
+                       f"{y.mesh!r}: redistribute one onto the other's mesh first (redistribute(..., mesh=...))")
 
     def describe(t: torch.Tensor) -> str:
         if isinstance(t, GlobalTensor):
@@ -45,13 +49,15 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
         raise AssertionError(f"not the same logical tensor: {what}: global shapes {tuple(x.shape)} != {tuple(y.shape)}")
     if x.dtype != y.dtype:
         raise AssertionError(f"not the same logical tensor: {what}: dtypes {x.dtype} != {y.dtype}")
+    if any(isinstance(t, GlobalTensor) and t.mesh.coord is None for t in (x, y)):
+        return   # this rank is outside the tensor's mesh: it holds nothing of it to compare
     with torch.no_grad():
         fx = x.full() if isinstance(x, GlobalTensor) else x.detach()
         fy = y.full() if isinstance(y, GlobalTensor) else y.detach()
     partial = any(isinstance(t, GlobalTensor) and any(isinstance(p, Partial) for p in t.placements) for t in (x, y))
     if exact is None:
         exact = not partial or not fx.dtype.is_floating_point
-    if exact and torch.equal(fx, fy):
+    if exact and _equal(fx, fy):
         return
     if not exact:
         try:
@@ -60,6 +66,29 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
         except AssertionError:
             pass
     raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: {_where(fx, fy)}")
+
+
+def _equal(fx: torch.Tensor, fy: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (a NaN is the same logical value as itself here)."""
+    if torch.equal(fx, fy):
+        return True
+    if not (fx.dtype.is_floating_point or fx.dtype.is_complex):
+        return False
+    nx, ny = torch.isnan(fx), torch.isnan(fy)
+    return torch.equal(nx, ny) and torch.equal(fx[~nx], fy[~ny])
+
+
+def _check_tolerances(rtol, atol) -> None:
+    from ..errors import SbpError
+
+    if (rtol is None) != (atol is None):
+        raise SbpError(f"assert_layout_equivalent: give rtol and atol together (or neither, for the dtype's "
+                       f"defaults), got rtol={rtol!r}, atol={atol!r}")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise SbpError(f"assert_layout_equivalent({name}=...) must be a number >= 0, got {value!r}")
 
 
 def _where(fx: torch.Tensor, fy: torch.Tensor) -> str:
