@@ -84,6 +84,11 @@ class GlobalTensor(torch.Tensor):
             raise _index_error(self, index, e) from e
 
     def __setitem__(self, index: Any, value: Any) -> None:
+        from .setitem import basic_entries, narrows_a_split_dim, write_blocks
+        entries = basic_entries(index, self.ndim)
+        if entries is not None and narrows_a_split_dim(self, entries) and not self.__dict__.get("_sbp_detached") \
+                and not (torch.is_grad_enabled() and (self.requires_grad or getattr(value, "requires_grad", False))):
+            return write_blocks(self, index, entries, value)   # a slice of a split dim cannot stay a view
         try:
             super().__setitem__(index, value)
         except IndexError as e:
