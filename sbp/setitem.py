@@ -87,10 +87,10 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
     except IndexError as e:
         from .tensor import _index_error
         raise _index_error(x, index, e) from e
-    v = _value(value, x, region, index)
     coord = x._mesh.coord
     if coord is None:
-        return   # outside the mesh: no block
+        return   # outside the mesh: no block (and no part in gathering a global value)
+    v = _value(value, x, region, index)
     local_entries, value_entries = _local_entries(entries, shape, block(shape, x._mesh.shape, x._placements, coord))
     if local_entries is None:
         return   # the region misses this rank's block

@@ -68,3 +68,18 @@ def test_setitem_refusals():
         assert len(messages) == 2
         assert "could not stay a view" in messages[0]
         assert messages[1].startswith("ShapeError: x[1:3] on global shape (4, 2)") and "cannot be broadcast" in messages[1]
+
+
+def test_setitem_on_a_mesh_over_some_ranks():
+    """Ranks outside the tensor's mesh hold no block and write nothing (also for a global value)."""
+    def rank(mesh):
+        sub = sbp.testing.submesh(mesh, (2,), ranks=[0, 1])
+        x = sbp.distribute(torch.zeros(4, 2), sub, "S(0)")
+        x[1:3] = sbp.distribute(torch.ones(2, 2), sub, "S(1)")
+        x[0] = torch.tensor([5.0, 6.0])
+        return x.full()
+
+    want = torch.tensor([[5.0, 6.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    got = sbp.testing.spmd(rank, (4,))
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    assert got[2].numel() == 0 and got[3].numel() == 0
