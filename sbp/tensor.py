@@ -58,9 +58,8 @@ class GlobalTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=contiguous_strides(shape), dtype=local.dtype, device=local.device,
             layout=local.layout, requires_grad=requires_grad)
-        self._local = local
-        self._mesh = mesh
-        self._placements = tuple(placements)
+        d = self.__dict__
+        d["_local"], d["_mesh"], d["_placements"] = local, mesh, tuple(placements)
         return self
 
     def item(self) -> Any:
@@ -188,6 +187,13 @@ class GlobalTensor(torch.Tensor):
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_leaf_rule", False):
             install_leaf_rule(self)
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """As torch's; ``x.requires_grad = True`` on a leaf also installs the leaf rule (see `requires_grad_`).
+        (Reads stay torch's own getters; sbp's hot paths write attributes through ``__dict__``.)"""
+        super().__setattr__(name, value)
+        if name == "requires_grad" and value and self.is_leaf and not self.__dict__.get("_sbp_leaf_rule", False):
+            install_leaf_rule(self)
 
     def __deepcopy__(self, memo: dict) -> "GlobalTensor":
         if id(self) in memo:
@@ -385,18 +391,19 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
     >>> leaf._sbp_leaf_rule
     True
     """
-    mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
+    leaf.register_hook(lambda grad: _in_leaf_layout(leaf, grad))
+    leaf.__dict__["_sbp_leaf_rule"] = True
 
-    def to_leaf_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
-        if isinstance(grad, GlobalTensor):
-            if grad._placements == want and grad._mesh == mesh:
-                return None
-            from .autograd import redistribute
-            return redistribute(grad, want)
-        return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, shape)
 
-    leaf.register_hook(to_leaf_layout)
-    leaf._sbp_leaf_rule = True
+def _in_leaf_layout(leaf: GlobalTensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """`grad` laid out as `grad_placements(leaf.placements)`; None when it already is."""
+    want = grad_placements(leaf._placements)
+    if isinstance(grad, GlobalTensor):
+        if grad._placements == want and grad._mesh == leaf._mesh:
+            return None
+        from .autograd import redistribute
+        return redistribute(grad, want)
+    return GlobalTensor(local_from_full(grad, leaf._mesh, want), leaf._mesh, want, tuple(leaf.shape))
 
 
 def _index_error(x: GlobalTensor, index: Any, e: IndexError) -> ShapeError:

@@ -183,3 +183,31 @@ def test_cross_mesh_redistribute_is_differentiable():
         return y.mesh == b, x.grad.placements, (torch.equal(x.grad.full(), t) if a.coord is not None else None)
 
     assert spmd(fn, (4,)) == [(True, (sbp.S(0),), True)] * 2 + [(True, (sbp.S(0),), None)] * 2
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute", "zeros_like", "new_zeros", "detached_clone"])
+def test_every_way_of_making_a_leaf_gets_the_leaf_rule(how):
+    """torch sets requires_grad in C++ for ``x.requires_grad = True`` and factories with
+    ``requires_grad=True``; such a leaf gets the leaf rule at its first op, so its .grad has its placements."""
+    x0, w0 = torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def fn(mesh):
+        x = sbp.distribute(x0, mesh, "S(0), B")
+        w = sbp.distribute(w0, mesh, "B, S(1)")
+        if how == "requires_grad_":
+            w.requires_grad_()
+        elif how == "attribute":
+            w.requires_grad = True
+        elif how == "zeros_like":
+            w = torch.zeros_like(w, requires_grad=True)
+        elif how == "new_zeros":
+            w = w.new_zeros(w.shape, requires_grad=True)
+        else:
+            w = w.clone().detach()
+            w.requires_grad = True
+        (x @ w).sum().backward()
+        return w.placements, w.grad.placements, w.grad.full()
+
+    for placements, grad_placements, grad in sbp.testing.spmd(fn, (2, 2)):
+        assert grad_placements == placements
+        torch.testing.assert_close(grad, x0.sum(0)[:, None].expand(4, 3))

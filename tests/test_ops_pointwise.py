@@ -189,3 +189,12 @@ def test_neg_of_partial_max(dtype):
 
     for got in sbp.testing.spmd(rank, (2,)):
         assert torch.equal(got, -full.amax(0))
+
+
+@pytest.mark.parametrize("pls", [("S(0)",), ("S(1)",), ("B",), ("P(sum)",)])
+def test_conjugate_views_and_complex_views(pls):
+    """``x.conj()`` is a lazy view in torch (a bit on the result); on a global tensor the local is
+    conjugated at once, so later ops (sum, exp, .imag) see the conjugate, as on one device."""
+    full = torch.complex(randn((5, 3)), randn((5, 3), 1)).to(torch.complex128)
+    check_op(lambda x: (x.conj().sum(0), x.conj().exp(), x.conj().imag, torch.view_as_real(x.conj().resolve_conj()),
+                        torch.view_as_complex(torch.view_as_real(x) * 2)), [full], [pls], (4,))

@@ -120,7 +120,10 @@ class Decision:
                              for tgt, meta in zip(choice.inputs, spec.inputs))
         self.out_shapes = [None if o is None else o.shape for o in spec.outputs]
         self.out_strides = [None if o is None else contiguous_strides(o.shape) for o in spec.outputs]
-        self.out_keys = [None if o is None or k in self.aliases else
+        # a factory's output may be made a leaf that requires grad (zeros_like(x, requires_grad=True)):
+        # its key is left to its first op, which also gives it the leaf rule (`sbp.ops.dispatch`)
+        factory = spec.func._schema.name.split("::")[-1] in FACTORIES
+        self.out_keys = [None if o is None or k in self.aliases or factory else
                          spec_token(choice.outputs[k], o.shape, o.dtype, spec.mesh_shape)
                          for k, o in enumerate(spec.outputs)]
         # the common case: nothing moves, nothing is written, one output, the op itself runs locally
@@ -143,7 +146,7 @@ class Decision:
                 return self._wrap_outside(mesh, leaves)
             out = self._new(0, func(*largs, **kwargs), mesh)
             if self.view and leaves[0].__dict__.get("_sbp_detached"):
-                out._sbp_detached = True   # a view of a detached view is detached too
+                out.__dict__["_sbp_detached"] = True   # a view of a detached view is detached too
             return out
         if self.fallback:
             self._complain()
@@ -176,7 +179,8 @@ class Decision:
     def _new(self, k: int, local: torch.Tensor, mesh: DeviceMesh) -> GlobalTensor:
         pls = self.choice.outputs[k]
         out = _wrap_global(local, mesh, pls, self.out_shapes[k], self.out_strides[k])
-        out._sbp_key = (pls, mesh, self.out_keys[k])
+        if self.out_keys[k] is not None:
+            out.__dict__["_sbp_key"] = (pls, mesh, self.out_keys[k])
         return out
 
     def _complain(self) -> None:
@@ -238,6 +242,10 @@ class Decision:
         return outs if len(returns) == 1 else tuple(outs)
 
 
+FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+                       "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"))
+
+
 def _mark_detached(out: Any, base: Any) -> None:
     """Flag view outputs whose local tensor does not alias the base's (redistributed or copied first):
     an in-place op on them would not reach the base, so `execute` refuses it."""
@@ -248,7 +256,7 @@ def _mark_detached(out: Any, base: Any) -> None:
     for t in out if isinstance(out, (list, tuple)) else [out]:
         if isinstance(t, GlobalTensor) and t is not base and (
                 detached or (t._local.numel() and t._local.untyped_storage().data_ptr() != ptr)):
-            t._sbp_detached = True
+            t.__dict__["_sbp_detached"] = True
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -7,7 +7,10 @@ changing learning rate reuses the decision; 0.0 and bools kept apart because the
 differently). A miss makes the decision once (`sbp.ops.select.decide`: rule signatures, planner
 prices, cheapest wins). ``_foreach_*`` ops go to `sbp.ops.optim.foreach` instead. A plain tensor that
 requires grad gets a hook that turns the global gradient the rules produce into the plain full
-gradient (DESIGN: a plain tensor mixed in is Broadcast).
+gradient (DESIGN: a plain tensor mixed in is Broadcast). A global leaf that requires grad without the
+leaf rule (``torch.zeros_like(x, requires_grad=True)``: torch sets the flag in C++, past
+`GlobalTensor.requires_grad_`) gets it at its first op, when its key is first made (factories leave
+their outputs' keys unmade for this).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..tensor import GlobalTensor, redistribute_raw
+from ..tensor import GlobalTensor, install_leaf_rule, redistribute_raw
 from .decision import CACHE_SIZE, _SpecToken, _mixed, spec_token
 from .select import decide
 from .spec import FLOAT, B
@@ -33,7 +36,9 @@ def _tensor_key(a: GlobalTensor) -> _SpecToken:
     if cached is not None and cached[0] is d["_placements"] and cached[1] is d["_mesh"]:
         return cached[2]
     found = spec_token(a._placements, a.shape, a.dtype, a._mesh.shape)
-    a._sbp_key = (a._placements, a._mesh, found)
+    d["_sbp_key"] = (a._placements, a._mesh, found)
+    if a.requires_grad and a.is_leaf and "_sbp_leaf_rule" not in d:   # e.g. zeros_like(x, requires_grad=True)
+        install_leaf_rule(a)
     return found
 
 

@@ -248,3 +248,25 @@ def _identity_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 IDENTITY = Rule(_identity_sigs, doc="any placement kept (S, B, P)")
 
 
+def _linear_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    return broadcast_sigs(spec, 1) + [Sig((PSUM,), (PSUM,))]
+
+
+def _complex_view_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """view_as_real adds a last dim of 2 (real, imag), view_as_complex removes it: the other dims keep
+    their splits; B and P(sum) pass (both views are linear)."""
+    ndim = min(spec.inputs[0].ndim, spec.out.ndim)
+    return [Sig((Split(d),), (Split(d),)) for d in range(ndim)] + [Sig((B,), (B,)), Sig((PSUM,), (PSUM,))]
+
+
+COMPLEX_VIEW = Rule(_complex_view_sigs, doc="S(d)->S(d) for the dims both sides have; B; P(sum)")
+
+
+# torch's lazy conjugate / negative views set a bit on the result; a wrapper's local carrying the bit is
+# read inconsistently by the ops that later run inside dispatch, so the local is conjugated (negated) now
+CONJ = Rule(_linear_sigs, run=lambda call: torch.conj_physical(call.args[0]),
+            doc="S/B/P(sum) kept; the local conjugated at once (no lazy conjugate bit)")
+NEG_VIEW = Rule(_linear_sigs, run=lambda call: torch.neg(call.args[0]),
+                doc="S/B/P(sum) kept; the local negated at once (no lazy negative bit)")
+
+
