@@ -71,10 +71,10 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
             gather, members = mesh_gather(mesh)
             agree(gather, members, "distribute", {"mesh": mesh, "dtype": tensor.dtype, "global shape":
                   tuple(tensor.shape), "placements": pls, "src": None}, device=mesh.device_type)
+        grad = tensor.requires_grad if requires_grad is None else requires_grad   # before detach()
         tensor = _to_mesh_device(tensor.detach(), mesh)
         local = local_from_full(tensor, mesh, pls)
         shape = tuple(tensor.shape)
-        grad = tensor.requires_grad if requires_grad is None else requires_grad
     else:
         local, pls, shape, grad = _scatter(tensor, mesh, placements, src)
         grad = grad if requires_grad is None else requires_grad
@@ -103,9 +103,10 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
     # every rank sends the src it was given (free agreement check); only src fills in ndim, dtype, grad.
     # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
     if me == src:
+        wants_grad = tensor.requires_grad
         tensor = _to_mesh_device(tensor.detach(), mesh)
         code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
-        meta = [src, tensor.ndim, code, int(tensor.requires_grad)]
+        meta = [src, tensor.ndim, code, int(wants_grad)]
     else:
         meta = [src, -1, -1, 0]
     rows = [t.tolist() for t in comm.all_gather(_ints(meta, mesh), axes)]

@@ -69,6 +69,10 @@ class _Full(torch.autograd.Function):
         ctx.src = x._placements
         ctx.mesh = x._mesh
         ctx.global_shape = tuple(x.shape)
+        if x.ndim == 0 and x._mesh.coord is None:
+            # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
+            # runs here too (and this rank takes its part in the backward of a cross-mesh move)
+            return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
         return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
 
     @staticmethod

@@ -73,6 +73,10 @@ class GlobalTensor(torch.Tensor):
             raise ShapeError(f".item() needs a global tensor with exactly one element, got global shape "
                              f"{tuple(self.shape)} ({self.numel()} elements) with placements "
                              f"{_fmt(self._placements)}")
+        if self._mesh.coord is None:
+            raise MeshError(f".item() on rank {self._mesh.binding.rank}, which is outside the tensor's mesh (ranks "
+                            f"{list(self._mesh.ranks)}): it holds no value; call it on the mesh's ranks, or "
+                            f"redistribute the tensor onto a mesh that includes this rank")
         return super().item()
 
     # ---- indexing: torch checks integer indices against the (global) sizes before any op runs ----------

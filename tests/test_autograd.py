@@ -211,3 +211,15 @@ def test_every_way_of_making_a_leaf_gets_the_leaf_rule(how):
     for placements, grad_placements, grad in sbp.testing.spmd(fn, (2, 2)):
         assert grad_placements == placements
         torch.testing.assert_close(grad, x0.sum(0)[:, None].expand(4, 3))
+
+
+def test_distribute_keeps_requires_grad_of_its_input():
+    """``distribute`` of a tensor that requires grad gives a leaf that requires grad (also with src=)."""
+    def fn(mesh):
+        t = torch.ones(4, requires_grad=True)
+        a = sbp.distribute(t, mesh, "S(0)")
+        b = sbp.distribute(t if mesh.coord == (0,) else None, mesh, "S(0)", src=0)
+        c = sbp.distribute(t, mesh, "S(0)", requires_grad=False)
+        return a.requires_grad and a.is_leaf, b.requires_grad and b.is_leaf, c.requires_grad
+
+    assert sbp.testing.spmd(fn, (2,)) == [(True, True, False)] * 2

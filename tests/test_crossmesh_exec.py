@@ -118,3 +118,28 @@ def test_cross_mesh_gloo():
                 assert (where, ok) == ("inside", True)
             else:
                 assert where == "outside"
+
+
+def test_spmd_training_step_with_a_loss_on_a_mesh_over_some_ranks():
+    """Every rank runs the same step: the loss lives on ranks 2, 3 only; ranks 0, 1 get a 0-d placeholder
+    from full() (nan), call backward too and so take their part in the backward of the cross-mesh move;
+    .item() outside the loss's mesh is an error, not torch's empty-tensor error."""
+    def fn(mesh):
+        sub = submesh(mesh, (2,), ranks=[2, 3])
+        w = sbp.distribute(torch.arange(8.0).view(4, 2), mesh, "S(0), S(1)", requires_grad=True)
+        moved = w.redistribute("S(0)", mesh=sub)
+        loss = (moved * moved).sum().full()
+        loss.backward()
+        try:
+            value = moved.sum().item()
+        except sbp.MeshError as e:
+            value = str(e)
+        return tuple(loss.shape), loss.item(), w.grad.placements, w.grad.full(), value
+
+    for rank, (shape, loss, placements, grad, value) in enumerate(spmd(fn, (2, 2))):
+        assert shape == () and placements == (sbp.S(0), sbp.S(1))
+        assert torch.equal(grad, 2 * torch.arange(8.0).view(4, 2))
+        if rank < 2:
+            assert loss != loss and value.startswith(f".item() on rank {rank}, which is outside the tensor's mesh")
+        else:
+            assert loss == 140.0 and value == 28.0

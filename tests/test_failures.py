@@ -183,3 +183,40 @@ def test_gloo_stall_in_point_to_point_exchange_is_an_error_within_the_timeout(tm
         assert f"failed on rank {rank} (timeout 0:00:01.500000)" in message, message
         assert elapsed < 3.0, elapsed   # gave up after the timeout, before rank 3 woke up
     assert sbp.testing.spmd(_sum_of_ranks, (2, 2), backend="gloo", timeout=60) == [6, 6, 6, 6]
+
+
+def _gloo_stall_in_cross_mesh_move(mesh, outdir: str):
+    """A move onto a mesh over ranks 2, 3, between meshes made with a 1 s timeout in a world whose default
+    group waits 60 s: rank 0 sends its block 3 s late. The move's point-to-point exchange runs on the
+    default group; the meshes' timeout must bound it."""
+    fast = sbp.init_mesh(mesh.shape, NAMES, device_type="cpu", timeout=1.0)
+    target = sbp.init_mesh((2,), ranks=[2, 3], device_type="cpu", timeout=1.0)
+    x = sbp.distribute(torch.arange(32.0).view(8, 4), fast, "S(0), S(1)")
+    comm = fast.binding
+    if mesh.rank == 0:
+        real = comm._exchange
+        comm._exchange = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
+    start = time.monotonic()
+    try:
+        x.redistribute("S(0)", mesh=target)
+        result = ["ok", time.monotonic() - start]
+    except sbp.CommError as e:
+        result = [str(e), time.monotonic() - start]
+    pathlib.Path(outdir, f"rank{mesh.rank}.json").write_text(json.dumps(result))
+    if result[0] != "ok":
+        raise sbp.CommError(result[0])
+    return result
+
+
+def test_gloo_stall_in_a_cross_mesh_move_is_an_error_within_the_timeout(tmp_path):
+    with pytest.raises(sbp.testing.SpmdError):
+        sbp.testing.spmd(functools.partial(_gloo_stall_in_cross_mesh_move, outdir=str(tmp_path)), (2, 2),
+                         backend="gloo", names=NAMES, timeout=60)
+    seen = _reports(tmp_path, range(1, 4))
+    stalled = [rank for rank in (2, 3) if seen[rank][0] != "ok"]
+    assert stalled, seen            # ranks 2 and 3 receive rank 0's rows
+    for rank in stalled:
+        message, elapsed = seen[rank]
+        assert message.startswith("exchange on mesh axes ()") and "(timeout 0:00:01)" in message, message
+        assert elapsed < 3.0, elapsed   # gave up after the meshes' timeout, before rank 0 woke up
+    assert sbp.testing.spmd(_sum_of_ranks, (2, 2), backend="gloo", timeout=60) == [6, 6, 6, 6]

@@ -306,9 +306,9 @@ class DistComm(BoundComm):
             if sum(sizes):
                 ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
 
-        def run() -> None:
+        def run() -> None:   # bounded by this mesh's timeout, not the default group's
             for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()
+                work.wait(self.timeout)
 
         self._call("exchange", (), tuple(ranks), next(iter(inbox.values()), torch.empty(0, device=device)), run)
         out = {}
