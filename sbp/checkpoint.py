@@ -124,10 +124,13 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
                 shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = leaf.detach().contiguous().clone()
         else:
             try:
-                json.dumps(leaf)
+                back = json.loads(json.dumps(leaf))
             except (TypeError, ValueError):
                 raise CheckpointError(f"entry {key!r} is a {type(leaf).__name__}, which a checkpoint cannot hold "
                                       f"(valid: tensors, and JSON values: numbers, strings, lists, dicts)") from None
+            if not _same_json(leaf, back):
+                raise CheckpointError(f"entry {key!r} would not come back as it is from JSON ({leaf!r} reads back "
+                                      f"as {back!r}): dict keys must be strings")
             values[key] = leaf
             continue
         tensors[key] = entry
@@ -276,17 +279,47 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
         parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                 ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
         raise CheckpointError(f"checkpoint {path!r} and the state_dict have different keys: " + "; ".join(parts))
+    for key, (leaf, container, index) in leaves.items():   # every refusal before anything is written
+        if key in meta["values"] and isinstance(leaf, torch.Tensor):
+            raise CheckpointError(f"entry {key!r} is a value in the checkpoint ({meta['values'][key]!r}) but a "
+                                  f"tensor in the state_dict")
+        if key in meta["values"] and isinstance(container, tuple):
+            raise CheckpointError(f"entry {key!r} sits in a tuple of the state_dict, which load cannot fill in "
+                                  f"place; make that container a list")
     files = _Files(path, meta)
     for key, (leaf, container, index) in leaves.items():
         if key in meta["values"]:
-            value = meta["values"][key]
-            container[index] = tuple(value) if isinstance(leaf, tuple) and isinstance(value, list) else value
+            container[index] = _like(meta["values"][key], leaf)
         elif key in meta["tensors"]:
             if not isinstance(leaf, torch.Tensor):
                 raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "
                                       f"the state_dict")
             _load_tensor(key, meta["tensors"][key], leaf, files)
     return state_dict
+
+
+def _same_json(value: Any, back: Any) -> bool:
+    """Whether `back` (read from JSON) is `value`, tuples read as lists (`_like` restores them) and nan
+    equal to itself; dict keys must be the same strings."""
+    if isinstance(value, dict):
+        return isinstance(back, dict) and list(value) == list(back) and all(
+            _same_json(v, back[k]) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return isinstance(back, list) and len(back) == len(value) and all(map(_same_json, value, back))
+    if isinstance(value, float) and value != value:
+        return isinstance(back, float) and back != back
+    return type(value) is type(back) and value == back
+
+
+def _like(value: Any, template: Any) -> Any:
+    """A JSON value read back, with the tuples of the state_dict entry it replaces restored (an optimizer's
+    ``betas=(0.9, 0.999)`` stays a tuple)."""
+    if isinstance(value, list) and isinstance(template, (list, tuple)):
+        items = [_like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(template, tuple) else items
+    if isinstance(value, dict) and isinstance(template, dict):
+        return {k: _like(v, template.get(k)) for k, v in value.items()}
+    return value
 
 
 def _load_tensor(key: str, entry: dict, target: torch.Tensor, files: "_Files") -> None:

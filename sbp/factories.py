@@ -11,6 +11,7 @@ everywhere (the exact, communication-free `B -> P` conversions).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -155,12 +156,17 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     if not dtype.is_floating_point:
         raise DTypeError(f"random factories need a floating dtype, got {dtype}")
+    if not _can_draw(draw, dtype):
+        raise DTypeError(f"torch cannot draw random numbers in {dtype} (valid: float16, bfloat16, float32, float64); "
+                         f"draw in float32 and cast")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise SbpError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if seed is None:
         seed = _agreed_seed(mesh, generator)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise SbpError(f"seed must be an int, got {seed!r}")
+    elif not -(1 << 63) <= seed < (1 << 64):
+        raise SbpError(f"seed must fit in 64 bits (as torch.manual_seed: -2**63 <= seed < 2**64), got {seed}")
     shape = check_global_shape((global_shape,) if isinstance(global_shape, int) else global_shape)
     total = 1
     for n in shape:
@@ -180,6 +186,16 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
         return out.view(block)
 
     return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+
+
+@functools.lru_cache(maxsize=None)
+def _can_draw(draw, dtype: torch.dtype) -> bool:
+    """Whether torch has a kernel drawing `draw` numbers in `dtype` (not float8, for one)."""
+    try:
+        _chunk(draw, 0, 0, 1, dtype)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _check_dtype(dtype) -> None:

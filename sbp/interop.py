@@ -23,7 +23,7 @@ from .errors import MeshError, SbpError
 from .layout import block
 from .mesh import DeviceMesh
 from .placement import Broadcast, Partial, Placement, Split
-from .tensor import GlobalTensor, contiguous_strides
+from .tensor import GlobalTensor, contiguous_strides, grad_placements
 
 _CACHE_ATTR = "_sbp_interop_meshes"  # per-binding cache: sbp mesh value <-> torch DeviceMesh
 
@@ -47,7 +47,10 @@ def to_dtensor(x: GlobalTensor) -> Any:
     shape = tuple(x.shape)
     mid = _meeting_point(shape, x.mesh.shape, x.placements)
     y = x.redistribute(mid) if mid != x.placements else x
-    dt = DTensor.from_local(y.to_local(), torch_mesh, [_to_torch(p) for p in mid], run_check=False,
+    # DTensor.from_local's backward hands back a Partial axis's gradient as Replicate (the whole gradient
+    # on every rank), so the local's gradient is laid out with P -> B, not as P(sum) parts
+    local = y.to_local(grad_placements=grad_placements(mid))
+    dt = DTensor.from_local(local, torch_mesh, [_to_torch(p) for p in mid], run_check=False,
                             shape=torch.Size(shape), stride=contiguous_strides(shape))
     if mid != x.placements:
         dt = dt.redistribute(torch_mesh, [_to_torch(p) for p in x.placements])

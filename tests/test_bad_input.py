@@ -215,6 +215,10 @@ ROWS: list[Row] = [
     Row("rand-dtype-str", lambda: sbp.randn((2,), dtype="float32"), DE, "dtype must be a torch.dtype"),
     Row("rand-seed-str", lambda: sbp.rand((2,), seed="x"), E, "seed must be an int, got 'x'"),
     Row("rand-seed-float", lambda: sbp.rand((2,), seed=1.5), E, "seed must be an int, got 1.5"),
+    Row("rand-seed-too-big", lambda: sbp.randn((2,), seed=2**64), E, "seed must fit in 64 bits (as torch.manual_seed: -2**63 <= seed < 2**64), got 18446744073709551616"),
+    Row("rand-seed-too-small", lambda: sbp.rand((2,), seed=-2**63 - 1), E, "seed must fit in 64 bits"),
+    Row("rand-float8", lambda: sbp.rand((2,), seed=0, dtype=torch.float8_e4m3fn), DE, "torch cannot draw random numbers in torch.float8_e4m3fn"),
+    Row("randn-float8", lambda: sbp.randn((2,), seed=0, dtype=torch.float8_e5m2), DE, "torch cannot draw random numbers in torch.float8_e5m2"),
     Row("rand-generator-str", lambda: sbp.rand((2,), generator="g"), E, "generator must be a torch.Generator or None, got str"),
     # ---- visualize -------------------------------------------------------------------------------------------
     Row("visualize-int", lambda: sbp.visualize(5), E, "visualize(x) needs an sbp.GlobalTensor, got int"),

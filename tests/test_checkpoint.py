@@ -339,3 +339,30 @@ def test_tensor_where_a_value_was_saved(saved):
 def test_unsupported_value_on_save(tmp_path):
     with pytest.raises(CheckpointError, match="entry 'fn' is a function, which a checkpoint cannot hold"):
         sbp.save({"fn": lambda: 0}, tmp_path)
+
+
+def test_json_values_come_back_as_they_were(tmp_path):
+    """Tuples nested in values (an optimizer's betas) come back as tuples, nan as nan; a value JSON would
+    change (int dict keys) is refused when saving; a value where the state_dict has a tensor, or a value
+    inside a tuple of the state_dict, is refused before anything is loaded."""
+    sd = {"w": torch.ones(2), "groups": [{"betas": (0.9, 0.99), "lr": 0.1}], "x": float("nan"), "t": (1, 2)}
+    sbp.save(sd, str(tmp_path / "a"))
+    into = {"w": torch.zeros(2), "groups": [{"betas": (0.0, 0.0), "lr": 0.0}], "x": 0.0, "t": (0, 0)}
+    sbp.load(str(tmp_path / "a"), into)
+    assert into["groups"] == [{"betas": (0.9, 0.99), "lr": 0.1}] and into["t"] == (1, 2) and into["x"] != into["x"]
+    assert torch.equal(into["w"], torch.ones(2))
+
+    with pytest.raises(CheckpointError, match=r"entry 'cfg' would not come back as it is from JSON .*dict keys must be strings"):
+        sbp.save({"w": torch.ones(1), "cfg": {1: "a"}}, str(tmp_path / "b"))
+
+    sbp.save({"w": 3, "v": torch.ones(2)}, str(tmp_path / "c"))
+    target = {"w": torch.zeros(2), "v": torch.zeros(2)}
+    with pytest.raises(CheckpointError, match=r"entry 'w' is a value in the checkpoint \(3\) but a tensor"):
+        sbp.load(str(tmp_path / "c"), target)
+    assert torch.equal(target["v"], torch.zeros(2))   # refused before anything was loaded
+
+    sbp.save({"t": [torch.arange(2.0), 3]}, str(tmp_path / "d"))
+    target = {"t": (torch.zeros(2), 0)}
+    with pytest.raises(CheckpointError, match=r"entry 't.1' sits in a tuple of the state_dict"):
+        sbp.load(str(tmp_path / "d"), target)
+    assert torch.equal(target["t"][0], torch.zeros(2))

@@ -89,8 +89,20 @@ def _grads(mesh):
     return x.grad.placements == x.placements and torch.equal(x.grad.full(), t)
 
 
+def _partial_grads(mesh):
+    """The gradient of a Partial value is B, counted once: DTensor hands it back as Replicate."""
+    t = values((5, 3))
+    out = []
+    for pls in ("P(sum), S(0)", "S(1), P(max)", "P, P"):
+        x = sbp.distribute(t, mesh, pls, requires_grad=True)
+        (sbp.to_dtensor(x).full_tensor() * t).sum().backward()
+        out.append(torch.equal(x.grad.full(), t))
+    return out
+
+
 def test_to_dtensor_is_differentiable():
     assert spmd(_grads, (2, 2)) == [True] * 4
+    assert spmd(_partial_grads, (2, 2)) == [[True] * 3] * 4
 
 
 def _threads_refused(mesh):
