@@ -236,6 +236,8 @@ class Costing:
                     groups *= n
                 else:
                     q *= n
+        if q == 1:   # the axes to reduce have size 1: nothing meets, the parts are the values already
+            return self.move_bound(s, d)
         total_elems = math.prod(self.shape) * groups
         if self._partial_axes(d):
             # Partial targets (new or kept axes): contributions may be re-split, ranks may hold zeros

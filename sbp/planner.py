@@ -91,12 +91,23 @@ def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
 def _plan_cached(shape, mshape, src, dst, itemsize, latency_bytes) -> Plan:
     costing = Costing(shape, mshape, itemsize)
     cap = 2 * (costing.max_local_bytes(src) + costing.max_local_bytes(dst))
-    steps = _search(costing, src, dst, latency_bytes, cap)
-    if steps is None:  # no plan within the memory cap: allow more memory rather than fail
-        steps = _search(costing, src, dst, latency_bytes, None)
+    bound = _lower_bound(costing, src, dst)
+    capped: list[bool] = []
+    steps = _search(costing, src, dst, latency_bytes, cap, capped=capped)
+    price = lambda plan: sum(s.bytes + latency_bytes * s.calls for s in plan)
+    if steps is None or (capped and sum(s.bytes for s in steps) > bound):
+        # the cap is a preference, bytes come first: a plan above the lower bound, found by a search the
+        # cap pruned, is checked against the search without the cap (which still keeps the whole tensor
+        # off the ranks) and loses to a plan receiving fewer bytes (a few Partial sources, whose local is
+        # full-size already)
+        free = _search(costing, src, dst, latency_bytes, None)
+        if steps is None or (free is not None and price(free) < price(steps)):
+            steps = free
+    if steps is None:  # nothing keeps the whole tensor off the ranks: allow it rather than fail
+        steps = _search(costing, src, dst, latency_bytes, None, whole_off=False)
     if steps is None:  # pragma: no cover - every pair is reachable by construction
         raise PlanError(f"no plan from {src} to {dst} on mesh {mshape}")
-    return Plan(shape, mshape, src, dst, itemsize, tuple(steps), _lower_bound(costing, src, dst))
+    return Plan(shape, mshape, src, dst, itemsize, tuple(steps), bound)
 
 
 def _pending(s: State, d: State) -> bool:
@@ -110,7 +121,8 @@ def _lower_bound(costing: Costing, src: State, dst: State) -> int:
     return costing.reduction_bound(src, dst)
 
 
-def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None) -> list[Step] | None:
+def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | None, *,
+            whole_off: bool = True, capped: list | None = None) -> list[Step] | None:
     """A* over states with lexicographic cost (bytes + latency, collectives, transfers, peak, steps, then
     move order).
 
@@ -163,9 +175,12 @@ def _search(costing: Costing, src: State, dst: State, latency: int, cap: int | N
             if old is not None and old <= least(cost, kind):
                 continue
             step = costing.step(kind, axes, state, t, dims, op)
-            if cap is not None and (step.peak_bytes > cap or (step.peak_bytes > whole_cap and t != dst and
-                                                             costing.max_local_bytes(t) > whole_cap)):
+            if whole_off and step.peak_bytes > whole_cap and t != dst and costing.max_local_bytes(t) > whole_cap:
                 continue  # (the new local is part of the peak: a peak within whole_cap needs no lookup)
+            if cap is not None and step.peak_bytes > cap:
+                if capped is not None and not capped:
+                    capped.append(True)   # the cap changed the search: its plan may not be the cheapest
+                continue
             coll = step.calls
             new = (cost[0] + step.bytes + latency * coll, cost[1] + coll, cost[2] + (kind in _POINT_TO_POINT),
                    max(cost[3], step.peak_bytes), cost[4] + 1)

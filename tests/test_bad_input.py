@@ -15,12 +15,14 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
 
+import hypothesis
 import pytest
 import torch
 import torch.nn as nn
 
 import sbp
 import sbp.testing
+import sbp.testing.strategies
 from sbp import DeviceMesh, Partial, S, Split
 
 MIN_ROWS = 230          # the table below has at least this many rows (237; 233 where CUDA is available)
@@ -215,6 +217,10 @@ ROWS: list[Row] = [
     Row("rand-dtype-str", lambda: sbp.randn((2,), dtype="float32"), DE, "dtype must be a torch.dtype"),
     Row("rand-seed-str", lambda: sbp.rand((2,), seed="x"), E, "seed must be an int, got 'x'"),
     Row("rand-seed-float", lambda: sbp.rand((2,), seed=1.5), E, "seed must be an int, got 1.5"),
+    Row("strategy-meshes-min-axes", lambda: sbp.testing.strategies.meshes(min_axes=0), E, "meshes(min_axes=...) must be an int >= 1, got 0"),
+    Row("strategy-placements-ndim", lambda: sbp.testing.strategies.placements(1.5, 2), E, "placements(mesh_ndim, ...) must be an int >= 1, got 1.5"),
+    Row("strategy-placements-ops", lambda: sbp.testing.strategies.placements(2, 2, ops="sum"), E, "placements(ops=...) must be a sequence of reduce ops from ('sum', 'min', 'max'), got 'sum'"),
+    Row("strategy-layouts-mesh", lambda: hypothesis.find(sbp.testing.strategies.layouts(mesh_shape=(0,)), lambda case: True), ME, "mesh shape must be a non-empty tuple of positive ints, got (0,)"),
     Row("rand-seed-too-big", lambda: sbp.randn((2,), seed=2**64), E, "seed must fit in 64 bits (as torch.manual_seed: -2**63 <= seed < 2**64), got 18446744073709551616"),
     Row("rand-seed-too-small", lambda: sbp.rand((2,), seed=-2**63 - 1), E, "seed must fit in 64 bits"),
     Row("rand-float8", lambda: sbp.rand((2,), seed=0, dtype=torch.float8_e4m3fn), DE, "torch cannot draw random numbers in torch.float8_e4m3fn"),

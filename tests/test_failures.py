@@ -220,3 +220,26 @@ def test_gloo_stall_in_a_cross_mesh_move_is_an_error_within_the_timeout(tmp_path
         assert message.startswith("exchange on mesh axes ()") and "(timeout 0:00:01)" in message, message
         assert elapsed < 3.0, elapsed   # gave up after the meshes' timeout, before rank 0 woke up
     assert sbp.testing.spmd(_sum_of_ranks, (2, 2), backend="gloo", timeout=60) == [6, 6, 6, 6]
+
+
+def test_threads_rank_that_never_returns_is_reported(monkeypatch):
+    """A rank stuck outside any collective: spmd reports it after timeout + the job grace instead of
+    waiting forever (the gloo backend bounds a job the same way)."""
+    import threading
+
+    import sbp.backends.threads as threads
+
+    monkeypatch.setattr(threads, "JOB_GRACE_S", 0.5)
+    release = threading.Event()
+
+    def fn(mesh):
+        if mesh.rank == 1:
+            release.wait(30)      # hung, until the test lets it go
+        return mesh.rank
+
+    try:
+        with pytest.raises(sbp.testing.SpmdError, match=r"rank 1 of 2 raised CommError: rank 1 did not finish "
+                                                         r"within 0.5 s \(\+0.5 s\)"):
+            sbp.testing.spmd(fn, (2,), timeout=0.5)
+    finally:
+        release.set()

@@ -163,11 +163,16 @@ class ThreadComm(BoundComm):
         return out
 
 
+JOB_GRACE_S = 30.0   # a job may compute this long beyond the collective timeout before it counts as hung
+
+
 def spmd_threads(fn: Any, mesh: DeviceMesh,
                  timeout: float) -> tuple[list[Any], list[BaseException | None], list[int]]:
     """Run `fn(bound mesh)` on one thread per rank.
 
-    Returns (results, exceptions) in rank order and the ranks that raised, in the order they raised.
+    Returns (results, exceptions) in rank order and the ranks that raised, in the order they raised. A
+    rank still running `timeout` + `JOB_GRACE_S` seconds after the start is reported as hung (its thread
+    is left behind: a daemon thread cannot be stopped).
     Each rank runs in a copy of the caller's context, so context variables (`sbp.debug()`) carry over.
     """
     world = ThreadWorld(mesh.size(), timeout)
@@ -187,6 +192,11 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
                                 daemon=True) for r in range(mesh.size())]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    deadline = time.monotonic() + timeout + JOB_GRACE_S   # as the gloo backend bounds a whole job
+    for rank, t in enumerate(threads):
+        t.join(max(deadline - time.monotonic(), 0))
+        if t.is_alive():   # a rank that never returns (not in a collective): report it, free the others
+            errors[rank] = CommError(f"rank {rank} did not finish within {timeout:g} s (+{JOB_GRACE_S:g} s)")
+            order.append(rank)
+            world.abort(f"rank {rank} did not finish")
     return results, errors, order

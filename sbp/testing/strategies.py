@@ -14,7 +14,15 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
+from ..errors import SbpError
+from ..mesh import as_mesh_shape
 from ..placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
+
+
+def _count(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SbpError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
 
 
 def meshes(*, min_axes: int = 1, max_axes: int = 3, max_axis_size: int = 4, max_size: int = 8) -> st.SearchStrategy:
@@ -24,6 +32,11 @@ def meshes(*, min_axes: int = 1, max_axes: int = 3, max_axis_size: int = 4, max_
     >>> find(meshes(), lambda shape: len(shape) == 3 and 2 in shape)
     (1, 1, 2)
     """
+    _count("meshes(min_axes=...)", min_axes, 1)
+    _count("meshes(max_axes=...)", max_axes, min_axes)
+    _count("meshes(max_axis_size=...)", max_axis_size, 1)
+    _count("meshes(max_size=...)", max_size, 1)
+
     def fits(shape: tuple[int, ...]) -> bool:
         return math.prod(shape) <= max_size
 
@@ -41,6 +54,10 @@ def placements(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
     >>> find(placements(2, 2), lambda pls: Split(1) in pls and Partial("max") in pls)
     (S(1), P(max))
     """
+    _count("placements(mesh_ndim, ...)", mesh_ndim, 1)
+    _count("placements(..., tensor_ndim)", tensor_ndim, 0)
+    if isinstance(ops, str) or not all(op in REDUCE_OPS for op in ops):
+        raise SbpError(f"placements(ops=...) must be a sequence of reduce ops from {REDUCE_OPS}, got {ops!r}")
     one: list[st.SearchStrategy] = [st.just(Broadcast())]
     if tensor_ndim > 0:
         one.append(st.integers(0, tensor_ndim - 1).map(Split))
@@ -57,6 +74,9 @@ def global_shapes(*, min_dims: int = 1, max_dims: int = 3, max_side: int = 9) ->
     >>> find(global_shapes(), lambda shape: 0 in shape)
     (0,)
     """
+    _count("global_shapes(min_dims=...)", min_dims, 0)
+    _count("global_shapes(max_dims=...)", max_dims, min_dims)
+    _count("global_shapes(max_side=...)", max_side, 0)
     return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 
@@ -69,6 +89,6 @@ def layouts(draw, *, mesh_shape: "tuple[int, ...] | None" = None, partial: bool 
     >>> find(layouts(mesh_shape=(2, 2)), lambda case: len(case[1]) == 2)
     ((2, 2), (0, 0), (B, B))
     """
-    mshape = mesh_shape if mesh_shape is not None else draw(meshes())
+    mshape = as_mesh_shape(mesh_shape) if mesh_shape is not None else draw(meshes())
     shape = draw(global_shapes(max_dims=max_dims, max_side=max_side))
     return tuple(mshape), shape, draw(placements(len(mshape), len(shape), partial=partial))
