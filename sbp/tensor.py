@@ -192,6 +192,32 @@ class GlobalTensor(torch.Tensor):
             install_leaf_rule(self)
         return self
 
+    def is_contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+        """As torch's, for the logical strides: a transpose or permute of a global tensor is not contiguous
+        (the wrapper itself always reports contiguous strides of the global shape).
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.ones(2, 3), mesh, "S(0)").t().is_contiguous(), (2,))
+        [False, False]
+        """
+        return _meta_like(self).is_contiguous(memory_format=memory_format)
+
+    def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> "GlobalTensor":
+        """As torch's: `self` when its logical strides are contiguous, else a copy, so a write into the result
+        never reaches a tensor it was a view of (``x.t().contiguous().add_(1)`` leaves `x` alone).
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     x = sbp.distribute(torch.zeros(2, 3), mesh, "S(0)")
+        ...     x.t().contiguous().add_(1)
+        ...     return x.full().sum().item()
+        >>> sbp.testing.spmd(fn, (2,))
+        [0.0, 0.0]
+        """
+        if self.is_contiguous(memory_format=memory_format):
+            return self
+        return self.clone(memory_format=memory_format)
+
     def __setattr__(self, name: str, value: Any) -> None:
         """As torch's; ``x.requires_grad = True`` on a leaf also installs the leaf rule (see `requires_grad_`).
         (Reads stay torch's own getters; sbp's hot paths write attributes through ``__dict__``.)"""
@@ -365,6 +391,35 @@ def local_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     if not sum_holds_value(mesh, placements, coord):
         return torch.zeros_like(piece, memory_format=torch.contiguous_format)
     return piece.clone(memory_format=torch.contiguous_format)
+
+
+def logical_strides(t: GlobalTensor) -> tuple[int, ...]:
+    """The strides torch would give `t` on one device: a view op's output (recorded by the op handler as
+    the op and its arguments) replays the op on meta tensors with its inputs' logical strides; any other
+    global tensor is contiguous. The same on every rank (no local tensor is read).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: logical_strides(sbp.distribute(torch.ones(2, 3), mesh, "B").t()), (2,))
+    [(1, 3), (1, 3)]
+    """
+    d = t.__dict__
+    found = d.get("_sbp_strides")
+    if found is not None:
+        return found
+    recipe = d.get("_sbp_view")
+    if recipe is None:
+        return tuple(t.stride())
+    func, args, kwargs, k = recipe
+    meta = lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else \
+        [meta(x) for x in a] if isinstance(a, (list, tuple)) else a
+    out = func(*[meta(a) for a in args], **{n: meta(v) for n, v in kwargs.items()})
+    found = d["_sbp_strides"] = tuple((out[k] if k is not None else out).stride())
+    return found
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    strides = logical_strides(t) if isinstance(t, GlobalTensor) else t.stride()
+    return torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device="meta")
 
 
 def empty_outside(ndim: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -211,3 +211,56 @@ def test_in_place_squeeze_of_a_split_size_one_dim():
 
     for gshape, values in sbp.testing.spmd(rank, (2,)):
         assert gshape == (4,) and values == [0.0, 1.0, 2.0, 3.0]
+
+
+VIEW_CHAINS = {
+    "t": lambda x: x.t(), "t_t": lambda x: x.t().t(), "permute": lambda x: x.unsqueeze(0).permute(2, 0, 1),
+    "unsqueeze": lambda x: x.unsqueeze(1), "slice_rows": lambda x: x[1:3], "slice_cols": lambda x: x[:, 1:3],
+    "split0": lambda x: x.split(2, dim=0)[1], "chunk1": lambda x: x.chunk(2, dim=1)[0],
+    "unbind1": lambda x: x.unbind(1)[2], "expand": lambda x: x[:, :1].expand(5, 4), "detach_t": lambda x: x.t().detach(),
+    "view": lambda x: x.view(20), "inplace_t": lambda x: x.clone().t_(),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEW_CHAINS))
+@pytest.mark.parametrize("pls", [("S(0)",), ("S(1)",), ("B",)])
+def test_contiguity_follows_torch_and_contiguous_copies_views(name, pls):
+    """is_contiguous() and contiguous() follow the logical strides torch would have, on every rank alike:
+    contiguous() of a transposed view is a copy (a write into it leaves the base alone), of a contiguous
+    view the view itself (a write reaches the base, as in torch)."""
+    chain = VIEW_CHAINS[name]
+    full = torch.arange(20.0).view(5, 4)
+    ref = full.clone()
+    view = chain(ref)
+    want_contiguous = view.is_contiguous()
+    view.contiguous().add_(100)
+    for mesh in [(2,), (3,)]:
+        def rank(mesh_):
+            x = sbp.distribute(full, mesh_, pls)
+            v = chain(x)
+            flag = v.is_contiguous()
+            same = v.contiguous() is v
+            try:
+                v.contiguous().add_(100)
+                wrote = True
+            except sbp.SbpError as e:   # a contiguous view laid out anew (docs/operators.md): refused
+                assert same and "could not stay a view" in str(e)
+                wrote = False
+            return flag, same, wrote, x.full()
+
+        for flag, same, wrote, got in sbp.testing.spmd(rank, mesh):
+            assert flag == want_contiguous and same == want_contiguous
+            assert torch.equal(got, ref if wrote else full), (name, pls, mesh)
+
+
+def test_contiguous_of_a_view_of_a_leaf_that_requires_grad():
+    """torch copies here; writing into the copy is allowed (writing into a view of the leaf is not)."""
+    def rank(mesh):
+        x = sbp.distribute(torch.arange(24.0).view(2, 3, 4), mesh, "S(0)", requires_grad=True)
+        y = x.transpose(0, 1).contiguous()
+        y.add_(1.0)
+        y.sum().backward()
+        return x.grad.full()
+
+    for grad in sbp.testing.spmd(rank, (2,)):
+        assert torch.equal(grad, torch.ones(2, 3, 4))

@@ -145,8 +145,11 @@ class Decision:
             if _coord(mesh) is None:
                 return self._wrap_outside(mesh, leaves)
             out = self._new(0, func(*largs, **kwargs), mesh)
-            if self.view and leaves[0].__dict__.get("_sbp_detached"):
-                out.__dict__["_sbp_detached"] = True   # a view of a detached view is detached too
+            if self.view:
+                d = out.__dict__
+                d["_sbp_view"] = (func, args, kwargs, None)   # its logical strides, worked out if asked
+                if leaves[0].__dict__.get("_sbp_detached"):
+                    d["_sbp_detached"] = True   # a view of a detached view is detached too
             return out
         if self.fallback:
             self._complain()
@@ -174,6 +177,7 @@ class Decision:
         out = self._wrap(result, mesh, leaves)
         if self.view:
             _mark_detached(out, leaves[0])
+            _note_views(out, func, args, kwargs)
         return out
 
     def _new(self, k: int, local: torch.Tensor, mesh: DeviceMesh) -> GlobalTensor:
@@ -240,6 +244,14 @@ class Decision:
         if len(returns) == 1 and str(returns[0].type) == "Tensor":
             return outs[0]
         return outs if len(returns) == 1 else tuple(outs)
+
+
+def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:
+    """Record how each global output of a view op was made (`sbp.tensor.logical_strides` replays it)."""
+    many = isinstance(out, (list, tuple))
+    for k, t in enumerate(out if many else [out]):
+        if isinstance(t, GlobalTensor) and t is not args[0]:
+            t.__dict__["_sbp_view"] = (func, args, kwargs, k if many else None)
 
 
 FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",

@@ -399,9 +399,13 @@ def inplace_view(func, args: tuple, kwargs: dict) -> Any:
     view = getattr(aten, func._schema.name.split("::")[-1][:-1])(*args, **kwargs)
     if not isinstance(x, GlobalTensor) or not isinstance(view, GlobalTensor):
         return NotImplemented
+    from ..tensor import logical_strides
+    strides = logical_strides(view)   # worked out from x as it was, before x changes
     d = x.__dict__
     d["_local"], d["_placements"] = view._local, view._placements
     d.pop("_sbp_key", None)
+    d.pop("_sbp_view", None)
+    d["_sbp_strides"] = strides
     with torch.utils._mode_utils.no_dispatch():   # the wrapper's own sizes, as torch changes a subclass's
         meta = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
