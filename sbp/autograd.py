@@ -39,7 +39,8 @@ class _Redistribute(torch.autograd.Function):
         ctx.src = x._placements
         ctx.mesh = x._mesh
         ctx.global_shape = tuple(x.shape)
-        return redistribute_raw(x, dst)
+        out = redistribute_raw(x, dst)
+        return _not_aliasing(out, x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -55,12 +56,22 @@ class _RedistributeCross(torch.autograd.Function):
         ctx.src, ctx.src_mesh, ctx.dst_mesh = x._placements, x._mesh, mesh
         ctx.global_shape = tuple(x.shape)
         local = redistribute_cross(x._local, x._mesh, ctx.global_shape, x._placements, mesh, dst)
-        return GlobalTensor(local, mesh, dst, ctx.global_shape)
+        return _not_aliasing(GlobalTensor(local, mesh, dst, ctx.global_shape), x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         g = _as_global(grad, ctx.dst_mesh, ctx.global_shape, (Broadcast(),) * ctx.dst_mesh.ndim)
         return redistribute_cross(g, ctx.src_mesh, grad_placements(ctx.src)), None, None
+
+
+def _not_aliasing(out: GlobalTensor, x: GlobalTensor) -> GlobalTensor:
+    """`out`, or a copy of it where its local shares memory with `x`'s: a plan that only slices or keeps
+    (B -> S(0), B -> P) would hand back a view of the source, and a write into the result would change
+    the source on some ranks only. `redistribute` returns a new tensor, as DTensor's does."""
+    mine = out._local
+    if mine.numel() and mine.untyped_storage().data_ptr() == x._local.untyped_storage().data_ptr():
+        return GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape))
+    return out
 
 
 class _Full(torch.autograd.Function):

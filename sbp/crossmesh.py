@@ -112,8 +112,10 @@ class CrossMeshPlan:
         lines = [f"CrossMeshPlan {self.src} on {self.src_mesh!r} -> {self.dst} on {self.dst_mesh!r}  "
                  f"shape={self.global_shape} itemsize={self.itemsize}",
                  f"  bytes/rank={self.bytes_per_rank} (lower bound {self.lower_bound})  "
-                 f"moved={self.transfer_bytes} (lower bound {self.lower_bound_total})  "
-                 f"collectives={self.num_collectives}"]
+                 + (f"moved={self.transfer_bytes} (lower bound {self.lower_bound_total})  " if not self.pre.steps
+                    else f"moved={self.transfer_bytes} in the send phase (lower bound {self.lower_bound_total} for "
+                         f"both phases)  ")
+                 + f"collectives={self.num_collectives}"]
         for i, s in enumerate(self.pre.steps, 1):
             lines.append(f"  pre {i}. axes[{','.join(map(str, s.axes))}] {s.kind}{f'({s.op})' if s.op else ''} "
                          f"{s.src} -> {s.dst}  bytes={s.bytes}")

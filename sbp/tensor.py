@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .errors import MeshError, PlacementError, ShapeError
+from .errors import DTypeError, MeshError, PlacementError, ShapeError
 from .debug import is_enabled as _debug_enabled
 from .layout import local_slices
 from .mesh import DeviceMesh
@@ -187,6 +187,8 @@ class GlobalTensor(torch.Tensor):
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
         """As `torch.Tensor.requires_grad_`; a leaf also gets the leaf rule: gradients arriving with other
         placements (e.g. `P(sum)` from a data-parallel axis) are redistributed to `grad_placements(leaf)`."""
+        if requires_grad:
+            _check_grad_dtype(self)
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf and not getattr(self, "_sbp_leaf_rule", False):
             install_leaf_rule(self)
@@ -221,6 +223,8 @@ class GlobalTensor(torch.Tensor):
     def __setattr__(self, name: str, value: Any) -> None:
         """As torch's; ``x.requires_grad = True`` on a leaf also installs the leaf rule (see `requires_grad_`).
         (Reads stay torch's own getters; sbp's hot paths write attributes through ``__dict__``.)"""
+        if name == "requires_grad" and value:
+            _check_grad_dtype(self)
         super().__setattr__(name, value)
         if name == "requires_grad" and value and self.is_leaf and not self.__dict__.get("_sbp_leaf_rule", False):
             install_leaf_rule(self)
@@ -439,6 +443,12 @@ def grad_placements(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
     (S(0), B)
     """
     return tuple(Broadcast() if isinstance(p, Partial) else p for p in pls)
+
+
+def _check_grad_dtype(x: GlobalTensor) -> None:
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise DTypeError(f"only floating point and complex global tensors can require gradients, got {x.dtype} "
+                         f"(global shape {tuple(x.shape)}, placements {_fmt(x._placements)})")
 
 
 def install_leaf_rule(leaf: GlobalTensor) -> None:

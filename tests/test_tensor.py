@@ -296,3 +296,34 @@ def test_gloo_distribute_from_local_and_grads():
         assert r[:5] == (True, (5, 3), True, True, (sbp.B, sbp.S(0)))
         assert r[5] == ("from_local(check=True): ranks disagree on Broadcast values (axes (1,)): "
                         "ranks [0] vs ranks [1]")
+
+
+@pytest.mark.parametrize("mesh", [(2,), (3,), (2, 2)])
+def test_redistribute_never_aliases_its_source(mesh):
+    """A plan that only slices or keeps (B -> S(0), (S(0), B) -> (S(0), S(0)), B -> P) returns a new tensor:
+    writing into the result leaves the source alone (it changed the source on some ranks only), and the
+    source's gradient stays right."""
+    import itertools
+
+    kinds = ["S(0)", "S(1)", "B", "P", "P(max)"] if len(mesh) == 1 else ["S(0)", "S(1)", "B", "P"]
+    pairs = [(", ".join(a), ", ".join(b)) for a, b in itertools.product(itertools.product(kinds, repeat=len(mesh)),
+                                                                          repeat=2) if a != b]
+
+    def rank(mesh_):
+        changed = []
+        for src, dst in pairs:
+            for shape in [(8, 12), (7, 5)]:
+                x = sbp.distribute(torch.arange(float(shape[0] * shape[1])).view(shape), mesh_, src)
+                before = x.to_local().clone()
+                x.redistribute(dst).to_local().add_(1000)
+                if not torch.equal(x.to_local(), before):
+                    changed.append((src, dst, shape))
+        w = sbp.distribute(torch.full((6,), 2.0), mesh_, ("B",) * len(mesh), requires_grad=True)
+        a = (w * w).sum()
+        w.redistribute(("S(0)",) + ("B",) * (len(mesh) - 1)).mul_(0)
+        a.backward()
+        return changed, w.grad.full()
+
+    for changed, grad in sbp.testing.spmd(rank, mesh):
+        assert changed == []
+        assert torch.equal(grad, torch.full((6,), 4.0))
