@@ -86,7 +86,11 @@ class DeviceMesh:
     # ---- sizes -------------------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
-        """Number of mesh axes."""
+        """Number of mesh axes.
+
+        >>> DeviceMesh((2, 3)).ndim
+        2
+        """
         return len(self.shape)
 
     def size(self, axis: "int | str | None" = None) -> int:
@@ -115,7 +119,11 @@ class DeviceMesh:
 
     # ---- rank <-> coord ----------------------------------------------------------------------------
     def coord_of(self, rank: int) -> tuple[int, ...]:
-        """The coord of a world rank in this mesh (row-major)."""
+        """The coord of a world rank in this mesh (row-major).
+
+        >>> DeviceMesh((2, 3)).coord_of(4), DeviceMesh((2,), ranks=[5, 7]).coord_of(7)
+        ((1, 1), (1,))
+        """
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise MeshError(f"a rank is an int, got {rank!r}")
         try:
@@ -125,7 +133,11 @@ class DeviceMesh:
         return self.coord_of_index(index)
 
     def coord_of_index(self, index: int) -> tuple[int, ...]:
-        """The coord of the mesh-local (flat, row-major) index."""
+        """The coord of the mesh-local (flat, row-major) index, whatever world rank sits there.
+
+        >>> DeviceMesh((2, 3)).coord_of_index(4), DeviceMesh((2,), ranks=[5, 7]).coord_of_index(1)
+        ((1, 1), (1,))
+        """
         coord = []
         for n in reversed(self.shape):
             coord.append(index % n)
@@ -133,7 +145,11 @@ class DeviceMesh:
         return tuple(reversed(coord))
 
     def index_of(self, coord: Sequence[int]) -> int:
-        """The flat row-major index of a coord."""
+        """The flat row-major index of a coord.
+
+        >>> DeviceMesh((2, 3)).index_of((1, 2))
+        5
+        """
         if not _is_coord(coord, self.shape):
             raise MeshError(bad_coord(coord, self.shape))
         index = 0
@@ -142,11 +158,19 @@ class DeviceMesh:
         return index
 
     def rank_of(self, coord: Sequence[int]) -> int:
-        """The world rank at a coord."""
+        """The world rank at a coord.
+
+        >>> DeviceMesh((2, 2), ranks=[4, 5, 6, 7]).rank_of((1, 0))
+        6
+        """
         return self.ranks[self.index_of(coord)]
 
     def coords(self) -> list[tuple[int, ...]]:
-        """All coords in row-major order."""
+        """All coords in row-major order.
+
+        >>> DeviceMesh((2, 2)).coords()
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
         return list(itertools.product(*(range(n) for n in self.shape)))
 
     # ---- groups along axes -------------------------------------------------------------------------
@@ -172,7 +196,12 @@ class DeviceMesh:
         return tuple(out)
 
     def axes(self, refs: "int | str | Iterable[int | str]") -> tuple[int, ...]:
-        """Normalise one axis reference or several into a sorted tuple of distinct axis indices."""
+        """Normalise one axis reference or several into a sorted tuple of distinct axis indices.
+
+        >>> mesh = DeviceMesh((2, 2, 2), names=("pp", "dp", "tp"))
+        >>> mesh.axes("dp"), mesh.axes(("tp", 0, -1))
+        ((1,), (0, 2))
+        """
         if isinstance(refs, (int, str)):
             refs = (refs,)
         try:
@@ -183,14 +212,22 @@ class DeviceMesh:
         return axes
 
     def group_index(self, coord: Sequence[int], axes: Sequence[int]) -> int:
-        """Position of `coord` inside its group along `axes` (row-major over `axes`)."""
+        """Position of `coord` inside its group along `axes` (row-major over `axes`).
+
+        >>> DeviceMesh((2, 2, 2)).group_index((1, 0, 1), (0, 2))
+        3
+        """
         index = 0
         for a in axes:
             index = index * self.shape[a] + coord[a]
         return index
 
     def submesh(self, axes: "int | str | Iterable[int | str]", coord: Sequence[int]) -> "DeviceMesh":
-        """The sub-mesh along `axes` through `coord` (other axes fixed at `coord`'s values)."""
+        """The sub-mesh along `axes` through `coord` (other axes fixed at `coord`'s values).
+
+        >>> DeviceMesh((2, 2), names=("dp", "tp")).submesh("tp", (1, 0))
+        DeviceMesh((2,), names=('tp',), ranks=[2, 3])
+        """
         axes = self.axes(axes)
         rank = self.rank_of(coord)
         for group in self.groups(axes):
@@ -203,17 +240,39 @@ class DeviceMesh:
     # ---- bound meshes ------------------------------------------------------------------------------
     @property
     def rank(self) -> Optional[int]:
-        """This process's world rank (bound meshes only)."""
+        """This process's world rank (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.rank, (2, 2))
+        [0, 1, 2, 3]
+        """
         return self._bound("rank").rank
 
     @property
     def coord(self) -> Optional[tuple[int, ...]]:
-        """This process's coord in the mesh, or None when this rank is outside the mesh (bound meshes only)."""
+        """This process's coord in the mesh, or None when this rank is outside the mesh (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.coord, (2, 2))
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
         rank = self._bound("coord").rank
         return self.coord_of(rank) if rank in self.ranks else None
 
     def __getitem__(self, name: "int | str") -> "DeviceMesh":
-        """The 1-axis sub-mesh along `name` that contains this rank (bound meshes only)."""
+        """The 1-axis sub-mesh along `name` that contains this rank (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh["tp"].ranks, (2, 2), names=("dp", "tp"))
+        [(0, 1), (0, 1), (2, 3), (2, 3)]
+        >>> DeviceMesh((2, 2), names=("dp", "tp"))["tp"]
+        Traceback (most recent call last):
+        ...
+        sbp.errors.MeshError: mesh['tp'] (the sub-mesh along an axis through this rank) needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); DeviceMesh((2, 2), names=('dp', 'tp')) is a pure value
+        """
+        if self.binding is None:
+            raise MeshError(f"mesh[{name!r}] (the sub-mesh along an axis through this rank) needs a mesh bound to "
+                            f"processes (sbp.init_mesh or sbp.testing.spmd); {self!r} is a pure value")
         coord = self.coord
         if coord is None:
             raise MeshError(f"rank {self.rank} is outside this mesh (ranks: {list(self.ranks)}); it has no sub-mesh")

@@ -73,6 +73,14 @@ class Partial:
 
 
 Placement = Union[Split, Broadcast, Partial]
+"""Any one placement on one mesh axis: a `Split`, `Broadcast` or `Partial` value.
+
+A type alias (the union of the three classes, not a base class they inherit from); it works in
+annotations and in `isinstance`.
+
+>>> isinstance(S(0), Placement), isinstance(Partial("max"), Placement), isinstance("S(0)", Placement)
+(True, True, False)
+"""
 
 S = Split
 B = Broadcast()

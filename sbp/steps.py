@@ -60,7 +60,11 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        """True for every kind that communicates."""
+        """True for every kind that communicates.
+
+        >>> Step("local", (0,), (), ()).is_collective, Step("all_gather", (0,), (), ()).is_collective
+        (False, True)
+        """
         return self.kind != "local"
 
     @property
@@ -109,21 +113,44 @@ class Plan:
 
     @property
     def bytes_per_rank(self) -> int:
-        """Bytes the busiest rank receives, summed over steps."""
+        """Bytes the busiest rank receives, summed over steps.
+
+        >>> import sbp
+        >>> p = sbp.plan((8, 8), (2, 2), "P(sum), S(0)", "S(1), B")
+        >>> [s.bytes for s in p.steps], p.bytes_per_rank
+        ([64, 64], 128)
+        """
         return sum(s.bytes for s in self.steps)
 
     @property
     def num_collectives(self) -> int:
-        """Number of communication calls (`Step.calls`: a ``reduce_transfer`` makes two)."""
+        """Number of communication calls (`Step.calls`: a ``reduce_transfer`` makes two).
+
+        >>> import sbp
+        >>> sbp.plan((8, 8), (2, 2), "P(sum), S(0)", "S(1), B").num_collectives
+        2
+        """
         return sum(s.calls for s in self.steps)
 
     @property
     def peak_bytes(self) -> int:
-        """Largest per-rank working memory of any step (at least the src and dst local blocks)."""
+        """Largest per-rank working memory of any step (at least the src and dst local blocks).
+
+        >>> import sbp
+        >>> sbp.plan((8, 8), (2,), "S(0)", "B").peak_bytes     # a 128-byte block in, 256 bytes out
+        384
+        """
         return max((s.peak_bytes for s in self.steps), default=0)
 
     def explain(self) -> str:
-        """EXPLAIN-style text: a header, then one line per step with axes, collective, dims and bytes."""
+        """EXPLAIN-style text: a header, then one line per step with axes, collective, dims and bytes.
+
+        >>> import sbp
+        >>> print(sbp.plan((8, 8), (2,), "S(0)", "B").explain())
+        Plan (S(0),) -> (B,)  shape=(8, 8) mesh=(2,) itemsize=4
+          bytes/rank=128 (lower bound 128)  collectives=1  peak=384
+          1. axes[0] all_gather           (S(0),) -> (B,) dims=0  bytes=128 peak=384
+        """
         head = (f"Plan {_fmt(self.src)} -> {_fmt(self.dst)}  shape={tuple(self.global_shape)} "
                 f"mesh={tuple(self.mesh_shape)} itemsize={self.itemsize}\n"
                 f"  bytes/rank={self.bytes_per_rank} (lower bound {self.lower_bound})  "
@@ -140,7 +167,13 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        """The plan as plain JSON-ready data."""
+        """The plan as plain JSON-ready data.
+
+        >>> import sbp
+        >>> d = sbp.plan((8, 8), (2,), "S(0)", "B").to_dict()
+        >>> d["src"], d["dst"], d["bytes_per_rank"], [s["kind"] for s in d["steps"]]
+        ('(S(0),)', '(B,)', 128, ['all_gather'])
+        """
         return {
             "global_shape": list(self.global_shape),
             "mesh_shape": list(self.mesh_shape),

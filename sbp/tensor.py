@@ -27,7 +27,12 @@ _op_handler: list[Optional[OpHandler]] = [None]  # the one plug-in point; set by
 
 
 class FallbackWarning(UserWarning):
-    """An op has no sharding rule and ran on the full (Broadcast) tensor."""
+    """An op has no sharding rule and ran on the full (Broadcast) tensor (`sbp.strict()` makes it an error).
+
+    >>> import sbp
+    >>> issubclass(FallbackWarning, UserWarning), issubclass(FallbackWarning, sbp.SbpError)
+    (True, False)
+    """
 
 
 class GlobalTensor(torch.Tensor):
@@ -100,17 +105,32 @@ class GlobalTensor(torch.Tensor):
     # ---- metadata --------------------------------------------------------------------------------
     @property
     def placements(self) -> tuple[Placement, ...]:
-        """The normalised placements, one per mesh axis, e.g. ``(S(0), B)``."""
+        """The normalised placements, one per mesh axis, e.g. ``(S(0), B)``.
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.ones(4, 3), mesh, "S(-2)").placements, (2,))
+        [(S(0),), (S(0),)]
+        """
         return self._placements
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The device mesh the tensor lives on."""
+        """The device mesh the tensor lives on.
+
+        >>> import sbp
+        >>> GlobalTensor(torch.ones(2, 3), sbp.DeviceMesh((2,), names=("tp",)), (sbp.S(0),), (4, 3)).mesh.names
+        ('tp',)
+        """
         return self._mesh
 
     @property
     def local_shape(self) -> torch.Size:
-        """The shape of this rank's local tensor (empty for a rank outside the mesh)."""
+        """The shape of this rank's local tensor (empty for a rank outside the mesh).
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: tuple(sbp.distribute(torch.ones(5, 2), mesh, "S(0)").local_shape), (2,))
+        [(3, 2), (2, 2)]
+        """
         return self._local.shape
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -186,7 +206,16 @@ class GlobalTensor(torch.Tensor):
     # ---- autograd integration --------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
         """As `torch.Tensor.requires_grad_`; a leaf also gets the leaf rule: gradients arriving with other
-        placements (e.g. `P(sum)` from a data-parallel axis) are redistributed to `grad_placements(leaf)`."""
+        placements (e.g. `P(sum)` from a data-parallel axis) are redistributed to `grad_placements(leaf)`.
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     w = sbp.distribute(torch.ones(4), mesh, "S(0)").requires_grad_()
+        ...     (w * 3).sum().backward()
+        ...     return w.grad.placements, w.grad.to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [((S(0),), [3.0, 3.0]), ((S(0),), [3.0, 3.0])]
+        """
         if requires_grad:
             _check_grad_dtype(self)
         super().requires_grad_(requires_grad)

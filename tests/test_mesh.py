@@ -228,8 +228,9 @@ def test_invalid_construction(make, message):
                         "this DeviceMesh(2, 2) is a pure value"),
     (lambda m: m.rank, "mesh.rank needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); "
                        "this DeviceMesh(2, 2) is a pure value"),
-    (lambda m: m["tp"], "mesh.coord needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); "
-                        "this DeviceMesh(2, 2) is a pure value"),
+    (lambda m: m["tp"], "mesh['tp'] (the sub-mesh along an axis through this rank) needs a mesh bound to "
+                        "processes (sbp.init_mesh or sbp.testing.spmd); DeviceMesh((2, 2), names=('dp', 'tp')) "
+                        "is a pure value"),
 ])
 def test_invalid_use(call, message):
     mesh = sbp.DeviceMesh((2, 2), names=("dp", "tp"))

@@ -48,6 +48,10 @@ class Style:
     - `output_placement`: what the output is redistributed to after the module ran.
     - `use_local_output`: return `output.to_local()` (a plain tensor) instead of a global tensor.
     - `local_input`: a plain input is this rank's local block (as `sbp.from_local`), not the full value.
+
+    >>> style = Rowwise(output_placement="S(1)")
+    >>> isinstance(style, Style), style.param_placement("weight"), style.param_placement("bias")
+    (True, S(1), B)
     """
 
     input_placement: PlacementLike = Broadcast()

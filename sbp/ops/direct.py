@@ -128,8 +128,14 @@ def _reduction(name: str, op) -> Callable:
 
 def _named(method: Callable, name: str) -> Callable:
     method.__name__ = method.__qualname__ = name
+    call = {"sum": "x.sum()", "mean": "x.mean()", "matmul": "x.matmul(x)", "mm": "x.mm(x)",
+            "__matmul__": "x @ x", "__add__": "x + x", "__sub__": "x - x", "__mul__": "x * x",
+            "__truediv__": "x / x"}.get(name, f"x.{name}(x)")
     method.__doc__ = (f"As `torch.Tensor.{name}`; on global tensors that autograd need not record it skips "
-                      f"torch's dispatcher (`sbp.ops.direct`).")
+                      f"torch's dispatcher (`sbp.ops.direct`).\n\n"
+                      f"Example (every rank, e.g. in ``sbp.testing.spmd(fn, (2,))``)::\n\n"
+                      f"    x = sbp.distribute(torch.arange(4.).view(2, 2), mesh, \"S(0)\")\n"
+                      f"    ({call}).full()   # equals the same op on torch.arange(4.).view(2, 2)\n")
     return method
 
 

@@ -28,7 +28,15 @@ FAILURE_GRACE_S = 0.5  # after one rank fails, how long to wait for the others' 
 
 
 class SpmdError(SbpError):
-    """A rank of an `spmd` run raised; the message names the rank, the original is chained (`__cause__`)."""
+    """A rank of an `spmd` run raised; the message names the rank, the original is chained (`__cause__`).
+
+    >>> import sbp, torch
+    >>> try:
+    ...     spmd(lambda mesh: sbp.distribute(torch.ones(4), mesh, "S(1)"), (2,))
+    ... except SpmdError as e:
+    ...     print(e.rank, type(e.__cause__).__name__, e)
+    0 PlacementError rank 0 of 2 raised PlacementError: S(1) is out of range for a 1-d tensor (valid: -1..0)
+    """
 
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
@@ -49,7 +57,9 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
     >>> spmd(fn, (4,))
     [6, 6, 6, 6]
 
-    With ``backend="gloo"`` `fn` must live in an importable module (it travels pickled):
+    With ``backend="gloo"`` `fn` must live in an importable module (it travels pickled), and a script
+    must keep its top-level code under ``if __name__ == "__main__":``: the gloo workers start from a
+    fresh interpreter that imports the main module again.
 
     >>> spmd(fn, (4,), backend="gloo")     # doctest: +SKIP
     [6, 6, 6, 6]

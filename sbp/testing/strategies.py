@@ -18,6 +18,8 @@ from ..errors import SbpError
 from ..mesh import as_mesh_shape
 from ..placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
 
+__all__ = ["meshes", "placements", "global_shapes", "layouts"]
+
 
 def _count(name: str, value, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
