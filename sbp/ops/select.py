@@ -20,6 +20,7 @@ from ..placement import Partial
 from ..planner import plan as make_plan
 from ..tensor import GlobalTensor
 from .decision import Decision, _paths
+from .random import agreed_random_run, is_random
 from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
 from . import rules
 
@@ -190,7 +191,8 @@ def _fallback(spec: OpSpec, paths: list[tuple], writes: list) -> Decision:
     all_b = (B,) * len(spec.mesh_shape)
     spec.outputs = ()
     choice = Choice(tuple(all_b for _ in spec.inputs), ())
-    return Decision(spec, choice, default_run, paths, writes, fallback=True)
+    run = agreed_random_run if is_random(spec.func) else default_run   # random ops: the same draws everywhere
+    return Decision(spec, choice, run, paths, writes, fallback=True)
 
 
 def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice]:
