@@ -110,7 +110,12 @@ def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:
     elif isinstance(value, torch.Tensor):
         v = value
     else:
-        v = torch.as_tensor(value, dtype=x.dtype)
+        try:
+            v = torch.as_tensor(value, dtype=x.dtype)
+        except (TypeError, RuntimeError, ValueError, OverflowError) as e:
+            from .errors import DTypeError
+            raise DTypeError(f"x[...] = {value!r}: the value does not convert to the tensor's dtype {x.dtype} "
+                             f"(global shape {tuple(x.shape)}): {e}") from None
     v = v.to(device=x._local.device, dtype=x.dtype)
     while v.ndim > len(region) and v.shape[0] == 1:
         v = v[0]

@@ -321,6 +321,7 @@ ROWS: list[Row] = [
     T("to-local-grad-placements", lambda m: _x(m).to_local(grad_placements="S(3)"), PE, "S(3) is out of range for a 2-d tensor"),
     T("to-local-grad-int", lambda m: _x(m).to_local(grad_placements=5), PE, "got int"),
     T("to-dtensor-threads", lambda m: sbp.to_dtensor(_x(m)), ME, "DTensor interop needs a mesh bound to torch.distributed (sbp.init_mesh, or sbp.testing.spmd(..., backend='gloo')); DeviceMesh((2,)) is bound to the 'threads' backend"),
+    T("setitem-complex-into-float", lambda m: _x(m).__setitem__(slice(1, 3), 1 + 2j), DE, "x[...] = (1+2j): the value does not convert to the tensor's dtype torch.float32 (global shape (4, 4))"),
     T("requires-grad-int", lambda m: _x(m, "B", torch.arange(4)).requires_grad_(), DE, "only floating point and complex global tensors can require gradients, got torch.int64 (global shape (4,), placements (B,))"),
     T("requires-grad-attr-int", lambda m: setattr(_x(m, "B", torch.arange(4)), "requires_grad", True), DE, "only floating point and complex global tensors can require gradients, got torch.int64"),
     T("assert-layout-meshes", lambda m: sbp.testing.assert_layout_equivalent(_x(m), sbp.distribute(torch.ones(4, 4), sbp.testing.submesh(m, (1,), ranks=[0]), "B")), E, "assert_layout_equivalent compares tensors on one mesh"),
