@@ -219,8 +219,7 @@ class GlobalTensor(torch.Tensor):
         if requires_grad:
             _check_grad_dtype(self)
         super().requires_grad_(requires_grad)
-        if requires_grad and self.is_leaf and not getattr(self, "_sbp_leaf_rule", False):
-            install_leaf_rule(self)
+        ensure_leaf_rule(self)
         return self
 
     def is_contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
@@ -255,8 +254,8 @@ class GlobalTensor(torch.Tensor):
         if name == "requires_grad" and value:
             _check_grad_dtype(self)
         super().__setattr__(name, value)
-        if name == "requires_grad" and value and self.is_leaf and not self.__dict__.get("_sbp_leaf_rule", False):
-            install_leaf_rule(self)
+        if name == "requires_grad":
+            ensure_leaf_rule(self)
 
     def __deepcopy__(self, memo: dict) -> "GlobalTensor":
         if id(self) in memo:
@@ -489,19 +488,31 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
     >>> leaf._sbp_leaf_rule
     True
     """
-    leaf.register_hook(lambda grad: _in_leaf_layout(leaf, grad))
+    mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
+
+    def to_leaf_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if isinstance(grad, GlobalTensor):
+            if grad._placements == want and grad._mesh == mesh:
+                return None
+            from .autograd import redistribute
+            return redistribute(grad, want)
+        return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, shape)
+
+    leaf.register_hook(to_leaf_layout)
     leaf.__dict__["_sbp_leaf_rule"] = True
 
 
-def _in_leaf_layout(leaf: GlobalTensor, grad: torch.Tensor) -> Optional[torch.Tensor]:
-    """`grad` laid out as `grad_placements(leaf.placements)`; None when it already is."""
-    want = grad_placements(leaf._placements)
-    if isinstance(grad, GlobalTensor):
-        if grad._placements == want and grad._mesh == leaf._mesh:
-            return None
-        from .autograd import redistribute
-        return redistribute(grad, want)
-    return GlobalTensor(local_from_full(grad, leaf._mesh, want), leaf._mesh, want, tuple(leaf.shape))
+def ensure_leaf_rule(t: GlobalTensor) -> None:
+    """Install the leaf rule on `t` if it is a leaf that requires grad and has none yet (torch sets
+    ``requires_grad`` in C++ for factories, so `requires_grad_` is not the only way in).
+
+    >>> import sbp
+    >>> t = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,), requires_grad=True)
+    >>> ensure_leaf_rule(t); t._sbp_leaf_rule
+    True
+    """
+    if "_sbp_leaf_rule" not in t.__dict__ and t.requires_grad and t.is_leaf:
+        install_leaf_rule(t)
 
 
 def _index_error(x: GlobalTensor, index: Any, e: IndexError) -> ShapeError:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..tensor import GlobalTensor, install_leaf_rule, redistribute_raw
+from ..tensor import GlobalTensor, ensure_leaf_rule, redistribute_raw
 from .decision import CACHE_SIZE, _SpecToken, _mixed, spec_token
 from .select import decide
 from .spec import FLOAT, B
@@ -37,8 +37,7 @@ def _tensor_key(a: GlobalTensor) -> _SpecToken:
         return cached[2]
     found = spec_token(a._placements, a.shape, a.dtype, a._mesh.shape)
     d["_sbp_key"] = (a._placements, a._mesh, found)
-    if a.requires_grad and a.is_leaf and "_sbp_leaf_rule" not in d:   # e.g. zeros_like(x, requires_grad=True)
-        install_leaf_rule(a)
+    ensure_leaf_rule(a)   # e.g. zeros_like(x, requires_grad=True): its first op makes its key
     return found
 
 

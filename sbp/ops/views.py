@@ -393,13 +393,12 @@ def inplace_view(func, args: tuple, kwargs: dict) -> Any:
     >>> sbp.testing.spmd(fn, (2,))[0]
     ((2, 4), (S(1),), (2, 2))
     """
-    from ..tensor import GlobalTensor
+    from ..tensor import GlobalTensor, logical_strides
 
     x = args[0]
     view = getattr(aten, func._schema.name.split("::")[-1][:-1])(*args, **kwargs)
     if not isinstance(x, GlobalTensor) or not isinstance(view, GlobalTensor):
         return NotImplemented
-    from ..tensor import logical_strides
     strides = logical_strides(view)   # worked out from x as it was, before x changes
     d = x.__dict__
     d["_local"], d["_placements"] = view._local, view._placements
