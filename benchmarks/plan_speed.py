@@ -27,9 +27,9 @@ from torch.distributed.tensor import _redistribute as R
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import sbp
-import sbp.layout
-import sbp.planner
-import sbp.transfer
+import sbp.values.layout
+import sbp.planning.search
+import sbp.planning.exchange
 
 MESH = (2, 2, 2)
 
@@ -62,7 +62,7 @@ def timed(fn: Callable[[], object], before: Callable[[], None], repeat: int) -> 
 
 
 # every memo of the planning modules (the plan cache, layout, exchange schedules, helpers)
-SBP_CACHES = [f for module in (sbp.planner, sbp.cost, sbp.layout, sbp.transfer) for f in vars(module).values()
+SBP_CACHES = [f for module in (sbp.planning.search, sbp.planning.cost, sbp.values.layout, sbp.planning.exchange) for f in vars(module).values()
               if callable(getattr(f, "cache_clear", None))]
 
 

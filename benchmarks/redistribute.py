@@ -59,7 +59,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sbp
-from sbp.execute import redistribute_local
+from sbp.runtime.executor import redistribute_local
 
 WORLD = 4
 CASES = [((4,), "S(0)", "B"), ((4,), "S(0)", "S(1)"), ((4,), "P", "B"), ((4,), "P", "S(0)"),
@@ -215,7 +215,7 @@ def run_case(mesh: sbp.DeviceMesh, tmesh, shape, src: str, dst: str, iters: int)
 
 def _entry_points():
     """(module, attribute, label) of every torch.distributed function sbp's gloo communicator calls."""
-    import sbp.backends.dist as backend
+    import sbp.runtime.backends.dist as backend
 
     return [(backend, "_all_gather_flat", "all_gather_into_tensor"),
             (backend, "_reduce_scatter_flat", "reduce_scatter_tensor"), (dist, "all_reduce", "all_reduce"),
@@ -288,8 +288,8 @@ def _raw_collective(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh,
                     local: torch.Tensor) -> Callable[[], None]:
     """The raw torch.distributed collective `step` names, on ready buffers of its exact sizes for this rank
     (its group's process group): a lower bound for anything that carries the step out."""
-    import sbp.backends.dist as backend
-    from sbp.pieces import exchange_layout, gather, scatter
+    import sbp.runtime.backends.dist as backend
+    from sbp.runtime.buffers import exchange_layout, gather, scatter
 
     pg, where = _step_group(step, plan, mesh)
     new = lambda n: torch.randn(n, generator=torch.Generator().manual_seed(1))
@@ -318,10 +318,10 @@ def _by_hand(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh, local: torch.
     caller's tensor is not to change), pieces padded to one length for all_gather_into_tensor /
     reduce_scatter_tensor, blocks that are not one run of the local packed (`torch.cat`), blocks
     that are not one run of the result unpacked, this rank's kept block copied over. Its block lists
-    come from `sbp.pieces`; the code is what a user would write around the bare call. Returns this
+    come from `sbp.runtime.buffers`; the code is what a user would write around the bare call. Returns this
     rank's result, which the caller checks against sbp's."""
-    import sbp.backends.dist as backend
-    from sbp.pieces import exchange_layout, gather, scatter
+    import sbp.runtime.backends.dist as backend
+    from sbp.runtime.buffers import exchange_layout, gather, scatter
 
     pg, where = _step_group(step, plan, mesh)
     match step.kind:
@@ -386,7 +386,7 @@ def _by_hand(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh, local: torch.
 
 
 def _step_group(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh):
-    """The process group of `step`'s group through this rank, and the arguments of `sbp.pieces` layouts."""
+    """The process group of `step`'s group through this rank, and the arguments of `sbp.runtime.buffers` layouts."""
     comm = mesh.binding
     pg, _ = comm._group(comm.members(step.axes))
     return pg, (plan.global_shape, plan.mesh_shape, step.src, step.dst, step.axes, mesh.coord)

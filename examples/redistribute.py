@@ -21,7 +21,7 @@ import torch.distributed
 import torch.multiprocessing as mp
 
 import sbp
-from sbp.execute import redistribute_local
+from sbp.runtime.executor import redistribute_local
 
 WORLD = 4
 # (from, to): even and uneven splits, a transpose of shards, gathers, reductions, Partial round trips

@@ -1,10 +1,10 @@
-"""``python -m sbp`` (and the ``sbp`` console script): the command line of `sbp.cli`."""
+"""``python -m sbp`` (and the ``sbp`` console script): the command line of `sbp.tools.cli`."""
 from __future__ import annotations
 
 import sys
 from typing import Optional, Sequence
 
-from .cli import main as _main
+from .tools.cli import main as _main
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import torch
 
 import sbp
-from sbp.comm import reduce_list
-from sbp.execute import execute_step, redistribute_local
-from sbp.placement import Broadcast, Partial, Split
+from sbp.runtime.communicator import reduce_list
+from sbp.runtime.executor import execute_step, redistribute_local
+from sbp.values.placement import Broadcast, Partial, Split
 
 SHAPES = ((8, 12), (7, 5), (3, 1), (0, 4))
 PLACEMENTS_1D = ("S(0)", "S(1)", "B", "P(sum)", "P(min)", "P(max)")

@@ -8,7 +8,7 @@ No processes: `plans()` builds torch DeviceMeshes on the "fake" process-group ba
 `dtensor_plans()`, which runs this file in a subprocess (``python tests/dtensor_ref.py`` reads JSON
 cases on stdin) so no process group leaks into other tests.
 
-Pricing (`price`) uses the same formulas as `sbp.cost` on DTensor's own layout: blocks nest in mesh-axis
+Pricing (`price`) uses the same formulas as `sbp.planning.cost` on DTensor's own layout: blocks nest in mesh-axis
 order like sbp's, but a dim of length L splits torch.chunk-style (chunks of ceil(L/n), the last ones
 smaller or empty) where sbp splits balanced. For each step on mesh axis a (group of n ranks), the bytes
 the busiest rank receives:
@@ -42,8 +42,8 @@ import sys
 from typing import Optional, Sequence
 
 import sbp
-from sbp.interop import _to_torch
-from sbp.placement import Broadcast, Partial, Placement, Split, normalize
+from sbp.io.interop import _to_torch
+from sbp.values.placement import Broadcast, Partial, Placement, Split, normalize
 
 Transform = tuple[int, Placement, Placement]  # (mesh axis, from, to) in sbp placements
 
@@ -86,7 +86,7 @@ def _lack(have, want) -> int:
 def _ring_all_reduce(m: int, n: int) -> int:
     """Elements the busiest rank receives in a ring all_reduce of `m` elements over `n` ranks: a
     reduce_scatter and an all_gather of balanced pieces, (n - 1) pieces of ceil(m / n) plus the rest
-    once (as `sbp.cost`); 2 (n - 1) / n x m when n divides m.
+    once (as `sbp.planning.cost`); 2 (n - 1) / n x m when n divides m.
 
     >>> _ring_all_reduce(1024, 4), _ring_all_reduce(35, 4)
     (1536, 53)

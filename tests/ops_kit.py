@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import sbp
 import sbp.testing
-from sbp.placement import Broadcast, Partial, Split, normalize
-from sbp.tensor import GlobalTensor, local_from_full
+from sbp.values.placement import Broadcast, Partial, Split, normalize
+from sbp.tensor.global_tensor import GlobalTensor, local_from_full
 
 MESHES = [(2,), (3,), (4,), (2, 2)]
 TOL = 1e-10

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 import sbp
 import sbp.testing
-from sbp.placement import Partial
-from sbp.tensor import GlobalTensor, grad_placements, redistribute_raw
+from sbp.values.placement import Partial
+from sbp.tensor.global_tensor import GlobalTensor, grad_placements, redistribute_raw
 from sbp.testing.strategies import layouts, placements
 
 spmd = functools.partial(sbp.testing.spmd, timeout=30)

@@ -17,9 +17,9 @@ from torch import nn
 import sbp
 import sbp.nn
 import sbp.testing
-from sbp.errors import CheckpointError
+from sbp.values.errors import CheckpointError
 
-pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.FallbackWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
 
 
 def value(shape, dtype=torch.float32) -> torch.Tensor:
@@ -118,8 +118,8 @@ def test_partial_is_saved_reduced(tmp_path):
 def test_load_opens_only_the_files_it_needs(tmp_path, monkeypatch):
     sbp.testing.spmd(functools.partial(_save, path=tmp_path, placements="S(0)"), (4,))
     opened = []
-    real = sbp.checkpoint._Files.load
-    monkeypatch.setattr(sbp.checkpoint._Files, "load", lambda self, name: opened.append(name) or real(self, name))
+    real = sbp.io.checkpoint._Files.load
+    monkeypatch.setattr(sbp.io.checkpoint._Files, "load", lambda self, name: opened.append(name) or real(self, name))
 
     def load_first_rows(mesh):
         x = sbp.zeros((8, 4), mesh, "S(0)")          # "even": 8 rows saved as 2, 2, 2, 2 over 4 files

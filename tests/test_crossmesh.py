@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import sbp
-from sbp.crossexec import assemble as cross_assemble, expected, pack
-from sbp.simulate import assemble, scatter, simulate
+from sbp.runtime.crossmesh import assemble as cross_assemble, expected, pack
+from sbp.runtime.simulate import assemble, scatter, simulate
 
 
 def simulate_cross(plan: sbp.CrossMeshPlan, full: torch.Tensor, src_locals=None) -> dict[int, torch.Tensor]:

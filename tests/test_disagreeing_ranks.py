@@ -188,7 +188,7 @@ def test_debug_redistribute_global_shape_disagree():
 
 def test_debug_checks_that_every_rank_computed_the_same_plan(monkeypatch):
     """Same arguments but a different plan on one rank (a planner that is not deterministic) is named."""
-    debug_module = sys.modules["sbp.debug"]   # the module; the attribute sbp.debug is the context manager
+    debug_module = sys.modules["sbp.runtime.agreement"]   # the module behind the sbp.debug context manager
     original = debug_module.plan_signature
 
     def skewed(plan):

@@ -18,7 +18,7 @@ import torch
 
 import sbp
 from sbp.ops.dispatch import clear_cache
-from sbp.ops.rules import TABLE
+from sbp.ops.table import TABLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md"))

@@ -16,10 +16,10 @@ import torch
 
 import sbp
 import sbp.testing
-from sbp.execute import execute, redistribute_local
+from sbp.runtime.executor import execute, redistribute_local
 
 import conformance as conf
-from sbp.execute import redistribute_local
+from sbp.runtime.executor import redistribute_local
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=60)
 
@@ -109,7 +109,7 @@ ROUTED = (("P(sum), B", "S(0), B"),       # a reduce_scatter over axis 0
 def _torch_calls_made(mesh: sbp.DeviceMesh, native: bool) -> list[list[str]]:
     """The torch.distributed functions rank 0 calls for each change in `ROUTED` on this route."""
     import torch.distributed as dist
-    import sbp.backends.dist as backend
+    import sbp.runtime.backends.dist as backend
     comm = mesh.binding   # the worker keeps this mesh for later runs: its route is put back below
     if native:
         comm._gloo, comm.exchange_route = False, "all_to_all"

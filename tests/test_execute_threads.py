@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 import sbp
 import sbp.testing
 from sbp import B, Partial, S
-from sbp.execute import execute, execute_step, identity, redistribute_local
-from sbp.steps import Plan, Step
+from sbp.runtime.executor import execute, execute_step, identity, redistribute_local
+from sbp.values.steps import Plan, Step
 from sbp.testing.strategies import layouts, placements as placements_of
 
 import conformance as conf

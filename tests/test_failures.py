@@ -227,7 +227,7 @@ def test_threads_rank_that_never_returns_is_reported(monkeypatch):
     waiting forever (the gloo backend bounds a job the same way)."""
     import threading
 
-    import sbp.backends.threads as threads
+    import sbp.runtime.backends.threads as threads
 
     monkeypatch.setattr(threads, "JOB_GRACE_S", 0.5)
     release = threading.Event()

@@ -48,7 +48,7 @@ def test_placements_strings_parse_or_raise_placement_error(text):
        st.integers(0, 3), st.integers(1, 3))
 def test_placements_objects_normalize_or_raise(items, ndim, mesh_ndim):
     """Any list handed to a layout function is either valid or a PlacementError (never TypeError)."""
-    from sbp.placement import normalize
+    from sbp.values.placement import normalize
     try:
         out = normalize(items, ndim, mesh_ndim)
     except sbp.PlacementError:
@@ -224,7 +224,7 @@ def test_checkpoint_fuzz_baseline_loads(checkpoint):
     assert torch.equal(state["x"], torch.arange(12.).view(4, 3)) and state["step"] == 3
 
 
-# What the checkpoint fuzz once found in sbp/checkpoint.py: metadata.json's "files" entries were used
+# What the checkpoint fuzz once found in sbp/io/checkpoint.py: metadata.json's "files" entries were used
 # unchecked, so an edited entry crashed `load` with a bare KeyError / TypeError. Pinned here.
 @pytest.mark.parametrize("edit, fragment", [
     pytest.param(lambda files: files["rank00000.pt"].pop("sha256"), "the entry has no 'sha256'",

@@ -12,7 +12,7 @@ import torch
 
 import sbp
 import sbp.testing
-from sbp.interop import _meeting_point, dtensor_block
+from sbp.io.interop import _meeting_point, dtensor_block
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=60)
 
@@ -59,7 +59,7 @@ def test_round_trip_with_dtensor(mesh_shape, cases):
 def _from_native(mesh):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from sbp.interop import _torch_mesh
+    from sbp.io.interop import _torch_mesh
 
     torch_mesh = _torch_mesh(mesh)
     out = []

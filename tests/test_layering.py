@@ -23,7 +23,7 @@ STRICT = ("placement", "mesh", "layout", "steps", "transfer", "pieces", "errors"
 # May import torch (e.g. for dtypes), but never torch.distributed; checked when they exist.
 OPTIONAL_PURE = ("planner", "cost", "simulate")
 # Layers above the pure ones: a pure module never imports from them.
-UPPER = ("sbp.tensor", "sbp.ops", "sbp.nn", "sbp.backends", "sbp.execute", "sbp.testing")
+UPPER = ("sbp.tensor.global_tensor", "sbp.ops", "sbp.nn", "sbp.runtime.backends", "sbp.runtime.executor", "sbp.testing")
 
 
 def pure_modules() -> list[str]:
@@ -209,9 +209,9 @@ BAD_SOURCES = {
     "from torch import distributed": ["torch", "torch.distributed"],
     "def f():\n    import torch\n    return torch": ["torch"],
     "import importlib\nd = importlib.import_module('torch.distributed')": ["torch", "torch.distributed"],
-    "from .tensor import GlobalTensor": ["sbp.tensor", "sbp.tensor.GlobalTensor"],
+    "from .tensor import GlobalTensor": ["sbp.tensor.global_tensor", "sbp.tensor.global_tensor.GlobalTensor"],
     "from . import ops": ["sbp.ops"],
-    "from sbp.backends.gloo import X": ["sbp.backends", "sbp.backends.gloo", "sbp.backends.gloo.X"],
+    "from sbp.runtime.backends.gloo import X": ["sbp.runtime.backends", "sbp.runtime.backends.gloo", "sbp.runtime.backends.gloo.X"],
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch": [],
     "from .layout import block\nimport math": [],
 }
@@ -219,12 +219,12 @@ BAD_SOURCES = {
 
 @pytest.mark.parametrize("source, expected", list(BAD_SOURCES.items()))
 def test_static_checker_flags(source, expected):
-    assert violations(imported_names(source, "sbp.placement"), strict=True) == expected
+    assert violations(imported_names(source, "sbp.values.placement"), strict=True) == expected
 
 
 def test_static_checker_non_strict_allows_torch():
-    assert violations(imported_names("import torch\nfrom torch import dtype", "sbp.planner"), strict=False) == []
-    assert violations(imported_names("import torch.distributed", "sbp.planner"), strict=False) == ["torch.distributed"]
+    assert violations(imported_names("import torch\nfrom torch import dtype", "sbp.planning.search"), strict=False) == []
+    assert violations(imported_names("import torch.distributed", "sbp.planning.search"), strict=False) == ["torch.distributed"]
 
 
 def _fake_package(tmp_path: pathlib.Path, body: str) -> pathlib.Path:
@@ -247,7 +247,7 @@ def test_runtime_checker_strict_catches_torch(tmp_path):
 def test_runtime_checker_catches_upper_layer(tmp_path):
     root = _fake_package(tmp_path, "def later():\n    pass\nfrom . import tensor\n")
     report = run_isolated(root, "strict", ["bad"])
-    assert report["caught"] == ["sbp.tensor"] and "bad" in report["errors"]
+    assert report["caught"] == ["sbp.tensor.global_tensor"] and "bad" in report["errors"]
 
 
 def test_runtime_checker_catches_torch_distributed_after_torch(tmp_path):

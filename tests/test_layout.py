@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sbp
-from sbp.layout import (block, block_numel, block_shape, check_global_shape, intersect, relative, split_range,
+from sbp.values.layout import (block, block_numel, block_shape, check_global_shape, intersect, relative, split_range,
                         split_sizes, splitters)
-from sbp.placement import normalize
-from sbp.transfer import exchange
+from sbp.values.placement import normalize
+from sbp.planning.exchange import exchange
 
 S, B = sbp.S, sbp.B
 PSUM, PMIN, PMAX = sbp.PartialSum(), sbp.PartialMin(), sbp.PartialMax()

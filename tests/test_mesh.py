@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sbp
-from sbp.mesh import as_mesh_shape
+from sbp.values.mesh import as_mesh_shape
 
 NAMES = ("dp", "tp", "pp")
 

@@ -23,7 +23,7 @@ import sbp.nn
 import sbp.testing
 from sbp.nn import Colwise, Embedding, Rowwise, SequenceParallel
 
-pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.FallbackWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
 
 HAS_OPS = importlib.util.find_spec("sbp.ops") is not None
 needs_ops = pytest.mark.xfail(not HAS_OPS, reason="collective counts need the operator rule table (sbp.ops); "

@@ -18,7 +18,7 @@ import sbp.testing
 from ops_kit import make_global, placements_for, randn
 from sbp import B, S
 from sbp.ops import direct
-from sbp.tensor import GlobalTensor
+from sbp.tensor.global_tensor import GlobalTensor
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ import sbp.testing
 from ops_kit import make_global, randn
 from sbp import B, Partial, S
 from sbp.ops import dispatch
-from sbp.tensor import FallbackWarning
+from sbp.tensor.global_tensor import FallbackWarning
 
 aten = torch.ops.aten
 
@@ -200,7 +200,7 @@ def test_strict_transformer_ops_need_no_fallback():
 
 def test_docs_list_every_rule():
     import pathlib
-    from sbp.ops.rules import table_rows
+    from sbp.ops.table import table_rows
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operators.md").read_text()
     missing = [name for name, _ in table_rows() if f"`{name}`" not in text]
     assert not missing, f"docs/operators.md lacks {missing}; regenerate its table from table_rows()"

@@ -1,8 +1,8 @@
-"""Buffer layouts of collective steps (`sbp.pieces`): what the executor hands each collective.
+"""Buffer layouts of collective steps (`sbp.runtime.buffers`): what the executor hands each collective.
 
 Pure tier. Each layout is checked by simulating the collective over every member of a group in plain
 torch (gathered buffers, reduce-scatter inputs, all_to_all runs) and rebuilding the result the way the
-layout says; the oracle is the global tensor cut by `sbp.layout.block`. Pinned cases check that the
+layout says; the oracle is the global tensor cut by `sbp.values.layout.block`. Pinned cases check that the
 layouts avoid the copies they promise (the result is the gathered buffer itself, the local is the
 input itself).
 """
@@ -16,10 +16,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import sbp
-from sbp.errors import PlanError
-from sbp.layout import block, relative
-from sbp.pieces import chain, exchange_layout, gather, group_coords, run_in, scatter
-from sbp.transfer import self_contained
+from sbp.values.errors import PlanError
+from sbp.values.layout import block, relative
+from sbp.runtime.buffers import chain, exchange_layout, gather, group_coords, run_in, scatter
+from sbp.planning.exchange import self_contained
 
 S, B, P = sbp.S, sbp.B, sbp.PartialSum()
 SENTINEL = -7  # never a value of `_global` (arange >= 0): padding that leaks into a result shows

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sbp
-from sbp.placement import REDUCE_OPS, is_partial, normalize, parse_placement
+from sbp.values.placement import REDUCE_OPS, is_partial, normalize, parse_placement
 
 ACCEPTED = "S(d) or Sd for an int d, B, P, P(sum), P(min), P(max); comma separated, optional ( )"
 

@@ -4,7 +4,7 @@ Pure tier (no processes, except one subprocess that asks DTensor's planner on a 
 one that re-plans under another hash seed). Checks, each against an independent oracle:
 
 - Split/Broadcast -> Split/Broadcast: bytes == the exact lower bound, recomputed here from nested
-  balanced splits (not from `sbp.cost`);
+  balanced splits (not from `sbp.planning.cost`);
 - Partial sources: bytes == the ring reduction bound (hand formulas for 1024x1024 fp32);
 - bytes <= DTensor 2.13's default plan priced by `dtensor_ref` (strictly less on four of the five known
   cases; the fifth is a tie at the lower bound);
@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 
 import sbp
 from dtensor_ref import dtensor_plans
-from sbp.cost import Costing
-from sbp.layout import block, block_numel
-from sbp.placement import Broadcast, Partial, Split, normalize
-from sbp import planner
-from sbp.planner import moves
-from sbp.simulate import assemble, scatter, simulate
+from sbp.planning.cost import Costing
+from sbp.values.layout import block, block_numel
+from sbp.values.placement import Broadcast, Partial, Split, normalize
+from sbp.planning import search as planner
+from sbp.planning.search import moves
+from sbp.runtime.simulate import assemble, scatter, simulate
 from sbp.testing.strategies import placements as placements_st
 
 MIB = 1 << 20
@@ -276,7 +276,7 @@ def test_mixed_op_partial_sources(case):
 
 # ---- optimality against brute force ---------------------------------------------------------------------------
 def brute_force(shape, mesh, src, dst, *, cap, depth: int = 4):
-    """Minimum (bytes, collective calls) over every path of at most `depth` moves from `sbp.planner.moves`,
+    """Minimum (bytes, collective calls) over every path of at most `depth` moves from `sbp.planning.search.moves`,
     skipping moves whose peak exceeds `cap` (Bellman-Ford by rounds; None if `dst` is not reached)."""
     costing = Costing(shape, mesh, 4)
     best = {src: (0, 0)}
@@ -381,8 +381,8 @@ print(json.dumps([sbp.plan(tuple(s), tuple(m), a, b).to_dict() for s, m, a, b in
 
 def test_plans_are_deterministic():
     first = [sbp.plan(*c).to_dict() for c in DETERMINISM_CASES]
-    sbp.planner._plan_cached.cache_clear()
-    sbp.layout.block.cache_clear()
+    sbp.planning.search._plan_cached.cache_clear()
+    sbp.values.layout.block.cache_clear()
     assert [sbp.plan(*c).to_dict() for c in DETERMINISM_CASES] == first
     # a fresh interpreter with another hash seed (changes set and dict-of-set iteration orders)
     env = {**os.environ, "PYTHONHASHSEED": "4242"}

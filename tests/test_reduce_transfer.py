@@ -2,11 +2,11 @@
 
 Three tiers over the same steps:
 
-- pure: the schedule of `sbp.transfer.reduce_exchange` pinned for the 2x2 case, its refusals, and a
+- pure: the schedule of `sbp.planning.exchange.reduce_exchange` pinned for the 2x2 case, its refusals, and a
   replay of random schedules in one process (every element reduced from each contribution exactly
   once, every output element written exactly once, send and receive lists mirror each other, the
   busiest rank's reception equal to the priced bytes);
-- simulation: the same random steps run by `sbp.simulate` (the logical definition) rebuild the tensor;
+- simulation: the same random steps run by `sbp.runtime.simulate` (the logical definition) rebuild the tensor;
 - in-process SPMD: the executor on the threads backend, with the bytes counted at the communicator
   equal to the step's figure and at most two calls.
 """
@@ -24,15 +24,15 @@ from hypothesis import strategies as st
 import sbp
 import sbp.testing
 from sbp import B, Partial, S
-from sbp.comm import reduce_list
-from sbp.cost import Costing
-from sbp.errors import PlanError
-from sbp.execute import execute, execute_step
-from sbp.layout import block, block_shape, relative
-from sbp.placement import Broadcast, Split
-from sbp.simulate import assemble, scatter, simulate
-from sbp.steps import Plan, Step
-from sbp.transfer import reducible, reduce_exchange
+from sbp.runtime.communicator import reduce_list
+from sbp.planning.cost import Costing
+from sbp.values.errors import PlanError
+from sbp.runtime.executor import execute, execute_step
+from sbp.values.layout import block, block_shape, relative
+from sbp.values.placement import Broadcast, Split
+from sbp.runtime.simulate import assemble, scatter, simulate
+from sbp.values.steps import Plan, Step
+from sbp.planning.exchange import reducible, reduce_exchange
 
 import conformance as conf
 

@@ -1,4 +1,4 @@
-"""The reference simulator (`sbp.simulate`): per-rank tables for every step kind, local-move semantics,
+"""The reference simulator (`sbp.runtime.simulate`): per-rank tables for every step kind, local-move semantics,
 scatter/assemble round trips, and that it refuses wrong plans instead of papering over them.
 
 Pure tier: one process, no torch.distributed.
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import sbp
 from sbp import B, Partial
-from sbp.simulate import SimulationError, assemble, identity, scatter, simulate
-from sbp.steps import Plan, Step
+from sbp.runtime.simulate import SimulationError, assemble, identity, scatter, simulate
+from sbp.values.steps import Plan, Step
 from sbp.testing.strategies import layouts
 
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import sbp
 import sbp.testing
-from sbp.placement import Partial
-from sbp.tensor import GlobalTensor, set_op_handler
+from sbp.values.placement import Partial
+from sbp.tensor.global_tensor import GlobalTensor, set_op_handler
 from sbp.testing.strategies import layouts, placements
 
 spmd = functools.partial(sbp.testing.spmd, timeout=30)
@@ -118,7 +118,7 @@ def test_distribute_from_src_rank_sends_only_blocks(pls):
     for rank, (ok, dtype, (kind, received)) in enumerate(out):
         assert ok and dtype == torch.float64 and kind == "all_to_all"
         block = sbp.local_shape(shape, (2, 2), pls, divmod(rank, 2))
-        holds = sbp.tensor.sum_holds_value(sbp.DeviceMesh((2, 2)), sbp.placements(pls), divmod(rank, 2))
+        holds = sbp.tensor.global_tensor.sum_holds_value(sbp.DeviceMesh((2, 2)), sbp.placements(pls), divmod(rank, 2))
         expect = 0 if rank == 2 or not holds else torch.Size(block).numel() * 8
         assert received == expect, (rank, received, expect)   # exactly its block, nothing more
 

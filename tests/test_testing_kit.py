@@ -12,7 +12,7 @@ from hypothesis import find, given, settings
 
 import sbp
 import sbp.testing
-from sbp.placement import normalize
+from sbp.values.placement import normalize
 from sbp.testing import assert_layout_equivalent, global_shapes, layouts, meshes, placements
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "testing.md"

@@ -17,7 +17,7 @@ import sbp.testing
 from test_nn_parallelize import EX  # the example module, loaded once
 
 SCRIPT = pathlib.Path(EX.__file__)
-pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.FallbackWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
 
 
 def _train(mesh, model, args, sequence_parallel):

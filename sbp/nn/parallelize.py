@@ -26,11 +26,11 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from ..api import distribute, from_local
-from ..errors import SbpError
-from ..mesh import DeviceMesh
-from ..placement import Broadcast, Partial, Placement, Split, normalize
-from ..tensor import GlobalTensor, local_from_full, redistribute_raw
+from ..tensor.construct import distribute, from_local
+from ..values.errors import SbpError
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, Partial, Placement, Split, normalize
+from ..tensor.global_tensor import GlobalTensor, local_from_full, redistribute_raw
 from .styles import Style, as_style
 
 

@@ -24,8 +24,8 @@ from typing import ClassVar, Union
 
 from torch import nn
 
-from ..errors import SbpError
-from ..placement import Broadcast, Placement, Split, placements
+from ..values.errors import SbpError
+from ..values.placement import Broadcast, Placement, Split, placements
 
 PlacementLike = Union[Placement, str]
 

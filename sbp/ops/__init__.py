@@ -1,25 +1,45 @@
 """Operators on global tensors: SBP signature rules at the ATen level.
 
-Importing this package plugs `handle` into `GlobalTensor.__torch_dispatch__` (`sbp.tensor.set_op_handler`).
-Every ATen op on a global tensor then looks up its rule (`sbp.ops.rules.TABLE`, pointwise ops by tag),
+`install()` plugs `handle` into `GlobalTensor.__torch_dispatch__` (`sbp.tensor.global_tensor.set_op_handler`)
+and the direct-path operators into `GlobalTensor` (`sbp.ops.direct`); ``import sbp`` calls it on the first
+use of a torch-level name (`sbp.load_torch_layers`). Every ATen op on a global tensor then looks up its rule (`sbp.ops.table.TABLE`, pointwise ops by tag),
 picks the cheapest signature for the inputs' placements (planner bytes), redistributes what must move
 and runs locally. See docs/operators.md for the signature table and how to add a rule.
 
 >>> import sbp
->>> sbp.ops.rules.lookup(torch.ops.aten.mm.default).doc
+>>> sbp.ops.table.lookup(torch.ops.aten.mm.default).doc
 'contraction mk,kn->mn'
 """
 import torch
 
-from ..tensor import set_op_handler
+from ..tensor.global_tensor import get_op_handler, set_op_handler
 from .dispatch import clear_cache, handle
 from . import direct
 from .strict import is_strict, strict
-from .rules import TABLE, lookup, register
+from .table import TABLE, lookup, register
 from .spec import ANY, Call, Choice, OpSpec, Rule, Sig
 
-set_op_handler(handle)
-direct.install()
 
-__all__ = ["ANY", "Call", "Choice", "OpSpec", "Rule", "Sig", "TABLE", "clear_cache", "handle", "is_strict", "lookup",
+
+def install() -> None:
+    """Wire the operator rules into `GlobalTensor`: the dispatch handler and the direct-path methods.
+
+    Idempotent; `sbp.load_torch_layers` calls it, so a program that uses ``sbp.<name>`` never has to.
+
+    >>> install(); is_installed()
+    True
+    """
+    set_op_handler(handle)
+    direct.install()
+
+
+def is_installed() -> bool:
+    """Whether `install` has wired the operator rules into `GlobalTensor`.
+
+    >>> import sbp; sbp.load_torch_layers(); is_installed()
+    True
+    """
+    return get_op_handler() is handle
+
+__all__ = ["ANY", "Call", "Choice", "OpSpec", "Rule", "Sig", "TABLE", "clear_cache", "handle", "install", "is_installed", "is_strict", "lookup",
            "register", "strict"]

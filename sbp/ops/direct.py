@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..tensor import GlobalTensor, _op_handler
-from .decision import _coord
+from ..tensor.global_tensor import GlobalTensor, _op_handler
+from .apply import _coord
 from .dispatch import _CACHE, _tensor_key, float_key, handle
 
 _grad_enabled = torch.is_grad_enabled

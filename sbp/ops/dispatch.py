@@ -2,9 +2,9 @@
 
 For every ATen op on a `GlobalTensor`, `handle` builds a cache key from the op and its inputs'
 (placements, global shape, dtype, mesh shape) -- as one token per tensor, see
-`sbp.ops.decision.spec_token` -- plus the non-tensor arguments (a non-zero float only by type, so a
+`sbp.ops.apply.spec_token` -- plus the non-tensor arguments (a non-zero float only by type, so a
 changing learning rate reuses the decision; 0.0 and bools kept apart because they promote dtypes
-differently). A miss makes the decision once (`sbp.ops.select.decide`: rule signatures, planner
+differently). A miss makes the decision once (`sbp.ops.decide.decide`: rule signatures, planner
 prices, cheapest wins). ``_foreach_*`` ops go to `sbp.ops.optim.foreach` instead. A plain tensor that
 requires grad gets a hook that turns the global gradient the rules produce into the plain full
 gradient (DESIGN: a plain tensor mixed in is Broadcast). A global leaf that requires grad without the
@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..tensor import GlobalTensor, ensure_leaf_rule, redistribute_raw
-from .decision import CACHE_SIZE, _SpecToken, _mixed, spec_token
-from .select import decide
+from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_raw
+from .apply import CACHE_SIZE, _SpecToken, _mixed, spec_token
+from .decide import decide
 from .spec import FLOAT, B
-from . import rules
+from . import table as rules
 
 _CACHE: dict = {}
 _DECIDING = threading.RLock()   # a process-lifetime resource guarding the cache's misses, not a flag
@@ -89,7 +89,7 @@ def _plain_grad_hook(t: torch.Tensor) -> None:
 
 # ---- the handler ---------------------------------------------------------------------------------------------
 def handle(func, args: tuple, kwargs: dict) -> Any:
-    """The op handler installed with `sbp.tensor.set_op_handler`: look up (or make) the decision, run it.
+    """The op handler installed with `sbp.tensor.global_tensor.set_op_handler`: look up (or make) the decision, run it.
 
     `GlobalTensor.__torch_dispatch__` calls it for every ATen op; users call ops, not this.
 

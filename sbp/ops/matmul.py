@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..placement import Split
+from ..values.placement import Split
 from .spec import PSUM, B, OpSpec, Rule, Sig
 
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..placement import Split
-from ..tensor import GlobalTensor, redistribute_raw
+from ..values.placement import Split
+from ..tensor.global_tensor import GlobalTensor, redistribute_raw
 from .spec import ANY, PSUM, B, Call, OpSpec, Rule, Sig, splits
 
 aten = torch.ops.aten

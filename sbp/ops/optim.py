@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..placement import Partial
-from ..tensor import GlobalTensor
+from ..values.placement import Partial
+from ..tensor.global_tensor import GlobalTensor
 
 aten = torch.ops.aten
 

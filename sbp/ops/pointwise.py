@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..placement import Split
+from ..values.placement import Split
 from .spec import PMAX, PMIN, PSUM, B, OpSpec, Ref, Rule, Sig  # noqa: F401 (Ref: doctests)
 
 # "name.overload" (in-place "_" dropped) -> groups of arguments the op is jointly linear in

@@ -38,7 +38,7 @@ def is_random(func) -> bool:
 
 def agreed_random_run(call: Call) -> Any:
     """Run a random op on this rank's (Broadcast) inputs with a generator every rank seeds alike."""
-    from ..factories import _agreed_seed
+    from ..tensor.factories import _agreed_seed
 
     takes_generator = any(a.name == "generator" for a in call.func._schema.arguments)
     seed = _agreed_seed(call.mesh, call.kwargs.get("generator") if takes_generator else None)

@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..execute import identity
-from ..placement import Partial, Split
+from ..runtime.executor import identity
+from ..values.placement import Partial, Split
 from .pointwise import op_name
 from .spec import PMAX, PMIN, PSUM, B, Call, OpSpec, Rule, Sig, default_run, dims_of
 

@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import ShapeError
-from ..layout import Block, block, block_shape
-from ..mesh import DeviceMesh
-from ..placement import Broadcast, Partial, Placement, Split
+from ..values.errors import ShapeError
+from ..values.layout import Block, block, block_shape
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, Partial, Placement, Split
 
 B = Broadcast()
 PSUM, PMAX, PMIN = Partial("sum"), Partial("max"), Partial("min")
@@ -239,7 +239,7 @@ def dims_of(value: Any, ndim: int) -> tuple[int, ...]:
     >>> dims_of(4, 2)
     Traceback (most recent call last):
     ...
-    sbp.errors.ShapeError: dim 4 is out of range for a 2-d tensor (valid: -2..1)
+    sbp.values.errors.ShapeError: dim 4 is out of range for a 2-d tensor (valid: -2..1)
     """
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return tuple(range(ndim))

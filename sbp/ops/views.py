@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..layout import block
-from ..placement import Split
+from ..values.layout import block
+from ..values.placement import Split
 from .spec import ANY, PMAX, PMIN, PSUM, B, Call, Choice, OpSpec, Rule, Sig, dims_of, splits
 
 aten = torch.ops.aten
@@ -393,7 +393,7 @@ def inplace_view(func, args: tuple, kwargs: dict) -> Any:
     >>> sbp.testing.spmd(fn, (2,))[0]
     ((2, 4), (S(1),), (2, 2))
     """
-    from ..tensor import GlobalTensor, logical_strides
+    from ..tensor.global_tensor import GlobalTensor, logical_strides
 
     x = args[0]
     view = getattr(aten, func._schema.name.split("::")[-1][:-1])(*args, **kwargs)

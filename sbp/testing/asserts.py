@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from ..placement import Partial
+from ..values.placement import Partial
 
 
 def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optional[bool] = None,
@@ -25,8 +25,8 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     ...
     AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,): max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
     """
-    from ..errors import SbpError
-    from ..tensor import GlobalTensor
+    from ..values.errors import SbpError
+    from ..tensor.global_tensor import GlobalTensor
 
     for name, t in (("x", x), ("y", y)):
         if not isinstance(t, torch.Tensor):
@@ -79,7 +79,7 @@ def _equal(fx: torch.Tensor, fy: torch.Tensor) -> bool:
 
 
 def _check_tolerances(rtol, atol) -> None:
-    from ..errors import SbpError
+    from ..values.errors import SbpError
 
     if (rtol is None) != (atol is None):
         raise SbpError(f"assert_layout_equivalent: give rtol and atol together (or neither, for the dtype's "

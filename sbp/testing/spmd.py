@@ -20,8 +20,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
-from ..errors import CommError, MeshError, SbpError
-from ..mesh import DeviceMesh
+from ..values.errors import CommError, MeshError, SbpError
+from ..values.mesh import DeviceMesh
 
 BACKENDS = ("threads", "gloo")
 FAILURE_GRACE_S = 0.5  # after one rank fails, how long to wait for the others' reports before giving up
@@ -73,7 +73,7 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
                        f"got {timeout!r}")
     mesh = DeviceMesh(mesh_shape, names)
     if backend == "threads":
-        from ..backends.threads import spmd_threads
+        from ..runtime.backends.threads import spmd_threads
         results, errors, order = spmd_threads(fn, mesh, timeout)
         if order:
             rank = _first_cause({r: (errors[r], "") for r in order}, fallback=order[0])
@@ -133,7 +133,7 @@ class _Pool:
 
         Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back).
         """
-        from ..debug import is_enabled
+        from ..runtime.agreement import is_enabled
         for conn in self.conns:
             conn.send((payload, mesh.shape, mesh.names, timeout, is_enabled()))
         results: list[Any] = [None] * self.size
@@ -204,7 +204,7 @@ def _context() -> mp.context.BaseContext:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "sbp.backends.dist"])  # read only when the forkserver starts
+    ctx.set_forkserver_preload(["torch", "sbp.runtime.backends.dist"])  # read only when the forkserver starts
     return ctx
 
 
@@ -257,8 +257,8 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
     import torch
     import torch.distributed as dist
 
-    from ..backends.dist import init_mesh
-    from ..debug import debug
+    from ..runtime.backends.dist import init_mesh
+    from ..runtime.agreement import debug
 
     torch.set_num_threads(1)  # several ranks share the cores
     delta = timedelta(seconds=timeout)

@@ -14,9 +14,9 @@ from typing import Sequence
 
 from hypothesis import strategies as st
 
-from ..errors import SbpError
-from ..mesh import as_mesh_shape
-from ..placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
+from ..values.errors import SbpError
+from ..values.mesh import as_mesh_shape
+from ..values.placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
 
 __all__ = ["meshes", "placements", "global_shapes", "layouts"]
 

@@ -1,0 +1,318 @@
+"""Making a decision: bind the call, find the output shapes on meta tensors, pick the cheapest signature.
+
+`decide` is pure (no communication): the rule's per-axis signatures are combined over the mesh axes,
+filtered by the rule's whole-mesh check, and priced with the planner (`_price`): bytes the busiest rank
+receives to lay the inputs out (and to write in-place results back), plus the reduction debt of every
+Partial the op would create. Ties go to fewer collectives, then fewer changed placements, then the
+rule's order. Ops without a rule get the fallback decision (Broadcast inputs, one-time warning).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from ..values.errors import DTypeError, ShapeError
+from ..values.layout import block, block_numel
+from ..values.mesh import DeviceMesh
+from ..values.placement import Partial
+from ..planning.search import plan as make_plan
+from ..tensor.global_tensor import GlobalTensor
+from .apply import Decision, _paths
+from .random import agreed_random_run, is_random
+from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
+from . import table as rules
+
+MAX_COMBOS = 512    # whole-mesh signature combinations priced before pruning per axis
+
+
+def _bind(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], leaves: list) -> OpSpec:
+    schema = func._schema
+    counter = itertools.count()
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return Ref(next(counter))
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if type(v) is float and v != 0 and v - v == 0:   # finite and non-zero; inf and nan stay values
+            return FLOAT
+        return v
+
+    values: dict[str, Any] = {}
+    for i, a in enumerate(args):
+        values[schema.arguments[i].name if i < len(schema.arguments) else f"arg{i}"] = conv(a)
+    for name, v in kwargs.items():
+        values[name] = conv(v)
+    for arg in schema.arguments:
+        if arg.name not in values and arg.has_default_value():
+            values[arg.name] = conv(arg.default_value)
+    ndim = len(mesh_shape)
+    inputs = tuple(TensorMeta(tuple(t.shape), t.dtype, t._placements, True) if isinstance(t, GlobalTensor)
+                   else TensorMeta(tuple(t.shape), t.dtype, (B,) * ndim, False) for t in leaves)
+    return OpSpec(func, mesh_shape, values, inputs)
+
+
+def _meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta], ...]:
+    def to_meta(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+        if isinstance(v, torch.device):  # e.g. _to_copy(device=cpu): stay on meta
+            return torch.device("meta")
+        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+            return type(v)(to_meta(x) for x in v)
+        return v
+
+    out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+    items = out if isinstance(out, (tuple, list)) else [out] if isinstance(out, torch.Tensor) else []
+    return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
+
+
+def _on_inputs(spec: OpSpec) -> str:
+    """The op and its inputs' global shapes and placements, the prefix of a bad-input message.
+
+    >>> import sbp
+    >>> x, w = TensorMeta((4, 3), torch.float32, (sbp.S(0),)), TensorMeta((5, 2), torch.float32, (B,), False)
+    >>> _on_inputs(OpSpec(torch.ops.aten.mm.default, (2,), {}, (x, w)))
+    'aten.mm.default on global shapes (4, 3) and (5, 2) with placements (S(0),) and plain'
+    """
+    def join(items: list[str]) -> str:
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+    shapes = [repr(tuple(m.shape)) for m in spec.inputs]
+    pls = [repr(tuple(m.placements)) if m.is_global else "plain" for m in spec.inputs]
+    s = "" if len(shapes) == 1 else "s"
+    return f"{spec.func} on global shape{s} {join(shapes)} with placements {join(pls)}"
+
+
+def _input_error(spec: OpSpec, e: Exception) -> DTypeError | ShapeError:
+    """The `sbp.SbpError` for torch refusing the op on meta tensors of the global shapes: `DTypeError` when
+    torch's message is about dtypes, `ShapeError` otherwise (shapes, dims, indices); torch's text kept."""
+    text = str(e)
+    words = ("dtype", "scalar type", "result type", "promotion", "be cast")
+    kind = DTypeError if any(w in text.lower() for w in words) else ShapeError
+    return kind(f"{_on_inputs(spec)}: {text}")
+
+
+_SAME_DTYPE = {"mm", "addmm", "bmm", "baddbmm", "dot", "mv", "addmv"}
+_INDEX_ARG = {"index_select": 2, "gather": 2, "scatter": 2, "scatter_add": 2, "index_add": 2}
+
+
+def _check_what_meta_skips(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
+    """Checks torch's CPU kernels make but its meta kernels skip, so the error names the global inputs."""
+    name = func._schema.name.split("::")[-1]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in _SAME_DTYPE and len({t.dtype for t in tensors}) > 1:
+        raise DTypeError(f"{_on_inputs(spec)}: the matrix inputs must share one dtype, got "
+                         f"{[str(t.dtype) for t in tensors]} (cast one with .to(dtype))")
+    position = _INDEX_ARG.get(name)
+    index = args[position] if position is not None and len(args) > position else kwargs.get("index")
+    if position is not None and isinstance(index, torch.Tensor) and (index.dtype.is_floating_point or
+                                                                       index.dtype.is_complex):
+        raise DTypeError(f"{_on_inputs(spec)}: the index must be an integer tensor, got {index.dtype}")
+    if name == "_local_scalar_dense" and tensors and tensors[0].numel() != 1:
+        raise ShapeError(f"{_on_inputs(spec)}: .item() needs a tensor with exactly one element, got global "
+                         f"shape {tuple(tensors[0].shape)} ({tensors[0].numel()} elements)")
+
+
+def _check_on_meta(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
+    """An op without a rule runs on full inputs; refuse arguments torch refuses for the global shapes first.
+
+    Lenient: a meta kernel may be missing (`NotImplementedError`) or unable to compute a data-dependent
+    shape (its message then names meta tensors); those calls are left to run on the real values.
+    """
+    try:
+        _meta_outputs(func, args, kwargs)
+    except NotImplementedError:
+        return
+    except IndexError as e:
+        raise _input_error(spec, e) from e
+    except RuntimeError as e:
+        if "meta" in str(e).lower():
+            return
+        raise _input_error(spec, e) from e
+
+
+def _writes(func, spec: OpSpec) -> list[tuple[int, Optional[int]]]:
+    """(input index, output slot or None) for every input the op writes (`add_`, `out=`, `_foreach_*_`)."""
+    schema = func._schema
+    found = []
+    for arg in schema.arguments:
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        slot = next((k for k, ret in enumerate(schema.returns) if ret.alias_info is not None
+                     and ret.alias_info.before_set == info.before_set), None)
+        ref = spec.values.get(arg.name)
+        for r in (ref if isinstance(ref, list) else [ref]):
+            if isinstance(r, Ref):
+                found.append((r.index, slot))
+    return found
+
+
+def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> Decision:
+    """Make the decision for one call (uncached; `handle` caches it). Pure: no communication.
+
+    >>> import sbp
+    >>> from sbp.tensor.global_tensor import GlobalTensor
+    >>> mesh = sbp.DeviceMesh((2,))                                   # a pure mesh is enough to decide
+    >>> x = GlobalTensor(torch.zeros(2, 3), mesh, (sbp.S(1),), (2, 6))
+    >>> w = GlobalTensor(torch.zeros(3, 4), mesh, (sbp.S(0),), (6, 4))
+    >>> decide(torch.ops.aten.mm.default, (x, w), {}, [x, w], mesh).choice
+    Choice(inputs=((S(1),), (S(0),)), outputs=((P(sum),),))
+    """
+    spec = _bind(func, args, kwargs, tuple(mesh.shape), leaves)
+    _check_what_meta_skips(func, args, kwargs, spec)
+    paths = _paths(args, kwargs)
+    writes = _writes(func, spec)
+    rule = rules.lookup(func)
+    if rule is None:
+        _check_on_meta(func, args, kwargs, spec)
+        return _fallback(spec, paths, writes)
+    if rule.meta:
+        try:
+            spec.outputs = _meta_outputs(func, args, kwargs)
+        except NotImplementedError:
+            raise   # no meta kernel: not the user's input
+        except (RuntimeError, IndexError) as e:
+            raise _input_error(spec, e) from e
+    try:
+        choice = select(rule, spec, {k: i for i, k in writes if k is not None})
+    except ShapeError as e:   # a rule refused an argument its op's meta kernel let through (a dim out of range)
+        raise ShapeError(f"{_on_inputs(spec)}: {e}") from e
+    if choice is None:
+        return _fallback(spec, paths, writes)
+    return Decision(spec, choice, rule.run, paths, writes)
+
+
+def _fallback(spec: OpSpec, paths: list[tuple], writes: list) -> Decision:
+    """Every input Broadcast, every output Broadcast with the shape of its (full) local result."""
+    all_b = (B,) * len(spec.mesh_shape)
+    spec.outputs = ()
+    choice = Choice(tuple(all_b for _ in spec.inputs), ())
+    run = agreed_random_run if is_random(spec.func) else default_run   # random ops: the same draws everywhere
+    return Decision(spec, choice, run, paths, writes, fallback=True)
+
+
+def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice]:
+    """The cheapest whole-mesh combination of the rule's per-axis signatures (None when none fits).
+
+    `aliases` maps output slots to the inputs they write (in-place ops). A combination that moves
+    nothing wins at once; otherwise the planner prices each (see `_price`).
+
+    >>> import sbp
+    >>> from sbp.ops.spec import TensorMeta
+    >>> from sbp.ops.table import lookup
+    >>> mm = torch.ops.aten.mm.default
+    >>> x = TensorMeta((64, 8), torch.float32, (sbp.S(0),))        # rows split over 4 ranks
+    >>> w = TensorMeta((8, 4), torch.float32, (sbp.S(0),))         # a small weight, also split
+    >>> spec = OpSpec(mm, (4,), {"self": Ref(0), "mat2": Ref(1)}, (x, w), (TensorMeta((64, 4), torch.float32),))
+    >>> select(lookup(mm), spec, {})                                # gather w, keep x where it is
+    Choice(inputs=((S(0),), (B,)), outputs=((S(0),),))
+    """
+    ndim = len(spec.mesh_shape)
+    per_axis = [list(rule.sigs(spec, axis)) for axis in range(ndim)]
+    for axis, sigs in enumerate(per_axis):
+        for s in sigs:
+            if len(s.inputs) != len(spec.inputs) or (rule.meta and len(s.outputs) != len(spec.outputs)):
+                raise AssertionError(f"rule for {spec.func} gave signature {s} for {len(spec.inputs)} inputs and "
+                                     f"{len(spec.outputs)} outputs")  # a bug in a rule, not a user error
+    if _count(per_axis) > MAX_COMBOS:
+        per_axis = [sorted(sigs, key=lambda s, a=a: _changed_on_axis(spec, s, a))[:4]
+                    for a, sigs in enumerate(per_axis)]
+    best, best_cost = None, None
+    candidates = []
+    for index, combo in enumerate(itertools.product(*per_axis)):
+        choice = _choice(spec, combo)
+        if (rule.check is not None and not rule.check(spec, choice)) or not _representable(spec, choice):
+            continue
+        changed = _changed(spec, choice)
+        if changed == 0 and not _writes_back(spec, choice, aliases):
+            return choice  # nothing moves: nothing can be cheaper
+        candidates.append((changed, index, choice))
+    candidates.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
+    for changed, index, choice in candidates:
+        priced = _price(spec, choice, aliases, None if best_cost is None else best_cost[0])
+        if priced is None:
+            continue   # already dearer than the best: stop planning its moves
+        cost = (priced[0], priced[1], changed, index)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = choice, cost
+    return best
+
+
+def _representable(spec: OpSpec, choice: Choice) -> bool:
+    """No new P(sum) of bools (a sum of bools is no bool) and no P(min|max) of complex numbers."""
+    pairs = [(m.dtype, tgt) for m, tgt in zip(spec.inputs, choice.inputs) if tgt != m.placements]
+    pairs += [(m.dtype, pls) for m, pls in zip(spec.outputs, choice.outputs) if m is not None]
+    for dtype, pls in pairs:
+        for p in pls:
+            if isinstance(p, Partial) and ((p.op == "sum" and dtype is torch.bool) or
+                                           (p.op != "sum" and dtype.is_complex)):
+                return False
+    return True
+
+
+def _count(per_axis: list[list]) -> int:
+    n = 1
+    for sigs in per_axis:
+        n *= len(sigs)
+    return n
+
+
+def _choice(spec: OpSpec, combo: tuple) -> Choice:
+    ins = tuple(tuple(meta.placements[a] if sig.inputs[i] is ANY else sig.inputs[i] for a, sig in enumerate(combo))
+                for i, meta in enumerate(spec.inputs))
+    nout = len(combo[0].outputs) if combo else 0
+    outs = tuple(tuple(sig.outputs[k] for sig in combo) for k in range(nout))
+    return Choice(ins, outs)
+
+
+def _changed(spec: OpSpec, choice: Choice) -> int:
+    return sum(s != d for meta, tgt in zip(spec.inputs, choice.inputs) for s, d in zip(meta.placements, tgt))
+
+
+def _changed_on_axis(spec: OpSpec, sig, axis: int) -> int:
+    return sum(p is not ANY and p != meta.placements[axis] for p, meta in zip(sig.inputs, spec.inputs))
+
+
+def _writes_back(spec: OpSpec, choice: Choice, aliases: dict[int, int]) -> bool:
+    return any(choice.outputs[k] != spec.inputs[i].placements for k, i in aliases.items())
+
+
+def _price(spec: OpSpec, choice: Choice, aliases: dict[int, int],
+           limit: Optional[int] = None) -> Optional[tuple[int, int]]:
+    """Planner bytes (busiest rank) and collectives to lay the inputs out (and write in-place results
+    back), plus the reduction debt of every Partial the op would *create* (see `_debt`); None as soon
+    as the bytes exceed `limit` (bytes only grow, so the rest need not be planned)."""
+    nbytes, ncoll = _debt(spec, choice, aliases), 0
+    moves = [(meta, meta.placements, tgt) for meta, tgt in zip(spec.inputs, choice.inputs)]
+    moves += [(spec.inputs[i], choice.outputs[k], spec.inputs[i].placements) for k, i in aliases.items()]
+    for meta, src, dst in moves:
+        if limit is not None and nbytes > limit:
+            return None
+        if src != dst:
+            p = make_plan(meta.shape, spec.mesh_shape, src, dst, meta.itemsize)
+            nbytes += p.bytes_per_rank
+            ncoll += p.num_collectives
+    return None if limit is not None and nbytes > limit else (nbytes, ncoll)
+
+
+def _debt(spec: OpSpec, choice: Choice, aliases: dict[int, int]) -> int:
+    """What reducing a newly created Partial output will cost: a ring reduce_scatter over that axis.
+
+    Converting S or B to P(sum) is free locally, so without this term `S(0) + S(1)` would pick
+    `P + P -> P` (0 bytes now) and leave a full-size Partial to reduce later, n times dearer than
+    moving one input. A Partial output on an axis where some input already is Partial adds nothing.
+    """
+    debt = 0
+    for k, (meta, pls) in enumerate(zip(spec.outputs, choice.outputs)):
+        if meta is None or k in aliases:
+            continue
+        for axis, p in enumerate(pls):
+            if isinstance(p, Partial) and not any(isinstance(m.placements[axis], Partial) for m in spec.inputs):
+                n = spec.mesh_shape[axis]
+                local = block_numel(block(meta.shape, spec.mesh_shape, pls, (0,) * len(pls)))
+                debt += (n - 1) * -(-local // n) * meta.itemsize
+    return debt

@@ -1,0 +1,190 @@
+"""The rule table: ATen op -> sharding rule. `lookup` finds an op's rule, `register` adds one.
+
+Lookup order: the exact overload (``aten.sum.dim_IntList``), then pointwise ops by ATen tag
+(``torch.Tag.pointwise``, random ops excluded). ``_foreach_*`` ops are `special`: they run index by
+index through the pointwise rule (`sbp.ops.optim`). Each rule's signatures are documented in its
+family module and listed in docs/operators.md (``python -m sbp.ops.table`` prints the table).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import matmul, nn, optim, pointwise, reductions, views
+from .spec import Rule
+
+aten = torch.ops.aten
+
+TABLE: dict[Any, Rule] = {
+    # matmul family (contractions)
+    aten.mm.default: matmul.MM.rule(),
+    aten.addmm.default: matmul.ADDMM.rule(),
+    aten.bmm.default: matmul.BMM.rule(),
+    aten.baddbmm.default: matmul.BADDBMM.rule(),
+    aten.dot.default: matmul.DOT.rule(),
+    aten.mv.default: matmul.MV.rule(),
+    aten.addmv.default: matmul.ADDMV.rule(),
+    # reductions and ops along dims
+    aten.sum.dim_IntList: reductions.SUM.rule(),
+    aten.sum.default: reductions.SUM_ALL.rule(),
+    aten.mean.dim: reductions.MEAN.rule(),
+    aten.mean.default: reductions.MEAN_ALL.rule(),
+    aten.amax.default: reductions.AMAX.rule(),
+    aten.amin.default: reductions.AMIN.rule(),
+    aten.max.default: reductions.MAX_ALL.rule(),
+    aten.min.default: reductions.MIN_ALL.rule(),
+    aten.max.dim: reductions.ALONG_DIM.rule(),
+    aten.min.dim: reductions.ALONG_DIM.rule(),
+    aten.argmax.default: reductions.ALONG_DIM.rule(),
+    aten.argmin.default: reductions.ALONG_DIM.rule(),
+    aten.var.correction: reductions.ALONG_DIM.rule(),
+    aten.std.correction: reductions.ALONG_DIM.rule(),
+    aten.logsumexp.default: reductions.ALONG_DIM.rule(),
+    aten.linalg_vector_norm.default: reductions.ALONG_DIM.rule(),
+    aten.prod.dim_int: reductions.ALONG_DIM.rule(),
+    aten.any.dim: reductions.ALONG_DIM.rule(),
+    aten.all.dim: reductions.ALONG_DIM.rule(),
+    aten.any.dims: reductions.ALONG_DIM.rule(),
+    aten.all.dims: reductions.ALONG_DIM.rule(),
+    aten.any.default: reductions.ALONG_ALL.rule(),
+    aten.all.default: reductions.ALONG_ALL.rule(),
+    aten.cumsum.default: reductions.SCAN.rule(),
+    aten.cumprod.default: reductions.ALONG_KEEP.rule(),
+    aten.sort.default: reductions.ALONG_KEEP.rule(),
+    aten.topk.default: reductions.ALONG_KEEP.rule(),
+    aten.tril.default: reductions.TRIANGLE.rule(),
+    aten.triu.default: reductions.TRIANGLE.rule(),
+    aten.flip.default: reductions.FLIP.rule(),
+    aten.gather.default: reductions.INDEXED,
+    aten.scatter.src: reductions.INDEXED,
+    aten.scatter.value: reductions.INDEXED,
+    aten.scatter_add.default: reductions.INDEXED,
+    aten.index_select.default: reductions.INDEXED,
+    aten.index_add.default: reductions.INDEXED,
+    aten.index_add_.default: reductions.INDEXED,
+    aten.scatter_.src: reductions.INDEXED,
+    aten.scatter_add_.default: reductions.INDEXED,
+    # softmax, norms, embedding, loss
+    aten._softmax.default: reductions.ALONG_KEEP.rule(),
+    aten._log_softmax.default: reductions.ALONG_KEEP.rule(),
+    aten._softmax_backward_data.default: nn.SOFTMAX_BACKWARD,
+    aten._log_softmax_backward_data.default: nn.SOFTMAX_BACKWARD,
+    aten.native_layer_norm.default: nn.LAYER_NORM,
+    aten.native_layer_norm_backward.default: nn.LAYER_NORM_BACKWARD,
+    aten._fused_rms_norm.default: nn.RMS_NORM,
+    aten._fused_rms_norm_backward.default: nn.RMS_NORM_BACKWARD,
+    aten.embedding.default: nn.EMBEDDING,
+    aten.embedding_dense_backward.default: nn.EMBEDDING_BACKWARD,
+    aten.nll_loss_forward.default: nn.NLL_LOSS,
+    aten.nll_loss_backward.default: nn.NLL_LOSS_BACKWARD,
+    aten.mse_loss.default: nn.MSE_LOSS,
+    aten.mse_loss_backward.default: nn.MSE_LOSS_BACKWARD,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: nn.SDPA,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: nn.SDPA,
+    # views and shape ops
+    aten.view.default: views.VIEW,
+    aten._unsafe_view.default: views.VIEW,
+    aten.transpose.int: views.TRANSPOSE,
+    aten.permute.default: views.TRANSPOSE,
+    aten.t.default: views.TRANSPOSE,
+    aten.unsqueeze.default: views.UNSQUEEZE,
+    aten.squeeze.default: views.SQUEEZE,
+    aten.squeeze.dim: views.SQUEEZE,
+    aten.squeeze.dims: views.SQUEEZE,
+    aten.expand.default: views.EXPAND,
+    aten.slice.Tensor: views.SLICE,
+    aten.select.int: views.SELECT,
+    aten.split.Tensor: views.SPLIT,
+    aten.split_with_sizes.default: views.SPLIT,
+    aten.unbind.int: views.SPLIT,
+    aten.cat.default: views.CAT,
+    aten.stack.default: views.CAT,
+    aten.select_backward.default: views.SELECT_BACKWARD,
+    aten.slice_backward.default: views.SLICE_BACKWARD,
+    # identity-like, casts, factories from a tensor, fills and copies
+    aten.detach.default: pointwise.IDENTITY,
+    aten.alias.default: pointwise.IDENTITY,
+    aten.clone.default: pointwise.IDENTITY,
+    aten.lift_fresh.default: pointwise.IDENTITY,
+    aten._conj.default: pointwise.CONJ,
+    aten._neg_view.default: pointwise.NEG_VIEW,
+    aten.view_as_real.default: pointwise.COMPLEX_VIEW,
+    aten.view_as_complex.default: pointwise.COMPLEX_VIEW,
+    aten._to_copy.default: pointwise.TO_COPY,
+    aten.zeros_like.default: views.LIKE,
+    aten.ones_like.default: views.LIKE,
+    aten.empty_like.default: views.LIKE,
+    aten.full_like.default: views.LIKE,
+    aten.new_zeros.default: views.NEW,
+    aten.new_ones.default: views.NEW,
+    aten.new_empty.default: views.NEW,
+    aten.new_full.default: views.NEW,
+    aten.new_empty_strided.default: views.NEW,
+    aten.fill_.Scalar: views.FILL,
+    aten.fill_.Tensor: views.FILL,
+    aten.zero_.default: views.ZERO,
+    aten.copy_.default: views.COPY,
+    # ops that need whole values: Broadcast inputs, no warning
+    aten._local_scalar_dense.default: views.FULL_NO_META,
+    aten.equal.default: views.FULL_NO_META,
+    aten.is_nonzero.default: views.FULL_NO_META,
+    aten.allclose.default: views.FULL_NO_META,
+}
+
+
+def lookup(func) -> Optional[Rule]:
+    """The rule of `func`: its table entry, else the pointwise rule for pointwise-tagged ops, else None.
+
+    >>> lookup(torch.ops.aten.mm.default).doc
+    'contraction mk,kn->mn'
+    >>> lookup(torch.ops.aten.gelu.default) is pointwise.POINTWISE
+    True
+    """
+    rule = TABLE.get(func)
+    if rule is None and pointwise.is_pointwise(func):
+        return pointwise.POINTWISE
+    return rule
+
+
+def special(func) -> Optional[Callable]:
+    """A handler that replaces signature matching for `func` (``_foreach_*`` ops, in-place views such as
+    ``squeeze_``), or None.
+
+    >>> special(torch.ops.aten._foreach_add_.List) is optim.foreach, special(torch.ops.aten.add.Tensor)
+    (True, None)
+    """
+    if optim.is_foreach(func):
+        return optim.foreach
+    return views.inplace_view if views.is_inplace_view(func) else None
+
+
+def register(func, rule: Optional[Rule]) -> Optional[Rule]:
+    """Add, replace (or with None remove) the rule of one ATen overload; returns the previous rule.
+
+    Decisions made before are dropped from the cache.
+
+    >>> from sbp.ops.spec import Rule, Sig, B
+    >>> previous = register(torch.ops.aten.erfinv.default, Rule(lambda spec, axis: [Sig((B,), (B,))]))
+    >>> _ = register(torch.ops.aten.erfinv.default, previous)   # restore
+    """
+    from .dispatch import clear_cache
+    previous = TABLE.pop(func, None)
+    if rule is not None:
+        TABLE[func] = rule
+    clear_cache()
+    return previous
+
+
+def table_rows() -> list[tuple[str, str]]:
+    """(op, signature summary) for every table entry, for docs/operators.md.
+
+    >>> table_rows()[0]
+    ('aten.mm.default', 'contraction mk,kn->mn')
+    """
+    return [(str(func), rule.doc) for func, rule in TABLE.items()]
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table for docs/operators.md
+    for name, doc in table_rows():
+        print(f"| `{name}` | {doc} |")

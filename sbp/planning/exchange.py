@@ -1,0 +1,315 @@
+"""Exact point-to-point exchanges: who sends which block to whom when a group changes layout.
+
+For a change between two Split/Broadcast states on the group along `axes`, every member receives
+exactly the part of its destination block that its source block lacks. Pieces replicated on several
+members (Broadcast axes) are taken from a holder chosen round-robin, so senders share the load.
+
+`reduce_exchange` is the two-phase version for groups with Partial axes (a ``reduce_transfer``
+step): each piece of the target is reduced at one owner, a member that needs it, then sent from there
+to the other members that need it.
+Pure: the planner uses both for exact byte counts and the executor for buffer sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
+
+from ..values.errors import PlanError
+from ..values.layout import Block, block, block_numel, intersect, split_range
+from ..values.mesh import DeviceMesh
+from ..values.placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """The exchange schedule of one group.
+
+    `members` are mesh coords, row-major over `axes`. `recv[i]` lists ``(peer, block)`` pairs that member
+    `i` receives (peer indices into `members`, global blocks), `send[i]` the ``(peer, block)`` pairs it sends,
+    both ordered by peer. `keep[i]` is the part of the destination block member `i` already holds.
+    """
+
+    members: tuple[tuple[int, ...], ...]
+    recv: tuple[tuple[tuple[int, Block], ...], ...]
+    send: tuple[tuple[tuple[int, Block], ...], ...]
+    keep: tuple[Block | None, ...]
+
+    @property
+    def max_recv_elems(self) -> int:
+        """Elements received by the busiest member."""
+        return max((sum(block_numel(b) for _, b in r) for r in self.recv), default=0)
+
+
+@lru_cache(maxsize=65536)
+def exchange(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+             dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> Exchange:
+    """The schedule for the group along `axes` that contains `coord` (placements normalised, no Partial).
+
+    >>> from sbp import S, B
+    >>> ex = exchange((4,), (2,), (S(0),), (B,), (0,), (0,))
+    >>> ex.recv
+    (((1, ((2, 4),)),), ((0, ((0, 2),)),))
+    """
+    if not self_contained(src, dst, axes):
+        raise PlanError(f"an exchange on mesh axes {axes} cannot turn {src} into {dst}: the group does not "
+                        f"hold one contiguous block (a Partial axis in it, or an axis outside it splitting a "
+                        f"dim after one inside it)")
+    mesh = DeviceMesh(mesh_shape)
+    members = []
+    for rank in _group(mesh, axes, coord):
+        members.append(mesh.coord_of(rank))
+    src_blocks = [block(global_shape, mesh_shape, src, m) for m in members]
+    dst_blocks = [block(global_shape, mesh_shape, dst, m) for m in members]
+    holders: dict[Block, list[int]] = {}
+    for i, b in enumerate(src_blocks):
+        holders.setdefault(b, []).append(i)
+    recv: list[list[tuple[int, Block]]] = [[] for _ in members]
+    send: list[list[tuple[int, Block]]] = [[] for _ in members]
+    keep = []
+    for i, want in enumerate(dst_blocks):
+        own = src_blocks[i]
+        keep.append(intersect(own, want))
+        for tile, who in holders.items():
+            if tile == own:
+                continue
+            piece = intersect(tile, want)
+            if piece is None:
+                continue
+            peer = who[i % len(who)]
+            recv[i].append((peer, piece))
+            send[peer].append((i, piece))
+    order = lambda pairs: tuple(sorted(pairs, key=lambda pb: pb[0]))
+    return Exchange(tuple(members), tuple(order(r) for r in recv), tuple(order(s) for s in send), tuple(keep))
+
+
+Pairs = tuple[tuple[int, Block], ...]  # (peer, block) pairs, ordered by peer
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceExchange:
+    """The two-phase schedule of one group of a ``reduce_transfer`` step.
+
+    `members` are mesh coords, row-major over `axes`. Every piece of the target is reduced at one
+    owner: `owned[i]` lists the blocks member `i` reduces, each with whether its own contribution is
+    part of it. Phase 1: member `i` receives the contributions of its owned blocks that it lacks
+    (`recv1[i]`, one block per contribution, equal to an owned block) and sends `send1[i]` out of its
+    source block. Phase 2: it receives the reduced blocks it needs from their owners (`recv2[i]`) and
+    sends its reduced blocks to the other members that need them (`send2[i]`). For one (sender,
+    receiver) pair the send and receive lists are in the same order.
+    """
+
+    members: tuple[tuple[int, ...], ...]
+    owned: tuple[tuple[tuple[Block, bool], ...], ...]
+    recv1: tuple[Pairs, ...]
+    send1: tuple[Pairs, ...]
+    recv2: tuple[Pairs, ...]
+    send2: tuple[Pairs, ...]
+
+    def recv_elems(self, i: int) -> int:
+        """Elements member `i` receives over both phases."""
+        return sum(block_numel(b) for _, b in self.recv1[i] + self.recv2[i])
+
+    @property
+    def max_recv_elems(self) -> int:
+        """Elements received by the busiest member, both phases together."""
+        return max(self.recv_elems(i) for i in range(len(self.members)))
+
+
+@lru_cache(maxsize=65536)
+def reduce_exchange(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+                    dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> ReduceExchange:
+    """The reduce-then-deliver schedule for the group along `axes` that contains `coord`.
+
+    `src` has same-op Partial axes in the group (its other group axes Split/Broadcast), `dst` only
+    Split/Broadcast there (`reducible`). A destination tile (the block a set of members need) is cut
+    by the source tiles into pieces; each piece is shared out in balanced slabs among the members
+    that need it and already hold one contribution of it (or, when none does, all that need it).
+    The owner of a slab receives the contributions it lacks (one per Partial coord, all from its own
+    replica of the Broadcast axes before a Partial axis), reduces them, and sends the result to every
+    other member that needs it. A member so receives, per slab it owns,
+    ``q - 1`` contributions (``q`` without its own), and every other slab of its block once.
+
+    Per-rank table, 2x2 mesh, 4 rows, ``(P, S(0)) -> (S(0), B)`` (member = (p, h) holds contribution
+    p of row half h and needs row half p of the result):
+
+    >>> from sbp import S, B, Partial
+    >>> ex = reduce_exchange((4,), (2, 2), (Partial(), S(0)), (S(0), B), (0, 1), (0, 0))
+    >>> ex.owned[0]        # (0, 0) reduces rows 0-1, its own contribution included
+    ((((0, 2),), True),)
+    >>> ex.recv1[0]        # ... receiving contribution 1 of them from member 2 = (1, 0)
+    ((2, ((0, 2),)),)
+    >>> ex.recv2[1]        # (0, 1) receives the reduced rows 0-1 from their owner (0, 0)
+    ((0, ((0, 2),)),)
+    >>> [ex.recv_elems(i) for i in range(4)]
+    [2, 2, 2, 2]
+    """
+    if not reducible(src, dst, axes):
+        raise PlanError(f"a reduce_transfer on mesh axes {axes} cannot turn {src} into {dst}: it needs "
+                        f"same-op Partial axes in the group, Split/Broadcast targets there, no Partial axis "
+                        f"of another op after them, and a group that holds one contiguous block")
+    mesh = DeviceMesh(mesh_shape)
+    members = [mesh.coord_of(r) for r in _group(mesh, axes, coord)]
+    lists = reduce_schedule(members, [block(global_shape, mesh_shape, src, m) for m in members],
+                            [block(global_shape, mesh_shape, dst, m) for m in members], *contributions(src, axes))
+    order = lambda pairs: tuple(tuple(sorted(p, key=lambda pb: pb[0])) for p in pairs)
+    return ReduceExchange(tuple(members), tuple(map(tuple, lists[0])), *map(order, lists[1:]))
+
+
+def contributions(src: tuple[Placement, ...], axes: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """The group's Partial axes (a member's coords there name its contribution) and its Broadcast axes
+    before the last of them. Replicas along those agree only once reduced, so one element's
+    contributions must all come from one replica of them (later Broadcast replicas are exact copies)."""
+    pax = [a for a in axes if isinstance(src[a], Partial)]
+    return pax, [a for a in axes if isinstance(src[a], Broadcast) and a < pax[-1]]
+
+
+def reduce_schedule(members: list[tuple[int, ...]], src_blocks: list[Block], dst_blocks: list[Block],
+                    pax: list[int], outer: list[int]) -> tuple[list[list], ...]:
+    """The lists of `ReduceExchange` (owned, recv1, send1, recv2, send2; unsorted) for one group, from
+    its members' coords and blocks."""
+    holders: dict[Block, dict[tuple[int, ...], dict[tuple[int, ...], list[int]]]] = {}  # tile, replica, contribution
+    for i, (m, b) in enumerate(zip(members, src_blocks)):
+        replicas = holders.setdefault(b, {}).setdefault(tuple(m[a] for a in outer), {})
+        replicas.setdefault(tuple(m[a] for a in pax), []).append(i)
+    n = len(members)
+    owned: list[list[tuple[Block, bool]]] = [[] for _ in range(n)]
+    recv1, send1, recv2, send2 = ([[] for _ in range(n)] for _ in range(4))
+    for need, o, slab, source in _slab_owners(src_blocks, dst_blocks):
+        holds = src_blocks[o] == source
+        owned[o].append((slab, holds))
+        replicas = holders[source]
+        replica = replicas[tuple(members[o][a] for a in outer)] if holds else list(replicas.values())[o % len(replicas)]
+        for who in replica.values():  # one list of holders per contribution
+            if holds and o in who:
+                continue
+            peer = who[o % len(who)]
+            recv1[o].append((peer, slab))
+            send1[peer].append((o, slab))
+        for i in need:
+            if i != o:
+                recv2[i].append((o, slab))
+                send2[o].append((i, slab))
+    return owned, recv1, send1, recv2, send2
+
+
+def reduce_recv_elems(src_blocks: list[Block], dst_blocks: list[Block], contributions: int) -> list[int]:
+    """Per member, the elements it receives in `reduce_schedule` (both phases), from sizes alone: an
+    owner receives each slab's contributions but its own, every other member that needs it the result.
+
+    >>> reduce_recv_elems([((0, 2),), ((2, 4),)] * 2, [((0, 2),)] * 2 + [((2, 4),)] * 2, 2)
+    [2, 2, 2, 2]
+    """
+    recv = [0] * len(src_blocks)
+    for need, o, slab, source in _slab_owners(src_blocks, dst_blocks):
+        k = block_numel(slab)
+        recv[o] += k * (contributions - (src_blocks[o] == source))
+        for i in need:
+            if i != o:
+                recv[i] += k
+    return recv
+
+
+def _slab_owners(src_blocks: list[Block], dst_blocks: list[Block]) -> Iterator[tuple[list[int], int, Block, Block]]:
+    """(members needing it, owner, slab, the source tile holding it) for every slab:
+    each destination tile is cut by the source tiles into pieces, and each piece into balanced slabs,
+    one per member that needs it and holds a contribution of it (or, when none does, that needs it)."""
+    sources = list(dict.fromkeys(src_blocks))
+    needers: dict[Block, list[int]] = {}
+    for i, b in enumerate(dst_blocks):
+        needers.setdefault(b, []).append(i)
+    for tile, need in needers.items():
+        for source in sources:
+            piece = []
+            for (alo, ahi), (blo, bhi) in zip(tile, source):  # `intersect`, inlined: the planner's hot loop
+                lo, hi = alo if alo > blo else blo, ahi if ahi < bhi else bhi
+                if hi <= lo:
+                    break
+                piece.append((lo, hi))
+            else:
+                owners = [i for i in need if src_blocks[i] == source] or need
+                if len(owners) == 1:
+                    yield need, owners[0], tuple(piece), source
+                    continue
+                for o, slab in zip(owners, _slabs(tuple(piece), len(owners))):
+                    if slab is not None:
+                        yield need, o, slab, source
+
+
+def reducible(src: tuple[Placement, ...], dst: tuple[Placement, ...], axes: tuple[int, ...]) -> bool:
+    """True when a ``reduce_transfer`` on `axes` can turn `src` into `dst`: the group's Partial axes
+    (at least one) share one op and no Partial axis of another op comes after them; every group axis
+    ends Split/Broadcast; other axes keep their placement; and the group holds one contiguous block
+    (`self_contained`, a Partial axis counting as Broadcast).
+
+    >>> from sbp import S, B, Partial
+    >>> reducible((Partial(), S(0)), (S(0), B), (0, 1)), reducible((Partial(), Partial("max")), (B, B), (0, 1))
+    (True, False)
+    """
+    pax = [a for a in axes if isinstance(src[a], Partial)]
+    if not pax or len({src[a] for a in pax}) > 1:
+        return False
+    if any(src[a] != dst[a] for a in range(len(src)) if a not in axes):
+        return False
+    if any(isinstance(src[b], Partial) and src[b] != src[pax[0]] for b in range(pax[0] + 1, len(src))):
+        return False
+    flat = tuple(Broadcast() if a in pax else p for a, p in enumerate(src))
+    return self_contained(flat, dst, axes)
+
+
+def _slabs(piece: Block, parts: int) -> list[Block | None]:
+    """`piece` cut into `parts` balanced slabs along its outermost dim long enough (else its longest
+    one); None for an empty slab. A 0-d piece (one element) is not cut."""
+    if parts == 1 or not piece:
+        return [piece] + [None] * (parts - 1)
+    lengths = [hi - lo for lo, hi in piece]
+    d = next((d for d, n in enumerate(lengths) if n >= parts), lengths.index(max(lengths)))
+    out = []
+    for k in range(parts):
+        lo, hi = split_range(piece[d][0], piece[d][1], parts, k)
+        out.append(piece[:d] + ((lo, hi),) + piece[d + 1:] if hi > lo else None)
+    return out
+
+
+def self_contained(src: tuple[Placement, ...], dst: tuple[Placement, ...], axes: tuple[int, ...]) -> bool:
+    """True when the group along `axes` holds one contiguous block in both states (and no Partial axis
+    is in the group): per dim, every splitter outside the group comes before every splitter inside it.
+
+    >>> from sbp import S, B
+    >>> self_contained((S(0), S(0)), (B, S(0)), (0,)), self_contained((S(0), S(0)), (B, S(0)), (0, 1))
+    (False, True)
+    """
+    return contained(tuple(map(split_code, src)), tuple(map(split_code, dst)), axes)
+
+
+def split_code(p: Placement) -> int:
+    """A placement as one int: ``d`` for ``S(d)``, -1 for ``B``, below -1 for ``P(op)`` (one per op).
+
+    >>> from sbp import S, B, Partial
+    >>> split_code(S(1)), split_code(B), split_code(Partial("max"))
+    (1, -1, -4)
+    """
+    return p.dim if isinstance(p, Split) else -1 if isinstance(p, Broadcast) else -2 - REDUCE_OPS.index(p.op)
+
+
+def contained(src: tuple[int, ...], dst: tuple[int, ...], axes: tuple[int, ...]) -> bool:
+    """`self_contained` on `split_code`s (the planner's hot loop works on them)."""
+    for state in (src, dst):
+        inside: set[int] = set()  # dims split in the group so far
+        for a, d in enumerate(state):
+            if a in axes:
+                if d >= 0:
+                    inside.add(d)
+                elif d != -1:  # a Partial axis in the group
+                    return False
+            elif d in inside:  # an outside splitter after an inside one
+                return False
+    return True
+
+
+def _group(mesh: DeviceMesh, axes: tuple[int, ...], coord: tuple[int, ...]) -> tuple[int, ...]:
+    rank = mesh.rank_of(coord)
+    for g in mesh.groups(axes):
+        if rank in g:
+            return g
+    raise AssertionError("coord not in mesh")  # pragma: no cover

@@ -1,0 +1,343 @@
+"""The executor: runs a `Plan` step by step on this rank's local tensor through the mesh's communicator.
+
+Every size comes from layout maths (`sbp.values.layout.block` with the step's placements and the members'
+coords), never from an assumed flat split: 10 rows nested over a 2x2 mesh are 3,2,3,2, not 3,3,2,2.
+Where each piece lies in the flat buffers a collective reads and writes is `sbp.runtime.buffers` (cached per
+step and coord): uneven pieces are padded to one length for all_gather / reduce_scatter and trimmed
+after; all_to_all and transfers use exact per-peer sizes from `sbp.planning.exchange.exchange`. Buffers are the
+local or the result themselves wherever the pieces line up, so most steps copy nothing around the
+collective. A group whose pieces are all empty makes no call at all (every member knows it from
+layout maths alone). The caller's local is never written to.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .communicator import Communicator
+from ..values.errors import MeshError, PlanError, ShapeError
+from ..values.layout import Block, block, block_shape, check_global_shape, relative
+from ..values.mesh import DeviceMesh
+from .buffers import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
+from ..values.placement import Broadcast, Partial, Placement, Split, normalize
+from ..planning.search import plan as make_plan
+from .reduce_exchange import run_reduce_transfer
+from ..values.steps import Plan, Step
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    """What every step needs besides its own fields: the tensor, the mesh and this rank's place."""
+
+    global_shape: tuple[int, ...]
+    mesh: DeviceMesh  # only its shape and ranks are used
+    coord: tuple[int, ...]
+    comm: Communicator
+    caller_storage: int  # address of the caller's local tensor's memory: never written to
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in memory the executor allocated (so a collective may work in place)."""
+        return t.untyped_storage().data_ptr() not in (0, self.caller_storage)
+
+    def block(self, pls: tuple[Placement, ...], coord: tuple[int, ...] | None = None) -> Block:
+        return block(self.global_shape, self.mesh.shape, pls, self.coord if coord is None else coord)
+
+
+def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Run `plan` on this rank's `local` block of the source layout; return its block of the target.
+
+    `mesh` must be bound (`sbp.init_mesh`, `sbp.testing.spmd`). A rank outside the mesh returns its
+    (empty) `local` unchanged and takes part in nothing. The result is contiguous.
+
+    >>> import sbp, sbp.testing, torch
+    >>> from sbp.runtime.executor import execute
+    >>> def fn(mesh):
+    ...     p = sbp.plan((4, 2), mesh, "S(0)", "B")
+    ...     local = torch.arange(8.).view(4, 2)[2 * mesh.coord[0]:][:2]
+    ...     return execute(p, local, mesh).sum().item()
+    >>> sbp.testing.spmd(fn, (2,))
+    [28.0, 28.0]
+    """
+    ctx = _context(plan, mesh, local)
+    if ctx is None:
+        return local
+    expected = block_shape(ctx.block(plan.src))
+    if tuple(local.shape) != expected:
+        raise ShapeError(f"rank {ctx.comm.rank} at coord {ctx.coord}: local shape {tuple(local.shape)} does not "
+                         f"match the block {expected} that placements {plan.src} give a global shape "
+                         f"{plan.global_shape} on mesh {plan.mesh_shape}")
+    for step in plan.steps:
+        local = _run(step, local, ctx)
+    return local.contiguous()
+
+
+def execute_step(step: Step, local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequence[int]) -> torch.Tensor:
+    """Run one step (tests use it to attribute traffic to steps); see `execute`.
+
+    >>> import sbp, sbp.testing, torch
+    >>> from sbp.runtime.executor import execute_step
+    >>> def fn(mesh):
+    ...     step = sbp.plan((4,), mesh, "B", "S(0)").steps[0]
+    ...     return execute_step(step, torch.arange(4), mesh, (4,)).tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [[0, 1], [2, 3]]
+    """
+    ctx = _context(Plan(tuple(global_shape), tuple(mesh.shape), step.src, step.dst, local.element_size(),
+                        (step,)), mesh, local)
+    return local if ctx is None else _run(step, local, ctx).contiguous()
+
+
+def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequence[int], src, dst) -> torch.Tensor:
+    """This rank's block of the tensor laid out as `dst`, from its block laid out as `src` (plans, then runs).
+
+    Placements may be objects or strings; the plan is cached, so repeated calls cost no planning.
+
+    >>> import sbp, sbp.testing, torch
+    >>> from sbp.runtime.executor import redistribute_local
+    >>> def fn(mesh):
+    ...     x = torch.arange(16.).view(4, 4)
+    ...     local = x[sbp.local_slices((4, 4), mesh, "S(0), S(1)", mesh.coord)]
+    ...     return redistribute_local(local, mesh, (4, 4), "S(0), S(1)", "S(1), B").tolist()
+    >>> sbp.testing.spmd(fn, (2, 2))[3]
+    [[2.0, 3.0], [6.0, 7.0], [10.0, 11.0], [14.0, 15.0]]
+    """
+    shape = check_global_shape(global_shape)
+    src = normalize(src, len(shape), mesh.ndim)
+    dst = normalize(dst, len(shape), mesh.ndim)
+    return execute(_plan(shape, tuple(mesh.shape), src, dst, local.element_size()), local, mesh)
+
+
+@lru_cache(maxsize=4096)
+def _plan(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst, itemsize: int) -> Plan:
+    return make_plan(shape, mesh_shape, src, dst, itemsize)
+
+
+def _context(plan: Plan, mesh: DeviceMesh, local: torch.Tensor) -> _Ctx | None:
+    coord = mesh.coord  # raises MeshError for a pure (unbound) mesh
+    if coord is None:
+        return None
+    if tuple(mesh.shape) != tuple(plan.mesh_shape):
+        raise MeshError(f"plan is for a mesh of shape {plan.mesh_shape}, the mesh has shape {mesh.shape}")
+    return _Ctx(plan.global_shape, mesh, coord, mesh.binding,
+                local.untyped_storage().data_ptr())
+
+
+def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    match step.kind:
+        case "local":
+            return _local(step, local, ctx)
+        case "all_gather":
+            return _all_gather(step, local, ctx)
+        case "reduce_scatter":
+            return _reduce_scatter(step, local, ctx)
+        case "all_reduce":
+            return _all_reduce(step, local, ctx)
+        case "all_to_all" | "transfer":
+            route = ctx.comm.exchange_route
+            if route == "messages" or route == "auto" and messages_copy_nothing(
+                    ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord):
+                return _send_recv(step, local, ctx)
+            return _exchange(step, local, ctx)
+        case "reduce_transfer":
+            return run_reduce_transfer(step, local, ctx.global_shape, ctx.mesh.shape, ctx.coord, ctx.comm)
+        case _:  # pragma: no cover - Step validates its kind
+            raise PlanError(f"unknown step kind {step.kind!r}")
+
+
+# ---- local moves ----------------------------------------------------------------------------------
+
+def _local(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """Several axes at once become one-axis moves: embeddings (S -> P) innermost axis first, so each
+    widens the block to its parent, then slices and keep/zero moves outermost first."""
+    changed = [a for a in range(len(step.src)) if step.src[a] != step.dst[a]]
+    widen = [a for a in changed if isinstance(step.src[a], Split)]
+    order = widen[::-1] + [a for a in changed if a not in widen]
+    state = step.src
+    for a in order:
+        nxt = state[:a] + (step.dst[a],) + state[a + 1:]
+        local = _local_axis(local, state, nxt, a, ctx)
+        state = nxt
+    return local
+
+
+def _local_axis(local: torch.Tensor, src: tuple[Placement, ...], dst: tuple[Placement, ...], axis: int,
+                ctx: _Ctx) -> torch.Tensor:
+    have, want = ctx.block(src), ctx.block(dst)
+    match src[axis], dst[axis]:
+        case Broadcast(), Split():
+            _check_inside(want, have, src, dst)
+            return local[relative(want, have)]
+        case Broadcast(), Partial(op="sum"):
+            return local if ctx.coord[axis] == 0 else torch.zeros_like(local)
+        case Broadcast(), Partial():
+            return local
+        case Split(), Partial(op=op):
+            _check_inside(have, want, src, dst)
+            out = local.new_full(block_shape(want), identity(op, local.dtype))
+            out[relative(have, want)] = local
+            return out
+        case Partial(op=a), Partial(op=b) if a == b:
+            return local
+    raise PlanError(f"a local step cannot turn {src[axis]!r} into {dst[axis]!r} on mesh axis {axis} "
+                    f"(local moves: B -> S(d), B -> P(op), S(d) -> P(op))")
+
+
+def identity(op: str, dtype: torch.dtype) -> "int | float | bool":
+    """The identity element of `op` for `dtype` (what a non-contributing Partial rank holds).
+
+    >>> identity("sum", torch.float32), identity("min", torch.float16), identity("max", torch.int8)
+    (0, inf, -128)
+    """
+    if op == "sum":
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return float("inf") if op == "min" else float("-inf")
+    info = torch.iinfo(dtype)
+    return info.max if op == "min" else info.min
+
+
+def _check_inside(inner: Block, outer: Block, src, dst) -> None:
+    if any(not olo <= ilo <= ihi <= ohi for (ilo, ihi), (olo, ohi) in zip(inner, outer)):
+        raise PlanError(f"{src} -> {dst} is not a local move: block {inner} is not inside {outer}")
+
+
+# ---- collectives ----------------------------------------------------------------------------------
+
+def _all_gather(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """S(d) -> B on step.axes: gather every member's piece (padded flat) into one buffer; the result is a
+    view of it when the pieces are consecutive runs of the result, else assembled from it."""
+    lay = gather(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    buf = local.new_empty(len(lay.numels) * lay.width)
+    ctx.comm.all_gather(_flat_padded(local, lay.width), step.axes, numels=lay.numels, out=buf)
+    if lay.runs is not None:
+        if len(lay.runs) == 1:
+            return buf[lay.runs[0][0]:lay.runs[0][1]].view(lay.shape)
+        return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape)
+    out = local.new_empty(lay.shape)
+    for where, shape, offset in lay.places:
+        out[where] = buf[offset:offset + math.prod(shape)].view(shape)
+    return out
+
+
+def _reduce_scatter(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """P(op) -> S(d) on step.axes: the local as the input when its pieces are runs of it in member order
+    (equal: `reduce_scatter`; unequal: `reduce_scatter_runs`, which pads only where the backend needs
+    it), else its pieces copied into one padded buffer; reduce-scatter; trim this rank's piece."""
+    lay = scatter(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    if lay.runs is not None:   # unequal runs of the local, in member order
+        flat = local.contiguous().view(-1)
+        return ctx.comm.reduce_scatter_runs(flat, lay.numels, step.axes, _op(step)).view(lay.shape)
+    if lay.direct:
+        inp = local.reshape(-1)
+    else:
+        inp = local.new_empty(len(lay.numels) * lay.width)
+        for where, shape, offset in lay.places:
+            inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
+        for lo, hi in lay.pads:
+            inp[lo:hi] = 0
+    got = ctx.comm.reduce_scatter(inp, step.axes, _op(step), numels=lay.numels)  # n pieces of width
+    return got[:lay.numels[lay.index]].view(lay.shape)
+
+
+def _all_reduce(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """P(op) -> B on step.axes; in place when the executor made `local` (never on the caller's tensor)."""
+    if local.numel() == 0:
+        return local.contiguous()
+    return ctx.comm.all_reduce(local, step.axes, _op(step), inplace=ctx.owns(local))
+
+
+def _exchange(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """all_to_all / transfer: send exactly the listed blocks, receive the listed blocks, keep the rest.
+    Send and receive buffers are the local and the result themselves where the blocks line up; the kept
+    part is copied while the call is in flight (it touches neither buffer)."""
+    lay = exchange_layout(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    out, keep = _result_and_keep(lay, local)
+    if not lay.moves:  # nothing moves anywhere in this group: no call
+        return out
+    if lay.send_run is not None and local.is_contiguous():
+        inp = local.view(-1)[lay.send_run[0]:lay.send_run[1]]
+    else:
+        inp = local.new_empty(sum(lay.in_splits))
+        for where, shape, offset in lay.sends:
+            inp[offset:offset + math.prod(shape)].view(shape).copy_(local[where])
+    if lay.recv_run is not None:
+        ctx.comm.all_to_all_single(out.view(-1)[lay.recv_run[0]:lay.recv_run[1]], inp, lay.out_splits,
+                                   lay.in_splits, step.axes, meanwhile=keep)
+        return out
+    got = ctx.comm.all_to_all_single(local.new_empty(sum(lay.out_splits)), inp, lay.out_splits, lay.in_splits,
+                                     step.axes, meanwhile=keep)
+    for where, shape, offset in lay.recvs:
+        out[where] = got[offset:offset + math.prod(shape)].view(shape)
+    return out
+
+
+def _send_recv(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    """all_to_all / transfer as point-to-point messages: each block is sent from the local and received
+    into the result where it is one run there (a block for two peers is not copied at all), else packed
+    just before its send or unpacked after; the kept part is copied while messages are in flight."""
+    lay = p2p_layout(ctx.global_shape, ctx.mesh.shape, step.src, step.dst, step.axes, ctx.coord)
+    out, keep = _result_and_keep(lay, local)
+    if not lay.moves:  # nothing moves anywhere in this group: no call
+        return out
+    flat_in = local.view(-1) if local.is_contiguous() else None
+    flat_out = out.view(-1)
+    sends = [(peer, flat_in[run[0]:run[1]] if run is not None and flat_in is not None else _packer(local, where))
+             for peer, run, where in lay.sends]
+    recvs, unpack = [], []
+    for peer, run, where, shape in lay.recvs:
+        if run is not None:
+            recvs.append((peer, flat_out[run[0]:run[1]]))
+        else:
+            buf = local.new_empty(shape)
+            recvs.append((peer, buf))
+            unpack.append((where, buf))
+    ctx.comm.send_recv(sends, recvs, step.axes, meanwhile=keep)
+    for where, buf in unpack:
+        out[where] = buf
+    return out
+
+
+def _result_and_keep(lay, local: torch.Tensor):
+    """An exchange's result buffer and the copy of the kept part into it (done now when nothing moves,
+    else returned to run while the messages are in flight)."""
+    out = local.new_empty(lay.shape)
+    keep = None if lay.keep is None else lambda: out[lay.keep[1]].copy_(local[lay.keep[0]])
+    if not lay.moves and keep is not None:
+        keep()
+    return out, keep
+
+
+def _packer(local: torch.Tensor, where: tuple[slice, ...]):
+    return lambda: local[where].contiguous()
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _op(step: Step) -> str:
+    if step.op is not None:
+        return step.op
+    p = step.src[step.axes[0]]
+    if not isinstance(p, Partial):
+        raise PlanError(f"{step!r} reduces, but its source placement on axis {step.axes[0]} is {p!r}, not Partial")
+    return p.op
+
+
+def _flat_padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` flattened (contiguous: a view when it already is) and zero-padded to `width` elements."""
+    flat = t.reshape(-1)
+    if flat.numel() == width:
+        return flat
+    out = flat.new_empty(width)
+    out[:flat.numel()] = flat
+    out[flat.numel():] = 0
+    return out

@@ -1,0 +1,203 @@
+"""Differentiable conversions of global tensors: redistribute, full, to_local and from_local.
+
+Redistribution does not change the logical tensor, so its gradient is the incoming gradient laid out
+again: the backward of ``src -> dst`` redistributes the gradient (whatever placements it arrives with)
+to `grad_placements(src)`, which is `src` with every `P(op)` replaced by `B` -- the gradient of a
+Partial value is Broadcast, since each local contributes to the logical value. Backward passes run
+planned redistributions through the same executor as forward ones; nothing gathers everything.
+
+Duality per mesh axis (forward placements -> placements of its gradient):
+
+=============  ==================  ==========================================================
+forward        gradient            backward communication of ``redistribute(src -> dst)``
+=============  ==================  ==========================================================
+``S(d)``       ``S(d)``            planned ``grad(dst) -> S(d)``
+``B``          ``B``               planned ``grad(dst) -> B``
+``P(op)``      ``B``               planned ``grad(dst) -> B`` (none when the grad is already B)
+=============  ==================  ==========================================================
+"""
+from __future__ import annotations
+
+import torch
+
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, Partial, Placement, normalize
+from .global_tensor import GlobalTensor, grad_placements, local_from_full, redistribute_raw
+
+
+def _as_global(grad: torch.Tensor, mesh: DeviceMesh, global_shape: tuple[int, ...],
+               like: tuple[Placement, ...]) -> GlobalTensor:
+    """A gradient as a GlobalTensor; a plain gradient is the full value on every rank (Broadcast)."""
+    if isinstance(grad, GlobalTensor):
+        return grad
+    return GlobalTensor(local_from_full(grad, mesh, like), mesh, like, global_shape)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:  # type: ignore[override]
+        ctx.src = x._placements
+        ctx.mesh = x._mesh
+        ctx.global_shape = tuple(x.shape)
+        out = redistribute_raw(x, dst)
+        return _not_aliasing(out, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        want = grad_placements(ctx.src)
+        g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
+        return redistribute(g, want), None
+
+
+class _RedistributeCross(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, mesh: DeviceMesh, dst: tuple[Placement, ...]) -> GlobalTensor:  # type: ignore[override]
+        from ..runtime.crossmesh import redistribute_cross
+        ctx.src, ctx.src_mesh, ctx.dst_mesh = x._placements, x._mesh, mesh
+        ctx.global_shape = tuple(x.shape)
+        local = redistribute_cross(x._local, x._mesh, ctx.global_shape, x._placements, mesh, dst)
+        return _not_aliasing(GlobalTensor(local, mesh, dst, ctx.global_shape), x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        g = _as_global(grad, ctx.dst_mesh, ctx.global_shape, (Broadcast(),) * ctx.dst_mesh.ndim)
+        return redistribute_cross(g, ctx.src_mesh, grad_placements(ctx.src)), None, None
+
+
+def _not_aliasing(out: GlobalTensor, x: GlobalTensor) -> GlobalTensor:
+    """`out`, or a copy of it where its local shares memory with `x`'s: a plan that only slices or keeps
+    (B -> S(0), B -> P) would hand back a view of the source, and a write into the result would change
+    the source on some ranks only. `redistribute` returns a new tensor, as DTensor's does."""
+    mine = out._local
+    if mine.numel() and mine.untyped_storage().data_ptr() == x._local.untyped_storage().data_ptr():
+        return GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape))
+    return out
+
+
+class _Full(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.src = x._placements
+        ctx.mesh = x._mesh
+        ctx.global_shape = tuple(x.shape)
+        if x.ndim == 0 and x._mesh.coord is None:
+            # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
+            # runs here too (and this rank takes its part in the backward of a cross-mesh move)
+            return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
+        return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        # the plain gradient is Broadcast (every rank computed the same loss); B -> S/B is a local slice
+        want = grad_placements(ctx.src)
+        if isinstance(grad, GlobalTensor):  # pragma: no cover - full() returns a plain tensor
+            return redistribute(grad, want)
+        return GlobalTensor(local_from_full(grad, ctx.mesh, want), ctx.mesh, want, ctx.global_shape)
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, grad_pls: tuple[Placement, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = x._mesh
+        ctx.global_shape = tuple(x.shape)
+        ctx.grad_pls = grad_pls
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return GlobalTensor(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
+                global_shape: tuple[int, ...]) -> GlobalTensor:
+        ctx.mesh = mesh
+        ctx.pls = pls
+        ctx.global_shape = global_shape
+        return GlobalTensor(local.view_as(local), mesh, pls, global_shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        want = grad_placements(ctx.pls)
+        g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
+        return redistribute(g, want).to_local(), None, None, None
+
+
+def redistribute(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:
+    """Differentiable redistribution to normalised placements `dst` (the body of `x.redistribute`).
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.ones(4), mesh, "S(0)", requires_grad=True)
+    ...     redistribute(x, (sbp.B,)).to_local().sum().backward()    # each rank's loss: its B copy
+    ...     return x.grad.placements, x.grad.to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [((S(0),), [1.0, 1.0]), ((S(0),), [1.0, 1.0])]
+    """
+    return _Redistribute.apply(x, dst)
+
+
+def redistribute_cross(x: GlobalTensor, mesh: DeviceMesh, dst: tuple[Placement, ...]) -> GlobalTensor:
+    """Differentiable move to another mesh (other ranks and/or shape); every rank of both meshes calls it.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(world):
+    ...     a = world.binding.bind(sbp.DeviceMesh((2,), ranks=(0, 1)))
+    ...     b = world.binding.bind(sbp.DeviceMesh((2,), ranks=(2, 3)))
+    ...     x = sbp.distribute(torch.arange(4.), a, "S(0)")
+    ...     return redistribute_cross(x, b, (sbp.S(0),)).to_local().tolist()
+    >>> sbp.testing.spmd(fn, (4,))
+    [[], [], [0.0, 1.0], [2.0, 3.0]]
+    """
+    return _RedistributeCross.apply(x, mesh, dst)
+
+
+def full(x: GlobalTensor) -> torch.Tensor:
+    """Differentiable `x.full()`; its backward cuts the Broadcast gradient locally (no communication).
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.arange(4.), mesh, "S(0)", requires_grad=True)
+    ...     (full(x) ** 2).sum().backward()
+    ...     return x.grad.to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [[0.0, 2.0], [4.0, 6.0]]
+    """
+    return _Full.apply(x)
+
+
+def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
+    """Differentiable `x.to_local()`; the local gradient gets `grad_pls` (default: `x`'s placements with
+    `P(op)` as `P(sum)`: each rank's local gradient is one part of the logical gradient).
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.ones(2), mesh, "P(sum)", requires_grad=True)
+    ...     to_local(x).sum().backward()     # two P(sum) parts of gradient 1 each: logical gradient 2,
+    ...     return x.grad.placements, x.grad.to_local().tolist()    # a Partial leaf's .grad is B
+    >>> sbp.testing.spmd(fn, (2,))
+    [((B,), [2.0, 2.0]), ((B,), [2.0, 2.0])]
+    """
+    if grad_pls is None:
+        grad_pls = _sum_parts(x._placements)
+    else:
+        grad_pls = normalize(grad_pls, x.ndim, x._mesh.ndim)
+    return _ToLocal.apply(x, grad_pls)
+
+
+def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],
+                        global_shape: tuple[int, ...]) -> GlobalTensor:
+    """Differentiable wrapping of a local tensor (checked arguments); see `sbp.from_local`.
+
+    >>> import torch, sbp
+    >>> local = torch.ones(2, requires_grad=True)
+    >>> x = from_local_autograd(local, sbp.DeviceMesh((2,)), (sbp.S(0),), (4,))
+    >>> x, x.requires_grad
+    (GlobalTensor(shape=(4,), placements=(S(0),), mesh=(2,), grad_fn=<_FromLocalBackward>), True)
+    """
+    return _FromLocal.apply(local, mesh, pls, global_shape)
+
+
+def _sum_parts(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    return tuple(Partial("sum") if isinstance(p, Partial) else p for p in pls)

@@ -1,0 +1,296 @@
+"""Making global tensors from plain ones: `distribute` (from the full tensor) and `from_local` (from shards).
+
+Both are SPMD calls: every rank of the mesh makes them in the same order. The only communication is a
+scatter for ``distribute(..., src=rank)`` and one small all_gather of local shapes (more with
+``check=True``) for `from_local`. Those metadata collectives also carry the ranks' src, dtype and
+placements, so ranks that disagree get a `RankMismatchError` at no extra cost; under `sbp.debug()` every
+call checks (see `sbp.debug`).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional, Sequence
+
+import torch
+
+from ..runtime.agreement import agree, is_enabled, mesh_gather, mismatch
+from ..values.errors import DTypeError, MeshError, RankMismatchError, ShapeError, SbpError
+from ..values.layout import check_global_shape, local_shape, local_slices, splitters
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, normalize
+from .global_tensor import (GlobalTensor, check_local_device, check_partial_dtype, empty_outside, local_from_full,
+                     mesh_device, sum_holds_value)
+
+# every dtype a global tensor may have, by a stable code for metadata collectives
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, src: Optional[int] = None,
+               requires_grad: Optional[bool] = None) -> GlobalTensor:
+    """Lay out a full tensor on `mesh` with `placements`; every rank keeps only its block.
+
+    With ``src=None`` every rank passes the same full tensor and slices its block locally (no
+    communication). With ``src=r`` only world rank `r` needs the data: the others pass None (or any
+    tensor; it is ignored), learn the shape and dtype from one small all_gather, and receive exactly
+    their block (one all_to_all in which only `r` sends). `P(sum)` keeps the value on coord 0 of the
+    axis and zeros elsewhere; `P(min|max)` keep it everywhere. The result is a leaf; it requires grad
+    when `requires_grad` is True (default: as `tensor`).
+
+    Per-rank table for ``distribute(torch.arange(8.).view(4, 2), mesh2x2, "S(0), P(sum)")``:
+
+    ======  =====  =====================
+    rank    coord  local
+    ======  =====  =====================
+    0       (0,0)  rows 0:2
+    1       (0,1)  zeros, shape (2, 2)
+    2       (1,0)  rows 2:4
+    3       (1,1)  zeros, shape (2, 2)
+    ======  =====  =====================
+
+    >>> import torch, sbp
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.arange(8.).view(4, 2), mesh, "S(0), B")
+    ...     return x.to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2, 2))
+    [[[0.0, 1.0], [2.0, 3.0]], [[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]]]
+    """
+    _check_bound(mesh, "distribute")
+    if isinstance(tensor, GlobalTensor):
+        raise SbpError("distribute needs a plain torch.Tensor, got a GlobalTensor; use x.redistribute(placements)")
+    if requires_grad is not None and not isinstance(requires_grad, bool):
+        raise SbpError(f"distribute(requires_grad=...) must be None or a bool, got {requires_grad!r}")
+    mesh_device(mesh, "distribute")
+    if src is None:
+        if not isinstance(tensor, torch.Tensor):
+            raise SbpError(f"distribute needs a torch.Tensor on every rank when src=None, got {type(tensor).__name__}; "
+                           f"pass src=rank to scatter from one rank")
+        pls = normalize(placements, tensor.ndim, mesh.ndim)
+        check_partial_dtype(pls, tensor.dtype, "distribute")
+        if is_enabled() and mesh.coord is not None:
+            gather, members = mesh_gather(mesh)
+            agree(gather, members, "distribute", {"mesh": mesh, "dtype": tensor.dtype, "global shape":
+                  tuple(tensor.shape), "placements": pls, "src": None}, device=mesh.device_type)
+        grad = tensor.requires_grad if requires_grad is None else requires_grad   # before detach()
+        tensor = _to_mesh_device(tensor.detach(), mesh)
+        local = local_from_full(tensor, mesh, pls)
+        shape = tuple(tensor.shape)
+    else:
+        local, pls, shape, grad = _scatter(tensor, mesh, placements, src)
+        grad = grad if requires_grad is None else requires_grad
+    out = GlobalTensor(local, mesh, pls, shape)
+    if grad and not (out.dtype.is_floating_point or out.dtype.is_complex):
+        raise DTypeError(f"distribute(requires_grad=True): only floating point and complex tensors can require "
+                         f"gradients, got {out.dtype}")
+    return out.requires_grad_(True) if grad else out
+
+
+def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
+    if isinstance(src, bool) or not isinstance(src, int) or src not in mesh.ranks:
+        raise MeshError(f"distribute src={src!r} must be a world rank of the mesh (ranks: {list(mesh.ranks)})")
+    coord = mesh.coord
+    me = mesh.rank
+    if me == src and not isinstance(tensor, torch.Tensor):
+        raise SbpError(f"distribute(src={src}): rank {src} must pass the full tensor, got {type(tensor).__name__}")
+    if coord is None:  # outside the mesh: no part in the scatter; the shape comes from what this rank passed
+        if not isinstance(tensor, torch.Tensor):
+            raise SbpError(f"distribute(src={src}): rank {me} is outside the mesh and cannot learn the shape; "
+                           f"pass a tensor of the global shape and dtype (e.g. torch.empty(shape))")
+        pls = normalize(placements, tensor.ndim, mesh.ndim)
+        return empty_outside(tensor.ndim, tensor.dtype, tensor.device), pls, tuple(tensor.shape), False
+    comm, axes = mesh.binding, tuple(range(mesh.ndim))
+    gather, members = mesh_gather(mesh)
+    # every rank sends the src it was given (free agreement check); only src fills in ndim, dtype, grad.
+    # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
+    if me == src:
+        wants_grad = tensor.requires_grad
+        tensor = _to_mesh_device(tensor.detach(), mesh)
+        code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
+        meta = [src, tensor.ndim, code, int(wants_grad)]
+    else:
+        meta = [src, -1, -1, 0]
+    rows = [t.tolist() for t in comm.all_gather(_ints(meta, mesh), axes)]
+    if len({r[0] for r in rows}) > 1:
+        raise mismatch("distribute", "src", [r[0] for r in rows], members)
+    src_index = mesh.ranks.index(src)
+    _, ndim, code, grad = rows[src_index]
+    if code < 0:
+        raise DTypeError(f"distribute(src={src}): rank {src}'s tensor has a dtype that cannot be scattered "
+                         f"{'(' + str(tensor.dtype) + ') ' if me == src else ''}(supported: "
+                         f"{', '.join(map(str, DTYPES))})")
+    dtype = DTYPES[code]
+    pls = normalize(placements, ndim, mesh.ndim)
+    check_partial_dtype(pls, dtype, "distribute")
+    # the shape gather carries every rank's placements too (free agreement check)
+    fields = {"placements": pls, **({"mesh": mesh} if is_enabled() else {})}
+    shapes = agree(gather, members, "distribute", fields, list(tensor.shape) if me == src else [0] * ndim,
+                   device=mesh.device_type)
+    shape = tuple(shapes[src_index])
+    device = torch.device(mesh.device_type)
+    holds = [sum_holds_value(mesh, pls, c) for c in mesh.coords()]
+    blocks = [local_shape(shape, mesh.shape, pls, c) for c in mesh.coords()]
+    empty = torch.empty(0, dtype=dtype, device=device)
+    if me == src:
+        send = [tensor[local_slices(shape, mesh.shape, pls, c)].contiguous() if h else empty
+                for c, h in zip(mesh.coords(), holds)]
+    else:
+        send = [empty] * mesh.size()
+    mine = mesh.index_of(coord)
+    recv_shapes = [(0,)] * mesh.size()
+    if holds[mine]:
+        recv_shapes[src_index] = blocks[mine]
+    got = comm.all_to_all(send, recv_shapes, axes)[src_index]
+    local = got if holds[mine] else torch.zeros(blocks[mine], dtype=dtype, device=device)
+    return local, pls, shape, bool(grad)
+
+
+def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shape: Optional[Sequence[int]] = None,
+               check: bool = False) -> GlobalTensor:
+    """Wrap this rank's local tensor as its part of a global tensor (differentiable, no copy).
+
+    Without `global_shape` it is inferred with one all_gather of the local shapes (each split dim's global
+    length is the sum of the local lengths along its splitting axes); the local shapes must then form a
+    balanced split (as `numpy.array_split`), otherwise `ShapeError` names the ranks that do not fit.
+    With ``check=True`` the ranks also verify that they agree on ndim, dtype, placements, global shape
+    and that Broadcast locals are bit-identical; a `RankMismatchError` names the ranks that differ.
+    A rank outside the mesh must pass `global_shape`.
+
+    >>> import torch, sbp
+    >>> def fn(mesh):
+    ...     local = torch.full((3 - mesh.coord[0], 3), float(mesh.rank))   # 3 rows on rank 0, 2 on rank 1
+    ...     return sbp.from_local(local, mesh, "S(0)").shape
+    >>> sbp.testing.spmd(fn, (2,))
+    [torch.Size([5, 3]), torch.Size([5, 3])]
+    """
+    _check_bound(mesh, "from_local")
+    if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor):
+        raise SbpError(f"from_local needs this rank's plain local torch.Tensor, got {type(local).__name__}")
+    check_local_device(local, mesh, "from_local")
+    pls = normalize(placements, local.ndim, mesh.ndim)
+    check_partial_dtype(pls, local.dtype, "from_local")
+    coord = mesh.coord
+    if global_shape is not None:
+        global_shape = check_global_shape(global_shape)
+        if len(global_shape) != local.ndim:
+            raise ShapeError(f"from_local: global_shape {global_shape} has {len(global_shape)} dims but the local "
+                             f"tensor has {local.ndim} (shape {tuple(local.shape)})")
+    if coord is None:
+        if global_shape is None:
+            raise SbpError(f"from_local: rank {mesh.rank} is outside the mesh and cannot infer the global shape; "
+                           f"pass global_shape=")
+    else:
+        shapes = None
+        if check:
+            shapes = _check_ranks(local, mesh, pls, global_shape)
+        if shapes is None and (global_shape is None or is_enabled()):
+            shapes = _gather_shapes(local, mesh, pls, global_shape)
+        if global_shape is None:
+            global_shape = _infer_global_shape(shapes, mesh, pls)
+        _check_local_shapes(global_shape, mesh, pls, shapes, local)
+    from .autograd import from_local_autograd
+    return from_local_autograd(local, mesh, pls, tuple(global_shape))
+
+
+# ---- from_local helpers ------------------------------------------------------------------------------
+SHAPE_SLOTS = 16  # local shapes travel padded to this many dims, so ranks that disagree on ndim still meet
+
+
+def _gather_shapes(local: torch.Tensor, mesh: DeviceMesh, pls, global_shape) -> list[tuple[int, ...]]:
+    """Every mesh member's local shape, in row-major coord order (one all_gather over the whole mesh).
+
+    The same collective carries digests of the dtype and placements (and, under `sbp.debug()`, of the
+    mesh and global_shape), so ranks that disagree get a `RankMismatchError` naming them at no extra cost.
+    """
+    gather, members = mesh_gather(mesh)
+    fields = {"dtype": local.dtype, "placements": pls}
+    if is_enabled():
+        fields.update({"mesh": mesh, "global_shape": global_shape})
+    shape = list(local.shape)
+    payload = [len(shape)] + shape + [0] * (max(SHAPE_SLOTS, len(shape)) - len(shape))
+    rows = agree(gather, members, "from_local", fields, payload, device=mesh.device_type)
+    if len({r[0] for r in rows}) > 1:
+        raise mismatch("from_local", "the local tensor's ndim", [r[0] for r in rows], members)
+    return [tuple(r[1:1 + r[0]]) for r in rows]
+
+
+def _infer_global_shape(shapes: list[tuple[int, ...]], mesh: DeviceMesh, pls) -> tuple[int, ...]:
+    out = []
+    for dim in range(len(shapes[0])):
+        axes = splitters(pls, dim)
+        # the group along the splitting axes through coord 0 tiles the dim (nested, row-major over the axes)
+        coords = [c for c in mesh.coords() if all(c[a] == 0 for a in range(mesh.ndim) if a not in axes)]
+        out.append(sum(shapes[mesh.index_of(c)][dim] for c in coords))
+    return tuple(out)
+
+
+def _check_local_shapes(global_shape, mesh: DeviceMesh, pls, shapes, local: torch.Tensor) -> None:
+    """Local shapes must be the layout's balanced blocks: all ranks' when gathered, else this rank's."""
+    coords = mesh.coords() if shapes is not None else [mesh.coord]
+    got = shapes if shapes is not None else [tuple(local.shape)]
+    bad = [(mesh.rank_of(c), g, local_shape(global_shape, mesh.shape, pls, c))
+           for c, g in zip(coords, got) if tuple(g) != local_shape(global_shape, mesh.shape, pls, c)]
+    if bad:
+        detail = "; ".join(f"rank {r} has {tuple(g)}, expected {e}" for r, g, e in bad)
+        raise ShapeError(f"from_local: local shapes do not fit global shape {tuple(global_shape)} with placements "
+                         f"{pls} on mesh {mesh.shape} (sbp splits are balanced, as numpy.array_split): {detail}")
+
+
+def _check_ranks(local: torch.Tensor, mesh: DeviceMesh, pls, global_shape) -> list[tuple[int, ...]]:
+    """check=True: compare ndim, dtype, placements, global_shape and Broadcast values across ranks."""
+    axes = tuple(range(mesh.ndim))
+    meta = _ints([local.ndim, _digest(str(local.dtype).encode()), _digest(repr(pls).encode()),
+                  _digest(repr(global_shape).encode()), _digest(_bytes_of(local))], mesh)
+    rows = [t.tolist() for t in mesh.binding.all_gather(meta, axes)]
+    for col, what in ((0, "ndim"), (1, "dtype"), (2, "placements"), (3, "global_shape")):
+        _agree(mesh, [r[col] for r in rows], what)
+    shapes = _gather_shapes(local, mesh, pls, global_shape)
+    b_axes = [a for a, p in enumerate(pls) if isinstance(p, Broadcast)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, c in enumerate(mesh.coords()):
+        groups.setdefault(tuple(v for a, v in enumerate(c) if a not in b_axes), []).append(i)
+    for members in groups.values():
+        _agree(mesh, {i: rows[i][4] for i in members}, f"Broadcast values (axes {tuple(b_axes)})")
+    return shapes
+
+
+def _agree(mesh: DeviceMesh, values, what: str) -> None:
+    items = values.items() if isinstance(values, dict) else enumerate(values)
+    by_value: dict[int, list[int]] = {}
+    for index, v in items:
+        by_value.setdefault(v, []).append(mesh.ranks[index])
+    if len(by_value) > 1:
+        parts = sorted(by_value.values(), key=lambda rs: (-len(rs), rs))
+        raise RankMismatchError(f"from_local(check=True): ranks disagree on {what}: "
+                                + " vs ".join(f"ranks {rs}" for rs in parts))
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    head = repr((tuple(t.shape), t.dtype)).encode()
+    return head + t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _ints(values: list[int], mesh: DeviceMesh) -> torch.Tensor:
+    """A small int64 tensor for a metadata collective, on the mesh's device (NCCL needs CUDA tensors)."""
+    return torch.tensor(values, dtype=torch.int64, device=torch.device(mesh.device_type))
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _check_bound(mesh: DeviceMesh, what: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"{what} needs an sbp.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.binding is None:
+        raise MeshError(f"{what} needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); "
+                        f"{mesh!r} is a pure value")
+
+
+def _to_mesh_device(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    if t.device.type == mesh.device_type:
+        return t
+    try:
+        return t.to(mesh.device_type)
+    except (RuntimeError, NotImplementedError, AssertionError) as e:  # e.g. a meta tensor has no data
+        raise MeshError(f"distribute: cannot move the tensor from {t.device} to the mesh's device "
+                        f"{mesh.device_type!r} ({e}); pass a tensor with data on {mesh.device_type!r}") from None

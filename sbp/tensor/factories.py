@@ -1,0 +1,278 @@
+"""Factories that allocate only this rank's local tensor: zeros, ones, empty, full, rand, randn.
+
+`rand` / `randn` give the same logical tensor whatever the mesh and placements, and the same values as
+a single process (``mesh=None``), so a parallel model initialises like the single-device one. The
+flattened global tensor is cut into fixed chunks of `CHUNK` elements; chunk k is drawn by its own
+`torch.Generator` seeded from ``(seed, k)``, and a rank draws only the chunks that overlap its block.
+
+With ``mesh=None`` every factory returns a plain `torch.Tensor` holding the whole logical tensor.
+`P(sum)` placements hold the value at coord 0 of the axis and zeros elsewhere; `P(min|max)` hold it
+everywhere (the exact, communication-free `B -> P` conversions).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..values.errors import DTypeError, MeshError, SbpError
+from ..values.layout import check_global_shape, local_slices
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, normalize
+from .global_tensor import GlobalTensor, check_partial_dtype, empty_outside, mesh_device, sum_holds_value
+
+CHUNK = 1 << 16  # elements per random chunk; part of the values' definition: never change it lightly
+
+Shape = Union[int, Sequence[int]]
+Fill = Callable[[tuple[slice, ...], tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def zeros(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
+          dtype: Optional[torch.dtype] = None, requires_grad: bool = False):
+    """A global tensor of zeros; only the local block is allocated.
+
+    >>> zeros((2, 3))                                    # mesh=None: a plain tensor
+    tensor([[0., 0., 0.],
+            [0., 0., 0.]])
+    """
+    return _make(global_shape, mesh, placements, dtype, requires_grad, 0.0, _constant(0))
+
+
+def ones(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
+         dtype: Optional[torch.dtype] = None, requires_grad: bool = False):
+    """A global tensor of ones (`P(sum)`: ones at coord 0 of the axis, zeros elsewhere).
+
+    >>> ones(3, dtype=torch.int64)
+    tensor([1, 1, 1])
+    """
+    return _make(global_shape, mesh, placements, dtype, requires_grad, 1.0, _constant(1))
+
+
+def empty(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
+          dtype: Optional[torch.dtype] = None, requires_grad: bool = False):
+    """An uninitialised global tensor (under `P(sum)`, coords other than 0 hold zeros).
+
+    >>> empty((2, 0)).shape
+    torch.Size([2, 0])
+    """
+    fill = lambda index, shape, dtype: torch.empty(shape, dtype=dtype)
+    return _make(global_shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+
+
+def full(global_shape: Shape, fill_value, mesh: Optional[DeviceMesh] = None, placements=None, *,
+         dtype: Optional[torch.dtype] = None, requires_grad: bool = False):
+    """A global tensor filled with `fill_value`, like `torch.full` (not the method `x.full()`, which
+    gathers a global tensor).
+
+    >>> full((2,), 7.0)
+    tensor([7., 7.])
+    """
+    return _make(global_shape, mesh, placements, dtype, requires_grad, fill_value, _constant(fill_value),
+                 check_value=True)
+
+
+def rand(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *, seed: Optional[int] = None,
+         generator: Optional[torch.Generator] = None, dtype: Optional[torch.dtype] = None,
+         requires_grad: bool = False):
+    """Uniform [0, 1) values, identical for every mesh and placements given the seed.
+
+    Without `seed`, one is drawn from `generator` (or torch's default generator) and the mesh takes
+    coord 0's draw (one tiny all_gather), so all ranks agree; pass `seed=` with the threads backend,
+    whose ranks share one default generator.
+
+    >>> torch.equal(rand((3, 5), seed=1)[1:], rand((3, 5), seed=1)[1:])
+    True
+    """
+    return _random(torch.rand, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
+
+
+def randn(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *, seed: Optional[int] = None,
+          generator: Optional[torch.Generator] = None, dtype: Optional[torch.dtype] = None,
+          requires_grad: bool = False):
+    """Standard normal values, identical for every mesh and placements given the seed (see `rand`).
+
+    >>> import sbp
+    >>> def fn(mesh):
+    ...     return sbp.randn((10, 3), mesh, "S(0), S(1)", seed=7).full()
+    >>> torch.equal(sbp.testing.spmd(fn, (2, 2))[3], randn((10, 3), seed=7))
+    True
+    """
+    return _random(torch.randn, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
+
+
+# ---- machinery ---------------------------------------------------------------------------------------------
+def _constant(value) -> Fill:
+    return lambda index, shape, dtype: torch.full(shape, value, dtype=dtype)
+
+
+def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, requires_grad: bool,
+          sample_value, fill: Fill, check_value: bool = False):
+    shape = check_global_shape((global_shape,) if isinstance(global_shape, int) else global_shape)
+    _check_dtype(dtype)
+    if check_value:
+        sample_value = _as_number(sample_value)
+        fill = _constant(sample_value)
+    if check_value and not isinstance(sample_value, (bool, int, float, complex)):
+        raise DTypeError(f"full: fill_value must be a Python number (bool, int, float or complex), "
+                         f"got {sample_value!r} ({type(sample_value).__name__})")
+    if dtype is None:
+        dtype = (torch.bool if isinstance(sample_value, bool) else torch.int64 if isinstance(sample_value, int)
+                 else torch.complex64 if isinstance(sample_value, complex) else torch.get_default_dtype())
+    if check_value:
+        _check_fill(sample_value, dtype)
+    if not isinstance(requires_grad, bool):
+        raise SbpError(f"requires_grad must be a bool, got {requires_grad!r}")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise DTypeError(f"requires_grad=True needs a floating point or complex dtype (only those have "
+                         f"gradients), got {dtype}")
+    if mesh is None:
+        if placements is not None:
+            raise SbpError(f"placements {placements!r} need a mesh; pass mesh= or drop placements")
+        out = fill(tuple(slice(0, n) for n in shape), shape, dtype)
+        return out.requires_grad_(requires_grad)
+    if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
+        raise MeshError(f"factories need an sbp.DeviceMesh bound to processes (sbp.init_mesh or sbp.testing.spmd), "
+                        f"got {mesh!r}")
+    pls = normalize((Broadcast(),) * mesh.ndim if placements is None else placements, len(shape), mesh.ndim)
+    check_partial_dtype(pls, dtype, "factory")
+    coord = mesh.coord
+    device = mesh_device(mesh, "factory")
+    if coord is None:
+        local = empty_outside(len(shape), dtype, device)
+    else:
+        index = local_slices(shape, mesh.shape, pls, coord)
+        block = tuple(s.stop - s.start for s in index)
+        if sum_holds_value(mesh, pls, coord):
+            local = fill(index, block, dtype).to(device)
+        else:
+            local = torch.zeros(block, dtype=dtype, device=device)
+    out = GlobalTensor(local, mesh, pls, shape)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requires_grad):
+    _check_dtype(dtype)
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise DTypeError(f"random factories need a floating dtype, got {dtype}")
+    if not _can_draw(draw, dtype):
+        raise DTypeError(f"torch cannot draw random numbers in {dtype} (valid: float16, bfloat16, float32, float64); "
+                         f"draw in float32 and cast")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise SbpError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if seed is None:
+        seed = _agreed_seed(mesh, generator)
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise SbpError(f"seed must be an int, got {seed!r}")
+    elif not -(1 << 63) <= seed < (1 << 64):
+        raise SbpError(f"seed must fit in 64 bits (as torch.manual_seed: -2**63 <= seed < 2**64), got {seed}")
+    shape = check_global_shape((global_shape,) if isinstance(global_shape, int) else global_shape)
+    total = 1
+    for n in shape:
+        total *= n
+
+    def fill(index: tuple[slice, ...], block: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        flat = _flat_indices(shape, index)                  # (local numel,) ascending global flat indices
+        out = torch.empty(flat.numel(), dtype=dtype)
+        if flat.numel():
+            chunk_of = flat // CHUNK
+            ids, counts = torch.unique_consecutive(chunk_of, return_counts=True)
+            start = 0
+            for k, count in zip(ids.tolist(), counts.tolist()):
+                values = _chunk(draw, seed, k, min(CHUNK, total - k * CHUNK), dtype)
+                out[start:start + count] = values[flat[start:start + count] - k * CHUNK]
+                start += count
+        return out.view(block)
+
+    return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+
+
+@functools.lru_cache(maxsize=None)
+def _can_draw(draw, dtype: torch.dtype) -> bool:
+    """Whether torch has a kernel drawing `draw` numbers in `dtype` (not float8, for one)."""
+    try:
+        _chunk(draw, 0, 0, 1, dtype)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise DTypeError(f"dtype must be a torch.dtype (e.g. torch.float32) or None, got {dtype!r}")
+
+
+def _as_number(value):
+    """A Python number from numpy scalars and one-element tensors (torch.full accepts them too)."""
+    if isinstance(value, (bool, int, float, complex)) or not callable(getattr(value, "item", None)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        return value
+    try:
+        number = value.item()
+    except (TypeError, ValueError):
+        return value
+    return number if isinstance(number, (bool, int, float, complex)) else value
+
+
+def _check_fill(value, dtype: torch.dtype) -> None:
+    """`value` must be representable in `dtype`: no silent truncation (1.5 -> int64) or overflow (300 -> uint8).
+    Rounding a float to the nearest value of a float dtype is not truncation."""
+    def refuse(why: str) -> DTypeError:
+        return DTypeError(f"full: fill_value {value!r} cannot be represented as {dtype} ({why}); "
+                          f"pass a value the dtype holds exactly or another dtype")
+
+    if isinstance(value, complex) and not dtype.is_complex:
+        if value.imag != 0:
+            raise refuse("a complex number with an imaginary part needs a complex dtype")
+        value = value.real
+    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex):
+        if isinstance(value, float) and not value.is_integer():
+            raise refuse("not an integer")
+        if dtype == torch.bool:
+            if value not in (0, 1):
+                raise refuse("bool holds only 0/False and 1/True")
+            return
+        info = torch.iinfo(dtype)
+        if not info.min <= value <= info.max:
+            raise refuse(f"out of range {info.min}..{info.max}")
+    elif isinstance(value, (int, float)) and abs(value) != float("inf") and value == value:
+        finfo = torch.finfo(dtype)
+        if abs(value) > finfo.max:
+            raise refuse(f"beyond its largest finite value {finfo.max}")
+
+
+def _chunk(draw, seed: int, k: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(_mix(seed, k))
+    return draw(size, generator=generator, dtype=dtype)
+
+
+def _mix(seed: int, k: int) -> int:
+    """A 63-bit seed for chunk k: splitmix64 of the pair (exact Python integer arithmetic)."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xD1B54A32D192ED03) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+def _flat_indices(shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+    """Row-major flat indices into `shape` of the elements of the block `index`, in the block's order."""
+    flat = torch.zeros((), dtype=torch.int64)
+    stride = 1
+    strides = []
+    for n in reversed(shape):
+        strides.append(stride)
+        stride *= n
+    for s, st in zip(index, reversed(strides)):
+        flat = flat.unsqueeze(-1) + torch.arange(s.start, s.stop, dtype=torch.int64) * st
+    return flat.reshape(-1)
+
+
+def _agreed_seed(mesh: Optional[DeviceMesh], generator: Optional[torch.Generator]) -> int:
+    drawn = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
+    if mesh is None or mesh.binding is None or mesh.coord is None:
+        return int(drawn.item())
+    drawn = drawn.to(torch.device(mesh.device_type))     # NCCL meshes need CUDA tensors
+    return int(mesh.binding.all_gather(drawn, tuple(range(mesh.ndim)))[0].item())

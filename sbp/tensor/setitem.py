@@ -1,0 +1,158 @@
+"""`x[index] = value` where the index narrows a split dim: every rank writes the part of the region that
+lies in its own block, in place, with no communication (the value is broadcast to the region's shape
+first; a global value is gathered with `full()`).
+
+torch runs ``x[1:3] = v`` as a view (``aten.slice``) and a write into it (``copy_`` / ``fill_``). Slicing a
+split dim cannot stay a view of the local block (the slice's blocks are not balanced splits), so that
+route would write into a copy and is refused; this module writes the blocks directly instead. Basic
+indices only -- ints, slices with a positive step, ``None`` and ``...``; tensor, list and bool indices
+keep torch's route. On a `P(sum)` axis the rank at coord 0 writes the value and the others write zeros
+(the value stays the sum); on `P(max|min)` and `B` axes every rank writes it.
+
+>>> import torch, sbp, sbp.testing
+>>> def fn(mesh):
+...     x = sbp.distribute(torch.zeros(4, 3), mesh, "S(0)")
+...     x[1:3, 0] = torch.tensor([5., 6.])
+...     return x.to_local().tolist()
+>>> sbp.testing.spmd(fn, (2,))
+[[[0.0, 0.0, 0.0], [5.0, 0.0, 0.0]], [[6.0, 0.0, 0.0], [0.0, 0.0, 0.0]]]
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+
+from ..values.layout import block, splitters
+from ..values.placement import Partial
+
+def basic_entries(index: Any, ndim: int) -> Optional[tuple]:
+    """`index` as ints, slices and ``None`` with ``...`` expanded and every dim named; None when the index
+    is not basic (a tensor, list or bool), a slice step is not positive, or it names too many dims.
+
+    >>> basic_entries((1, ...), 3)
+    (1, slice(None, None, None), slice(None, None, None))
+    >>> basic_entries(torch.tensor([1]), 2) is None
+    True
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    out: list = []
+    for item in items:
+        if item is None or item is Ellipsis:
+            out.append(item)
+        elif isinstance(item, slice):
+            parts = (item.start, item.stop, item.step)
+            if any(p is not None and (isinstance(p, bool) or not isinstance(p, int)) for p in parts):
+                return None
+            if item.step is not None and item.step <= 0:
+                return None
+            out.append(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out.append(item)
+        else:
+            return None
+    named = sum(1 for e in out if e is not None and e is not Ellipsis)
+    if out.count(Ellipsis) > 1 or named > ndim:
+        return None
+    fill = [slice(None)] * (ndim - named)
+    if Ellipsis in out:
+        at = out.index(Ellipsis)
+        out[at:at + 1] = fill
+    else:
+        out += fill
+    return tuple(out)
+
+
+def narrows_a_split_dim(x, entries: tuple) -> bool:
+    """Whether some dim the index narrows (an int, or a slice that is not the whole dim) is split."""
+    dim = 0
+    for e in entries:
+        if e is None:
+            continue
+        n = x.shape[dim]
+        whole = isinstance(e, slice) and e.indices(n) == (0, n, 1)
+        if not whole and splitters(x._placements, dim):
+            return True
+        dim += 1
+    return False
+
+
+def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
+    """Write `value` into the region `entries` of global tensor `x`: each rank its own block's part."""
+    shape = tuple(x.shape)
+    try:
+        region = torch.empty(shape, device="meta")[entries].shape
+    except IndexError as e:
+        from .global_tensor import _index_error
+        raise _index_error(x, index, e) from e
+    coord = x._mesh.coord
+    if coord is None:
+        return   # outside the mesh: no block (and no part in gathering a global value)
+    v = _value(value, x, region, index)
+    local_entries, value_entries = _local_entries(entries, shape, block(shape, x._mesh.shape, x._placements, coord))
+    if local_entries is None:
+        return   # the region misses this rank's block
+    writes = all(c == 0 for c, p in zip(coord, x._placements) if isinstance(p, Partial) and p.op == "sum")
+    part = v[value_entries] if writes else v.new_zeros(()).expand(v[value_entries].shape)
+    with torch.no_grad():
+        x._local[local_entries] = part
+    torch.autograd.graph.increment_version(x)   # the wrapper was written: saved-tensor checks see it
+
+
+def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:
+    """The value as a plain tensor of the region's shape (torch's broadcasting; leading 1s dropped)."""
+    from .global_tensor import GlobalTensor, _index_error
+
+    if isinstance(value, GlobalTensor):
+        v = value.full()
+    elif isinstance(value, torch.Tensor):
+        v = value
+    else:
+        try:
+            v = torch.as_tensor(value, dtype=x.dtype)
+        except (TypeError, RuntimeError, ValueError, OverflowError) as e:
+            from ..values.errors import DTypeError
+            raise DTypeError(f"x[...] = {value!r}: the value does not convert to the tensor's dtype {x.dtype} "
+                             f"(global shape {tuple(x.shape)}): {e}") from None
+    v = v.to(device=x._local.device, dtype=x.dtype)
+    while v.ndim > len(region) and v.shape[0] == 1:
+        v = v[0]
+    try:
+        return v.expand(region)
+    except RuntimeError as e:
+        raise _index_error(x, index, IndexError(f"shape mismatch: value of shape {tuple(v.shape)} cannot be "
+                                                f"broadcast to the indexed shape {tuple(region)} ({e})")) from None
+
+
+def _local_entries(entries: tuple, shape: tuple[int, ...], blk) -> tuple[Optional[tuple], tuple]:
+    """This block's part of the region: the index into the local block and into the region's value
+    (None for the local index when the region misses the block)."""
+    local, of_value = [], []
+    dim = 0
+    for e in entries:
+        if e is None:
+            local.append(None)
+            of_value.append(slice(None))
+            continue
+        lo, hi = blk[dim]
+        n = shape[dim]
+        dim += 1
+        if isinstance(e, int):
+            i = operator.index(e) % n if n else e
+            if not lo <= i < hi:
+                return None, ()
+            local.append(i - lo)
+            continue
+        start, stop, step = e.indices(n)
+        count = len(range(start, stop, step))
+        k0 = max(0, math.ceil((lo - start) / step))
+        k1 = min(count, max(0, math.ceil((hi - start) / step)))
+        if k1 <= k0:
+            return None, ()
+        first = start + k0 * step
+        local.append(slice(first - lo, first + (k1 - k0 - 1) * step - lo + 1, step))
+        of_value.append(slice(k0, k1))
+    return tuple(local), tuple(of_value)
+

@@ -1,0 +1,330 @@
+"""The device mesh as a pure value: shape, axis names, the world ranks it covers, rank <-> coord maths.
+
+A `DeviceMesh` made directly is a value for planning and layout maths. `sbp.init_mesh` returns the
+same value bound to a communicator (torch.distributed process groups, or the in-process backend);
+binding never changes equality or hashing.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+from .errors import MeshError
+
+MAX_RANKS = 1 << 24   # 16,777,216: far beyond any torch.distributed world, small enough to list
+
+AxisRef = "int | str"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMesh:
+    """An n-dimensional grid of ranks.
+
+    `ranks` lists the world ranks in row-major coord order (default: 0..size-1).
+
+    >>> mesh = DeviceMesh((2, 2), names=("dp", "tp"))
+    >>> mesh.size(), mesh.coord_of(3), mesh.rank_of((1, 0))
+    (4, (1, 1), 2)
+    >>> mesh.groups("tp")
+    ((0, 1), (2, 3))
+    """
+
+    shape: tuple[int, ...]
+    names: Optional[tuple[str, ...]] = None
+    ranks: Optional[tuple[int, ...]] = None
+    device_type: str = "cpu"
+    binding: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = (shape,)
+        try:
+            shape = tuple(shape)
+        except TypeError:
+            raise MeshError(f"mesh shape must be a tuple of positive ints, got {self.shape!r}") from None
+        if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+            raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        if self.names is not None:
+            # a lone string is one name, not one name per character ("dp" is not ("d", "p"))
+            try:
+                names = (self.names,) if isinstance(self.names, str) else tuple(self.names)
+            except TypeError:
+                raise MeshError(f"mesh names must be a tuple of strings, one per axis of shape {shape}, "
+                                f"got {self.names!r}") from None
+            if len(names) != len(shape):
+                raise MeshError(f"mesh names {names} must have one name per axis of shape {shape}")
+            if any(not isinstance(n, str) or not n for n in names):
+                raise MeshError(f"mesh axis names must be non-empty strings, got {names}")
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise MeshError(f"mesh axis names must be unique, got {names} (duplicated: {', '.join(dup)})")
+            object.__setattr__(self, "names", names)
+        size = math.prod(shape)
+        if size > MAX_RANKS:
+            raise MeshError(f"mesh shape {shape} has {size} ranks; a mesh holds at most {MAX_RANKS} "
+                            f"(its rank list is kept)")
+        try:
+            ranks = tuple(range(size)) if self.ranks is None else tuple(self.ranks)
+        except TypeError:
+            raise MeshError(f"mesh ranks must be a sequence of {size} distinct world ranks (row-major), "
+                            f"got {self.ranks!r}") from None
+        if len(ranks) != size:
+            raise MeshError(f"mesh of shape {shape} needs {size} ranks, got {len(ranks)}: {list(ranks)}")
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+            raise MeshError(f"mesh ranks must be non-negative ints, got {list(ranks)}")
+        if len(set(ranks)) != size:
+            raise MeshError(f"mesh ranks must be distinct, got {list(ranks)}")
+        object.__setattr__(self, "ranks", ranks)
+        if self.device_type not in ("cpu", "cuda"):
+            raise MeshError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
+
+    # ---- sizes -------------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes.
+
+        >>> DeviceMesh((2, 3)).ndim
+        2
+        """
+        return len(self.shape)
+
+    def size(self, axis: "int | str | None" = None) -> int:
+        """Number of ranks in the mesh, or along one axis.
+
+        >>> DeviceMesh((2, 3)).size(), DeviceMesh((2, 3)).size(1)
+        (6, 3)
+        """
+        if axis is None:
+            return math.prod(self.shape)
+        return self.shape[self.axis(axis)]
+
+    def axis(self, ref: "int | str") -> int:
+        """The index of an axis given by index (negative allowed) or by name.
+
+        >>> DeviceMesh((2, 2), names=("dp", "tp")).axis("tp")
+        1
+        """
+        if isinstance(ref, str):
+            if self.names is None or ref not in self.names:
+                raise MeshError(f"mesh has no axis named {ref!r} (axis names: {self.names})")
+            return self.names.index(ref)
+        if isinstance(ref, bool) or not isinstance(ref, int) or not -self.ndim <= ref < self.ndim:
+            raise MeshError(f"mesh axis {ref!r} is out of range for a {self.ndim}-axis mesh (valid: {-self.ndim}..{self.ndim - 1} or a name)")
+        return ref % self.ndim
+
+    # ---- rank <-> coord ----------------------------------------------------------------------------
+    def coord_of(self, rank: int) -> tuple[int, ...]:
+        """The coord of a world rank in this mesh (row-major).
+
+        >>> DeviceMesh((2, 3)).coord_of(4), DeviceMesh((2,), ranks=[5, 7]).coord_of(7)
+        ((1, 1), (1,))
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise MeshError(f"a rank is an int, got {rank!r}")
+        try:
+            index = self.ranks.index(rank)
+        except ValueError:
+            raise MeshError(f"rank {rank} is not in this mesh (ranks: {list(self.ranks)})") from None
+        return self.coord_of_index(index)
+
+    def coord_of_index(self, index: int) -> tuple[int, ...]:
+        """The coord of the mesh-local (flat, row-major) index, whatever world rank sits there.
+
+        >>> DeviceMesh((2, 3)).coord_of_index(4), DeviceMesh((2,), ranks=[5, 7]).coord_of_index(1)
+        ((1, 1), (1,))
+        """
+        coord = []
+        for n in reversed(self.shape):
+            coord.append(index % n)
+            index //= n
+        return tuple(reversed(coord))
+
+    def index_of(self, coord: Sequence[int]) -> int:
+        """The flat row-major index of a coord.
+
+        >>> DeviceMesh((2, 3)).index_of((1, 2))
+        5
+        """
+        if not _is_coord(coord, self.shape):
+            raise MeshError(bad_coord(coord, self.shape))
+        index = 0
+        for c, n in zip(coord, self.shape):
+            index = index * n + c
+        return index
+
+    def rank_of(self, coord: Sequence[int]) -> int:
+        """The world rank at a coord.
+
+        >>> DeviceMesh((2, 2), ranks=[4, 5, 6, 7]).rank_of((1, 0))
+        6
+        """
+        return self.ranks[self.index_of(coord)]
+
+    def coords(self) -> list[tuple[int, ...]]:
+        """All coords in row-major order.
+
+        >>> DeviceMesh((2, 2)).coords()
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
+        return list(itertools.product(*(range(n) for n in self.shape)))
+
+    # ---- groups along axes -------------------------------------------------------------------------
+    def groups(self, axes: "int | str | Iterable[int | str]") -> tuple[tuple[int, ...], ...]:
+        """The rank groups along `axes`: one group per coord of the other axes, members row-major over `axes`.
+
+        >>> DeviceMesh((2, 2)).groups((0, 1))
+        ((0, 1, 2, 3),)
+        """
+        axes = self.axes(axes)
+        others = [a for a in range(self.ndim) if a not in axes]
+        out = []
+        for rest in itertools.product(*(range(self.shape[a]) for a in others)):
+            group = []
+            for sub in itertools.product(*(range(self.shape[a]) for a in axes)):
+                coord = [0] * self.ndim
+                for a, c in zip(others, rest):
+                    coord[a] = c
+                for a, c in zip(axes, sub):
+                    coord[a] = c
+                group.append(self.rank_of(coord))
+            out.append(tuple(group))
+        return tuple(out)
+
+    def axes(self, refs: "int | str | Iterable[int | str]") -> tuple[int, ...]:
+        """Normalise one axis reference or several into a sorted tuple of distinct axis indices.
+
+        >>> mesh = DeviceMesh((2, 2, 2), names=("pp", "dp", "tp"))
+        >>> mesh.axes("dp"), mesh.axes(("tp", 0, -1))
+        ((1,), (0, 2))
+        """
+        if isinstance(refs, (int, str)):
+            refs = (refs,)
+        try:
+            refs = tuple(refs)
+        except TypeError:
+            raise MeshError(f"mesh axes must be an axis (index or name) or a sequence of them, got {refs!r}") from None
+        axes = tuple(sorted({self.axis(r) for r in refs}))
+        return axes
+
+    def group_index(self, coord: Sequence[int], axes: Sequence[int]) -> int:
+        """Position of `coord` inside its group along `axes` (row-major over `axes`).
+
+        >>> DeviceMesh((2, 2, 2)).group_index((1, 0, 1), (0, 2))
+        3
+        """
+        index = 0
+        for a in axes:
+            index = index * self.shape[a] + coord[a]
+        return index
+
+    def submesh(self, axes: "int | str | Iterable[int | str]", coord: Sequence[int]) -> "DeviceMesh":
+        """The sub-mesh along `axes` through `coord` (other axes fixed at `coord`'s values).
+
+        >>> DeviceMesh((2, 2), names=("dp", "tp")).submesh("tp", (1, 0))
+        DeviceMesh((2,), names=('tp',), ranks=[2, 3])
+        """
+        axes = self.axes(axes)
+        rank = self.rank_of(coord)
+        for group in self.groups(axes):
+            if rank in group:
+                names = None if self.names is None else tuple(self.names[a] for a in axes)
+                binding = None if self.binding is None else self.binding.submesh_binding(self, axes, group)
+                return DeviceMesh(tuple(self.shape[a] for a in axes), names, group, self.device_type, binding)
+        raise MeshError(f"coord {tuple(coord)} is not in a mesh of shape {self.shape}")  # pragma: no cover
+
+    # ---- bound meshes ------------------------------------------------------------------------------
+    @property
+    def rank(self) -> Optional[int]:
+        """This process's world rank (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.rank, (2, 2))
+        [0, 1, 2, 3]
+        """
+        return self._bound("rank").rank
+
+    @property
+    def coord(self) -> Optional[tuple[int, ...]]:
+        """This process's coord in the mesh, or None when this rank is outside the mesh (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.coord, (2, 2))
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        """
+        rank = self._bound("coord").rank
+        return self.coord_of(rank) if rank in self.ranks else None
+
+    def __getitem__(self, name: "int | str") -> "DeviceMesh":
+        """The 1-axis sub-mesh along `name` that contains this rank (bound meshes only).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh["tp"].ranks, (2, 2), names=("dp", "tp"))
+        [(0, 1), (0, 1), (2, 3), (2, 3)]
+        >>> DeviceMesh((2, 2), names=("dp", "tp"))["tp"]
+        Traceback (most recent call last):
+        ...
+        sbp.values.errors.MeshError: mesh['tp'] (the sub-mesh along an axis through this rank) needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); DeviceMesh((2, 2), names=('dp', 'tp')) is a pure value
+        """
+        if self.binding is None:
+            raise MeshError(f"mesh[{name!r}] (the sub-mesh along an axis through this rank) needs a mesh bound to "
+                            f"processes (sbp.init_mesh or sbp.testing.spmd); {self!r} is a pure value")
+        coord = self.coord
+        if coord is None:
+            raise MeshError(f"rank {self.rank} is outside this mesh (ranks: {list(self.ranks)}); it has no sub-mesh")
+        return self.submesh(name, coord)
+
+    def _bound(self, what: str) -> Any:
+        if self.binding is None:
+            raise MeshError(
+                f"mesh.{what} needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); "
+                f"this DeviceMesh{self.shape} is a pure value"
+            )
+        return self.binding
+
+    def __repr__(self) -> str:
+        names = f", names={self.names}" if self.names else ""
+        ranks = "" if self.ranks == tuple(range(self.size())) else f", ranks={list(self.ranks)}"
+        return f"DeviceMesh({self.shape}{names}{ranks})"
+
+
+def bad_coord(coord: Any, shape: tuple[int, ...]) -> str:
+    """The message for a coord that is not in a mesh of `shape`.
+
+    >>> bad_coord(None, (2, 2))
+    'coord None is not in a mesh of shape (2, 2) (a coord is a tuple of 2 ints, one per axis)'
+    """
+    try:
+        return f"coord {tuple(coord)} is not in a mesh of shape {shape}"
+    except TypeError:
+        return f"coord {coord!r} is not in a mesh of shape {shape} (a coord is a tuple of {len(shape)} int{'s' if len(shape) != 1 else ''}, one per axis)"
+
+
+def _is_coord(coord: Any, shape: tuple[int, ...]) -> bool:
+    try:
+        coord = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
+    except TypeError:
+        return False
+    return len(coord) == len(shape) and all(0 <= c < n for c, n in zip(coord, shape))
+
+
+def as_mesh_shape(mesh: "DeviceMesh | Sequence[int] | int") -> tuple[int, ...]:
+    """Accept a mesh or a mesh shape (tuple or '2x2' string) and return the shape tuple.
+
+    >>> as_mesh_shape("2x4"), as_mesh_shape((2, 2)), as_mesh_shape(DeviceMesh((8,)))
+    ((2, 4), (2, 2), (8,))
+    """
+    if isinstance(mesh, DeviceMesh):
+        return mesh.shape
+    if type(mesh) is tuple and mesh and all(type(n) is int and n > 0 for n in mesh) and math.prod(mesh) <= MAX_RANKS:
+        return mesh
+    if isinstance(mesh, str):
+        try:
+            mesh = tuple(int(p) for p in mesh.lower().split("x"))
+        except ValueError:
+            raise MeshError(f"cannot parse mesh shape {mesh!r}; write it like '2x2' or '8'") from None
+    return DeviceMesh(mesh).shape
