@@ -56,9 +56,10 @@ class Floor(torch.Tensor):
 
 
 def _cases(n: int):
-    import sbp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import sbp
 
     mesh = sbp.init_mesh((n,), device_type="cpu")
     dmesh = init_device_mesh("cpu", (n,))

@@ -1,7 +1,7 @@
 """How fast is planning? sbp's planner vs DTensor's, cold and cached, on a 2x2x2 mesh.
 
-Cold: every cache is cleared before each call (sbp: every memo in its planning modules, the plan cache
-included; DTensor: its planner instances and `_gen_transform_infos`). Cached: the same call repeated.
+Cold: every cache is cleared before each call (sbp: `sbp.planning.clear_caches()`, every planning memo,
+the plan cache included; DTensor: its planner instances and `_gen_transform_infos`). Cached: the same call repeated.
 Pairs are a fixed random sample of src/dst placements (Split/Broadcast only, and with Partial). DTensor
 runs on a fake process group (no processes); its DTensorSpecs are built outside the timed region, while
 sbp's time includes parsing and normalising the placements. DTensor's greedy planner is its default;
@@ -21,15 +21,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-from torch.distributed.tensor import Partial as DPartial, Replicate, Shard
+from torch.distributed.tensor import Partial as DPartial, Replicate, Shard, _redistribute as R
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor import _redistribute as R
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import sbp
-import sbp.values.layout
-import sbp.planning.search
-import sbp.planning.exchange
+import sbp.planning
 
 MESH = (2, 2, 2)
 
@@ -61,14 +58,9 @@ def timed(fn: Callable[[], object], before: Callable[[], None], repeat: int) -> 
     return best / 1000
 
 
-# every memo of the planning modules (the plan cache, layout, exchange schedules, helpers)
-SBP_CACHES = [f for module in (sbp.planning.search, sbp.planning.cost, sbp.values.layout, sbp.planning.exchange) for f in vars(module).values()
-              if callable(getattr(f, "cache_clear", None))]
-
-
 def clear_sbp() -> None:
-    for f in SBP_CACHES:
-        f.cache_clear()
+    """Every planning memo: plans, exchange schedules, helpers, layout blocks (`sbp.planning.clear_caches`)."""
+    sbp.planning.clear_caches()
 
 
 def clear_dtensor() -> None:

@@ -4,7 +4,8 @@ The package is layered (see docs/architecture.md): ``sbp.values`` and ``sbp.plan
 and load here at once, so ``python -m sbp plan`` and ``import sbp.planning`` never import torch. The
 names of the torch layers (``sbp.distribute``, ``sbp.init_mesh``, ``sbp.nn``, ...) load on first use:
 `load_torch_layers` imports them and wires the operator rules into `GlobalTensor` dispatch
-(``sbp.ops.install()``), once.
+(``sbp.ops.install()``) and registers sbp's types for ``torch.load(weights_only=True)``, once. A program
+that imported torch before sbp gets them at ``import sbp``.
 
 >>> import sbp
 >>> sbp.placements("S(0), B")
@@ -15,15 +16,25 @@ True
 from __future__ import annotations
 
 import importlib
+import sys
 
+from .planning.api import lower_bound_bytes, plan
 from .planning.crossmesh import CrossMeshPlan, plan_cross_mesh
-from .planning.search import lower_bound_bytes, plan
-from .values.errors import (CheckpointError, CommError, DTypeError, MeshError, PlacementError, PlanError,
-                            RankMismatchError, SbpError, ShapeError, UnsupportedOpError)
+from .values.errors import (
+    CheckpointError,
+    CommError,
+    DTypeError,
+    MeshError,
+    PlacementError,
+    PlanError,
+    RankMismatchError,
+    SbpError,
+    ShapeError,
+    UnsupportedOpError,
+)
 from .values.layout import global_offset, local_shape, local_slices
 from .values.mesh import DeviceMesh
-from .values.placement import (B, Broadcast, Partial, PartialMax, PartialMin, PartialSum, Placement, S, Split,
-                               placements)
+from .values.placement import B, Broadcast, Partial, PartialMax, PartialMin, PartialSum, Placement, S, Split, placements
 from .values.steps import Plan, Step
 
 __version__ = "0.1.0"
@@ -64,6 +75,7 @@ def load_torch_layers() -> None:
         return
     ops = importlib.import_module("sbp.ops")
     ops.install()
+    importlib.import_module("sbp.tensor.global_tensor").register_safe_globals()
     for name in ("nn", "testing"):
         globals()[name] = importlib.import_module(f"sbp.{name}")
     for name, module in _TORCH_NAMES.items():
@@ -82,3 +94,9 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+
+
+# A program that imported torch first will use it with sbp: wire the torch layers now, so that even its
+# first `torch.load` (weights_only by default) knows sbp's types. The planning CLI never imports torch.
+if "torch" in sys.modules:
+    load_torch_layers()

@@ -1,13 +1,16 @@
-"""Shared test setup: `tests/` is importable (the conformance table lives there, and gloo workers
-unpickle functions from it), and gloo worker pools are shut down when the session ends."""
+"""Shared test setup: gloo worker pools are shut down when the session ends.
+
+tests/ is a package (tests/<layer>/, helpers in tests/support/): pytest imports each test file by its
+dotted name (``tests.runtime.test_execute_gloo``) with the repository root on sys.path, and gloo workers,
+which start with the parent's sys.path, unpickle functions by that same name."""
 from __future__ import annotations
 
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import sbp
+
+# tests build GlobalTensors directly too (not only through sbp.<name>): wire the operator rules first
+sbp.load_torch_layers()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

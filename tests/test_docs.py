@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import doctest
-import os
 import pathlib
 import re
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import sbp
-from sbp.ops.dispatch import clear_cache
+from sbp.ops import clear_cache
 from sbp.ops.table import TABLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,7 +52,7 @@ def test_doctest_examples(page: pathlib.Path):
     assert runner.failures == 0, "".join(failures)
 
 
-@pytest.mark.parametrize("name, line, code", BLOCKS, ids=[f"{n}:{l}" for n, l, _ in BLOCKS])
+@pytest.mark.parametrize("name, line, code", BLOCKS, ids=[f"{n}:{ln}" for n, ln, _ in BLOCKS])
 def test_python_block_runs(name: str, line: int, code: str, tmp_path, monkeypatch, capsys):
     compiled = compile(code, f"docs/{name}:{line}", "exec")   # a listing that is not Python: use ```text
     first = code.splitlines()[0]

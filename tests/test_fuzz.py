@@ -82,6 +82,7 @@ OPTION = st.one_of(
     st.tuples(st.just("--json")), st.tuples(st.text(max_size=8)))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from([["plan"], [], ["plot"]]), st.lists(OPTION, max_size=7))
 def test_cli_exits_0_or_2_without_traceback(command, options):
@@ -93,6 +94,7 @@ def test_cli_exits_0_or_2_without_traceback(command, options):
         assert "error" in err and err.strip(), (argv, err)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=3), st.lists(st.integers(0, 12), min_size=0, max_size=3),
        st.data())
@@ -170,6 +172,7 @@ MUTATION = st.one_of(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(MUTATION, min_size=1, max_size=3))
 def test_damaged_checkpoints_load_or_raise_checkpoint_error(checkpoint, mutations):

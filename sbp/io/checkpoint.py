@@ -21,11 +21,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..runtime.backends.base import comm_device
+from ..tensor.global_tensor import GlobalTensor, redistribute_raw, sum_holds_value
 from ..values.errors import CheckpointError, SbpError
 from ..values.layout import Block, block, block_numel, block_shape, intersect, relative
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, normalize, placements as parse_placements
-from ..tensor.global_tensor import GlobalTensor, redistribute_raw, sum_holds_value
 
 FORMAT = "sbp-checkpoint"
 VERSION = 1
@@ -117,11 +118,11 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
             x = _reduced(leaf)
             entry, mine = _describe_global(x, leaf.placements)
             if mine is not None:
-                shard[_entry_name(key, mine)] = x._local.detach().contiguous().clone()
+                shard[_entry_name(key, mine)] = _host_copy(x._local)
         elif isinstance(leaf, torch.Tensor):
             entry = _describe_plain(leaf, me if mesh is None else mesh.ranks[0])
             if first:
-                shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = leaf.detach().contiguous().clone()
+                shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = _host_copy(leaf)
         else:
             try:
                 back = json.loads(json.dumps(leaf))
@@ -148,7 +149,34 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
             json.dump(meta, f, indent=1)
         os.replace(tmp, os.path.join(path, METADATA))
     if mesh is not None:  # nobody returns before metadata.json is there
-        mesh.binding.all_reduce(torch.zeros(1), tuple(range(mesh.ndim)), "sum")
+        host_barrier(mesh)
+
+
+def host_barrier(mesh: DeviceMesh) -> None:
+    """Return only once every rank of `mesh` has reached this call: an all_reduce on the mesh's device whose
+    result is read on the host (on NCCL a collective returns once queued; reading it waits for it).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(host_barrier, (2,))
+    [None, None]
+    """
+    comm = mesh.binding
+    done = comm.all_reduce(torch.ones(1, device=comm_device(mesh)), tuple(range(mesh.ndim)), "sum")
+    if int(done.item()) != mesh.size():
+        raise CheckpointError(f"save: the closing barrier counted {int(done.item())} ranks, not the mesh's "
+                              f"{mesh.size()}")
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A compact CPU copy of `t` for `torch.save` (which would write a view's whole storage): a device tensor
+    is copied straight to the host, never cloned on the device first.
+
+    >>> base = torch.arange(6.)
+    >>> _host_copy(base[2:4]).untyped_storage().nbytes()
+    8
+    """
+    t = t.detach()
+    return t.to("cpu", copy=True).contiguous() if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 
 def _reduced(x: GlobalTensor) -> GlobalTensor:
@@ -212,13 +240,15 @@ def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh
     """Every writer's file digest and size, for coord 0's metadata (one all_gather of 5 int64 per rank)."""
     if mesh is None:
         return {} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}
-    row = torch.zeros(5, dtype=torch.int64)
+    row = torch.zeros(5, dtype=torch.int64, device="cpu")   # built on the host, then moved
     if digest is not None:
         row[:4] = torch.frombuffer(bytearray(bytes.fromhex(digest[0])), dtype=torch.int64)
         row[4] = digest[1] + 1  # 0 means "wrote no file"
-    rows = mesh.binding.all_gather(row, tuple(range(mesh.ndim)))
+    # the collective takes the row on the mesh's device (NCCL: CUDA tensors); the table comes back to the host
+    rows = mesh.binding.all_gather(row.to(comm_device(mesh)), tuple(range(mesh.ndim)))
     out = {}
     for rank, r in zip(mesh.ranks, rows):
+        r = r.cpu()
         if int(r[4]):
             out[_file_name(rank)] = {"sha256": r[:4].contiguous().numpy().tobytes().hex(), "bytes": int(r[4]) - 1}
     return out

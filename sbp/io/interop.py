@@ -9,7 +9,7 @@ whose blocks differ become Broadcast on the sending side (a planned gather), and
 splits those dims again locally in its own way. Both directions are differentiable.
 
 Both calls are collective over the whole world the first time a mesh is converted (DTensor's
-`DeviceMesh`, or sbp's `init_mesh`, creates process groups); the converted mesh is remembered on the
+`DeviceMesh`, or sbp's `init_mesh`, creates process groups); the converted mesh is remembered for the
 bound mesh's communicator, so later conversions create nothing. They need torch.distributed (a mesh from
 `sbp.init_mesh`, or `sbp.testing.spmd(..., backend="gloo")`), not the threads backend.
 """
@@ -18,14 +18,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from ..runtime.backends.dist import init_mesh
+from ..tensor.construct import from_local
+from ..tensor.global_tensor import GlobalTensor, contiguous_strides, grad_placements
 from ..values.errors import MeshError, SbpError
 from ..values.layout import block
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
-from ..tensor.global_tensor import GlobalTensor, contiguous_strides, grad_placements
 
-_CACHE_ATTR = "_sbp_interop_meshes"  # per-binding cache: sbp mesh value <-> torch DeviceMesh
+# Two weak identity maps, so that nothing is written into torch's objects or sbp's bindings:
+# binding -> {(shape, names, ranks, device type): torch DeviceMesh}, the torch meshes made for a bound mesh;
+# torch DeviceMesh -> the bound sbp mesh over its ranks (lets from_dtensor find it again). Entries last as
+# long as the binding (whose process groups the torch meshes use): one per mesh converted.
+TORCH_MESHES = WeakIdKeyDictionary()
+SBP_MESH_OF = WeakIdKeyDictionary()
 
 
 def to_dtensor(x: GlobalTensor) -> Any:
@@ -78,12 +86,11 @@ def from_dtensor(dt: Any, mesh: Optional[DeviceMesh] = None) -> GlobalTensor:
     torch_mesh = dt.device_mesh
     pls = tuple(_from_torch(p, axis) for axis, p in enumerate(dt.placements))
     pls = tuple(Split(p.dim % dt.ndim) if isinstance(p, Split) else p for p in pls)
-    mesh = _sbp_mesh(torch_mesh) if mesh is None else _check_same_ranks(mesh, torch_mesh)
+    mesh = _bound_mesh_of(torch_mesh) if mesh is None else _check_same_ranks(mesh, torch_mesh)
     shape = tuple(dt.shape)
     mid = _meeting_point(shape, mesh.shape, pls)
     if mid != pls:
         dt = dt.redistribute(torch_mesh, [_to_torch(p) for p in mid])
-    from ..tensor.construct import from_local
     x = from_local(dt.to_local(), mesh, mid, global_shape=shape)
     return x.redistribute(pls) if mid != pls else x
 
@@ -155,10 +162,9 @@ def _cache(mesh: DeviceMesh) -> dict:
         raise MeshError(f"DTensor interop needs a mesh bound to torch.distributed (sbp.init_mesh, or "
                         f"sbp.testing.spmd(..., backend='gloo')); {mesh!r} is "
                         + ("a pure value" if binding is None else f"bound to the {binding.backend!r} backend"))
-    found = getattr(binding, _CACHE_ATTR, None)
+    found = TORCH_MESHES.get(binding)
     if found is None:
-        found = {}
-        setattr(binding, _CACHE_ATTR, found)
+        found = TORCH_MESHES[binding] = {}
     return found
 
 
@@ -170,20 +176,18 @@ def _torch_mesh(mesh: DeviceMesh) -> Any:
     if key not in cache:
         ranks = torch.tensor(mesh.ranks, dtype=torch.int64).view(mesh.shape)
         torch_mesh = TorchMesh(mesh.device_type, ranks, mesh_dim_names=mesh.names)
-        torch_mesh._sbp_mesh = mesh  # lets from_dtensor find the bound sbp mesh again
+        SBP_MESH_OF[torch_mesh] = mesh
         cache[key] = torch_mesh
     return cache[key]
 
 
-def _sbp_mesh(torch_mesh: Any) -> DeviceMesh:
-    found = getattr(torch_mesh, "_sbp_mesh", None)
+def _bound_mesh_of(torch_mesh: Any) -> DeviceMesh:
+    found = SBP_MESH_OF.get(torch_mesh)
     if found is not None:
         return found
-    from ..runtime.backends.dist import init_mesh
-
     mesh = init_mesh(tuple(torch_mesh.shape), torch_mesh.mesh_dim_names,
                      ranks=torch_mesh.mesh.flatten().tolist(), device_type=torch_mesh.device_type)
-    torch_mesh._sbp_mesh = mesh
+    SBP_MESH_OF[torch_mesh] = mesh
     _cache(mesh)[(mesh.shape, mesh.names, mesh.ranks, mesh.device_type)] = torch_mesh
     return mesh
 

@@ -1,10 +1,13 @@
-"""sbp.nn: tensor parallelism for unchanged `torch.nn` models, driven by a `{module path: style}` plan.
+"""sbp.nn: tensor parallelism for unchanged `torch.nn` models, driven by a `{module path: style}` plan
+(`sbp.nn.hf`: transformers' style strings and the "auto" plan of a `transformers` model).
 
 >>> import sbp
 >>> sbp.nn.Colwise().output_placement, sbp.nn.Rowwise().output_placement
 (S(-1), B)
 """
+from . import hf
 from .parallelize import parallelize
-from .styles import Colwise, Embedding, Rowwise, SequenceParallel, Style
+from .styles import AllReduce, Colwise, Embedding, Replicated, Rowwise, SequenceParallel, Style
 
-__all__ = ["parallelize", "Colwise", "Rowwise", "Embedding", "SequenceParallel", "Style"]
+__all__ = ["parallelize", "Colwise", "Rowwise", "Embedding", "SequenceParallel", "Replicated", "AllReduce", "Style",
+           "hf"]

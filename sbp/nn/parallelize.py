@@ -2,8 +2,11 @@
 
 What it does, in order:
 
-1. match every plan pattern (`fnmatch` globs over `named_modules()` paths) to modules; a pattern that
-   matches nothing, a module matched twice, or a style on a module type it cannot shard is an `SbpError`;
+1. match every plan pattern (`fnmatch` globs over `named_modules()` paths) to modules -- or, when it matches
+   no module, to parameters (transformers' parameter entries: ``"layers.*.self_attn.sinks": "colwise"``
+   lays out that parameter only); a pattern that matches nothing, a module matched twice, or a style on a
+   module type it cannot shard is an `SbpError`. ``plan="auto"`` is a `transformers` model's own plan
+   (`sbp.nn.hf.auto_plan`); entries may be transformers' style strings (`sbp.nn.hf.TRANSFORMERS_STYLES`);
 2. replace each parameter of a matched module by ``nn.Parameter(sbp.distribute(full, mesh, pls))``:
    the style's placement on the tp axis, Broadcast on the others; every rank holds the same full init,
    exactly like the single-device model. Every other parameter becomes an all-Broadcast global tensor,
@@ -27,11 +30,12 @@ import torch
 from torch import nn
 
 from ..tensor.construct import distribute, from_local
+from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
 from ..values.errors import SbpError
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
-from ..tensor.global_tensor import GlobalTensor, local_from_full, redistribute_raw
-from .styles import Style, as_style
+from .hf import auto_plan, style_for
+from .styles import AllReduce, Colwise, Embedding, Rowwise, Style
 
 
 @dataclass
@@ -80,13 +84,15 @@ class _Context:
         return normalize(tuple(out), ndim, self.mesh.ndim)
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, "str | Style"], *,
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | Style] | str", *,
                 tp_axis: "int | str" = -1) -> nn.Module:
     """Shard `module` in place for tensor parallelism on `mesh`'s `tp_axis` (data parallel on the others).
 
     `plan` maps module paths (glob patterns allowed: ``"blocks.*.mlp.fc1"``) to a style name
     (``"colwise"``, ``"rowwise"``, ``"embedding"``, ``"sequence"``) or a style object with options
-    (`Colwise(output_placement="B")`, `Rowwise(output_placement="S(1)")`, ...). Returns `module`.
+    (`Colwise(output_placement="B")`, `Rowwise(output_placement="S(1)")`, ...) or a transformers style
+    string (``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see `sbp.nn.hf`); ``plan="auto"``
+    applies a `transformers` model's own plan. Returns `module`.
 
     Megatron's MLP on a 1-d tp mesh of 2 ranks (every rank starts from the same full weights):
 
@@ -105,13 +111,21 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, "str | S
         raise SbpError(f"parallelize needs an nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
         raise SbpError(f"parallelize needs a bound sbp.DeviceMesh (sbp.init_mesh or sbp.testing.spmd), got {mesh!r}")
+    if isinstance(plan, str) and plan == "auto":
+        plan = auto_plan(module)
     if not isinstance(plan, Mapping):
-        raise SbpError(f"plan must map module paths to styles, got {type(plan).__name__}")
+        raise SbpError(f"plan must map module paths to styles, got {type(plan).__name__} {plan!r} (valid: a dict, "
+                       f"or 'auto' for a transformers model's own plan)")
     ctx = _Context(mesh, mesh.axis(tp_axis))
-    matched = _match(module, plan)
+    matched, params = _match(module, plan)
     converted: dict[int, tuple[nn.Parameter, tuple[Placement, ...], str]] = {}
+    for path, (owner, name, tp) in params.items():
+        pls = tuple(tp if a == ctx.tp_axis else Broadcast() for a in range(mesh.ndim))
+        owner._parameters[name] = _shard(owner._parameters[name], mesh, pls, path, converted)
     for path, (style, sub) in matched.items():
         for name, param in list(sub.named_parameters(recurse=False)):
+            if f"{path}.{name}".lstrip(".") in params:   # laid out by its own plan entry
+                continue
             pls = tuple(style.param_placement(name) if a == ctx.tp_axis else Broadcast() for a in range(mesh.ndim))
             sub._parameters[name] = _shard(param, mesh, pls, f"{path}.{name}".lstrip("."), converted)
         _hook(sub, style, ctx)
@@ -129,16 +143,30 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, "str | S
 
 # ---- matching --------------------------------------------------------------------------------------
 
-def _match(module: nn.Module, plan: Mapping[str, "str | Style"]) -> dict[str, tuple[Style, nn.Module]]:
-    """{module path: (style, module)} for every plan entry; every pattern must match at least one module."""
+def _match(module: nn.Module, plan: Mapping[str, "str | Style"]
+           ) -> tuple[dict[str, tuple[Style, nn.Module]], dict[str, tuple[nn.Module, str, Placement]]]:
+    """({module path: (style, module)}, {parameter path: (owner, name, tp placement)}) for the plan entries.
+
+    A pattern is matched against module paths first; one matching no module is matched against parameter
+    paths (a parameter entry). Every pattern must match something.
+    """
     modules = dict(module.named_modules())
     out: dict[str, tuple[Style, nn.Module]] = {}
+    params: dict[str, tuple[nn.Module, str, Placement]] = {}
     by: dict[str, str] = {}
     for pattern, value in plan.items():
         if not isinstance(pattern, str):
             raise SbpError(f"plan keys must be module paths (str), got {pattern!r}")
-        style = as_style(value, pattern)
+        style = style_for(value, pattern)
         hits = [p for p in modules if p == pattern or (p and fnmatch.fnmatchcase(p, pattern))]
+        if not hits:
+            for path, param in module.named_parameters(remove_duplicate=False):
+                if path == pattern or fnmatch.fnmatchcase(path, pattern):
+                    owner_path, _, name = path.rpartition(".")
+                    params[path] = (modules[owner_path], name, _param_entry(style, name, param.ndim))
+                    hits.append(path)
+            if hits:
+                continue
         if not hits:
             sample = ", ".join(repr(p) for p in list(modules)[1:9])
             raise SbpError(f"plan entry {pattern!r} matches no module of {type(module).__name__} "
@@ -149,7 +177,22 @@ def _match(module: nn.Module, plan: Mapping[str, "str | Style"]) -> dict[str, tu
                                f"each module may have one style")
             style.check_module(path, modules[path])
             out[path], by[path] = (style, modules[path]), pattern
-    return out
+    return out, params
+
+
+def _param_entry(style: Style, name: str, ndim: int) -> Placement:
+    """The tp placement of a parameter named by a plan entry of its own, as transformers lays it out:
+    colwise splits the output dim (dim -2; dim 0 of a vector), rowwise the last dim (a bias stays `B`),
+    an embedding its `shard_dim`; every other style keeps the parameter `B`."""
+    match style:
+        case Colwise():
+            return Split(max(ndim - 2, 0))
+        case Rowwise():
+            return Broadcast() if name == "bias" else Split(max(ndim - 1, 0))
+        case Embedding(shard_dim=dim):
+            return Split(min(dim, max(ndim - 1, 0)))
+        case _:
+            return Broadcast()
 
 
 # ---- parameters ------------------------------------------------------------------------------------
@@ -174,12 +217,27 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], na
 # ---- hooks -----------------------------------------------------------------------------------------
 
 def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
+    # under torch.compile the conversions are opaque calls that AOTAutograd traces (sbp.runtime.traced):
+    # dynamo then never reads a mesh or placements off an intermediate tensor
+    compiled_in = torch._dynamo.nonstrict_trace(lambda x: _to_input(x, style, module, ctx))
+    compiled_out = torch._dynamo.nonstrict_trace(lambda out: convert_out(out))
+
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
+        if torch.compiler.is_compiling():
+            return (compiled_in(args[0]),) + tuple(args[1:])
         return (_to_input(args[0], style, mod, ctx),) + tuple(args[1:])
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if torch.compiler.is_compiling() and isinstance(out, torch.Tensor):
+            return compiled_out(out)
+        return convert_out(out)
+
+    def convert_out(out: Any) -> Any:
+        if isinstance(style, AllReduce) and _is_plain(out):   # this rank's partial sum of the output
+            out = from_local(out, ctx.mesh, normalize(ctx.input_placements(Partial(), out.ndim), out.ndim,
+                                                      ctx.mesh.ndim))
         if not isinstance(out, GlobalTensor):
             return out
         if style.use_local_output:  # a local tensor is always this rank's block of the batch S(0) on dp
@@ -188,14 +246,19 @@ def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
             return _to_local(out, ctx)
         return _redistribute(out, ctx.with_tp(out.placements, style.output_placement, out.ndim))
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
+    if style.input_placement is not None:
+        module.register_forward_pre_hook(pre)
+    if style.output_placement is not None:
+        module.register_forward_hook(post)
 
 
 def _root_hook(ctx: _Context):
     """On a dp x tp mesh: plain tensors entering the model are the full batch, laid out `S(0)` on dp."""
+    compiled = torch._dynamo.nonstrict_trace(lambda t: _from_full(t, ctx))
+
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        convert = lambda t: _from_full(t, ctx) if _is_plain(t) else t
+        full = compiled if torch.compiler.is_compiling() else (lambda t: _from_full(t, ctx))
+        convert = lambda t: full(t) if _is_plain(t) else t
         return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
     return pre
 
@@ -203,7 +266,7 @@ def _root_hook(ctx: _Context):
 def _to_input(x: torch.Tensor, style: Style, module: nn.Module, ctx: _Context) -> GlobalTensor:
     tp = style.input_placement
     if isinstance(x, GlobalTensor):
-        if x.mesh != ctx.mesh:
+        if mesh_description(x.mesh) != mesh_description(ctx.mesh):  # by value: torch.compile traces it
             raise SbpError(f"{type(module).__name__} input lives on mesh {x.mesh!r}, the module on {ctx.mesh!r}; "
                            f"redistribute it onto the module's mesh first")
         want = ctx.with_tp(x.placements, tp, x.ndim)

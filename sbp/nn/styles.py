@@ -12,7 +12,13 @@ style                  weight      bias        input       output        collect
 ``Embedding()``        ``S(0)``    --          ``B``       ``B``         all_reduce of the output / none
 ``SequenceParallel()`` ``B``       ``B``       ``S(1)``    ``S(1)``      none (the neighbours switch to
                                                                          all_gather / reduce_scatter)
+``Replicated()``       ``B``       ``B``       as is       as is         none (gradients of parameters
+                                                                         used on split activations: all_reduce)
+``AllReduce()``        ``B``       ``B``       as is       ``B``         all_reduce of a partial output / none
 =====================  ==========  ==========  ==========  ============  ====================================
+
+`Embedding(shard_dim=1)` splits the embedding vectors instead of the vocabulary (weight `S(1)`, output
+gathered to `B` by one all_gather).
 
 `nn.Linear` computes ``y = x @ W.T + b`` with W of shape (out, in): `Colwise` splits the *output*
 features (rows of W), `Rowwise` the *input* features (columns of W).
@@ -126,14 +132,29 @@ class Embedding(Style):
 
     Each rank looks up the ids in its slice of the vocabulary (zeros elsewhere): a `P(sum)` output,
     reduced by one all_reduce to `B`, or by one reduce_scatter to `S(1)` for sequence parallelism.
+    `shard_dim=1` splits the embedding vectors instead (weight `S(1)`): each rank looks up its slice of
+    every vector, an `S(-1)` output gathered by one all_gather to `B`.
 
     >>> Embedding(output_placement="S(1)")
-    Embedding(input_placement=B, output_placement=S(1), use_local_output=False, local_input=False)
+    Embedding(input_placement=B, output_placement=S(1), use_local_output=False, local_input=False, shard_dim=0)
+    >>> Embedding(shard_dim=1).param_placement("weight")
+    S(1)
     """
+
+    shard_dim: int = 0
 
     kind: ClassVar[str] = "embedding"
     modules: ClassVar[tuple[type, ...]] = (nn.Embedding,)
-    weights: ClassVar[dict[str, Placement]] = {"weight": Split(0)}
+
+    def __post_init__(self) -> None:
+        Style.__post_init__(self)
+        if self.shard_dim not in (0, 1):
+            raise SbpError(f"Embedding(shard_dim={self.shard_dim!r}): an embedding weight (vocab, dim) is split on "
+                           f"dim 0 (the vocabulary) or 1 (the vectors); valid: 0, 1")
+
+    def param_placement(self, name: str) -> Placement:
+        """`S(shard_dim)` for the weight."""
+        return Split(self.shard_dim) if name == "weight" else Broadcast()
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +182,62 @@ class SequenceParallel(Style):
         Style.__post_init__(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Replicated(Style):
+    """Every parameter `B`; the module's input and output are left as they come (no conversion, no hook).
+
+    A module computing on split activations (Qwen3's or Gemma3's per-head ``q_norm``) gets `P(sum)`
+    parameter gradients, which the leaf rule all_reduces to `B`: the `B` parameter's gradient is exact
+    with no collective written here.
+
+    >>> Replicated().param_placement("weight"), Replicated().input_placement
+    (B, None)
+    """
+
+    input_placement: PlacementLike = None  # type: ignore[assignment]  # None: the input is left as it comes
+    output_placement: PlacementLike = None  # type: ignore[assignment]  # None: the output is left as it is
+
+    kind: ClassVar[str] = "replicated"
+    modules: ClassVar[tuple[type, ...]] = (nn.Module,)
+
+    def __post_init__(self) -> None:
+        if self.input_placement is not None or self.output_placement is not None:
+            raise SbpError(f"Replicated() leaves the module's input and output as they are; got "
+                           f"input_placement={self.input_placement!r}, output_placement={self.output_placement!r} "
+                           f"(valid: None; use Colwise/Rowwise/SequenceParallel to lay them out)")
+        for flag in ("use_local_output", "local_input"):
+            if getattr(self, flag):
+                raise SbpError(f"Replicated({flag}=True) is not valid: the module's tensors are left as they are")
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduce(Style):
+    """The module's output is reduced to `B` on the tp axis; its input is left as it comes, parameters `B`.
+
+    A global output is redistributed (a `P(sum)` output: one all_reduce; `B`: nothing); a plain output is
+    taken as this rank's partial sum (`P(sum)`) of the full value, as transformers' ``"all_reduce"``.
+
+    >>> AllReduce().output_placement, AllReduce().input_placement
+    (B, None)
+    """
+
+    input_placement: PlacementLike = None  # type: ignore[assignment]  # None: the input is left as it comes
+
+    kind: ClassVar[str] = "all_reduce"
+    modules: ClassVar[tuple[type, ...]] = (nn.Module,)
+
+    def __post_init__(self) -> None:
+        if self.input_placement is not None:
+            raise SbpError(f"AllReduce() leaves the module's input as it comes; got "
+                           f"input_placement={self.input_placement!r} (valid: None)")
+        object.__setattr__(self, "output_placement", _one(self.output_placement, f"{self.kind} output_placement"))
+        if not isinstance(self.output_placement, (Broadcast, Split)):
+            raise SbpError(f"AllReduce(output_placement={self.output_placement!r}): the reduced output is B or "
+                           f"S(d) (valid: Broadcast or Split)")
+
+
 STYLES: dict[str, type[Style]] = {"colwise": Colwise, "rowwise": Rowwise, "embedding": Embedding,
-                                  "sequence": SequenceParallel}
+                                  "sequence": SequenceParallel, "replicated": Replicated, "all_reduce": AllReduce}
 
 
 def as_style(value: "str | Style", pattern: str) -> Style:

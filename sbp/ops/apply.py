@@ -8,66 +8,29 @@ instead of silently missing the base.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 import warnings
 from typing import Any, Optional
 
 import torch
 
+from ..runtime.traced import is_tracing
+from ..tensor.global_tensor import (
+    FallbackWarning,
+    GlobalTensor,
+    TensorNotes,
+    contiguous_strides,
+    empty_outside,
+    is_detached,
+    local_from_full,
+    notes_of,
+    redistribute_raw,
+)
 from ..values.errors import SbpError, UnsupportedOpError
 from ..values.mesh import DeviceMesh
-from ..tensor.global_tensor import FallbackWarning, GlobalTensor, contiguous_strides, empty_outside, local_from_full, redistribute_raw
+from .cache import SPEC_TOKENS
 from .spec import B, Call, Choice, OpSpec, default_run
-from .strict import _STRICT
-
-CACHE_SIZE = 8192   # spec tokens (and decisions, see sbp.ops.dispatch) kept before a table is cleared
-
-
-# ---- spec tokens: what a global tensor contributes to a cache key ---------------------------------------
-# A global tensor's part of the key is a token object standing for (placements, global shape, dtype,
-# mesh shape), cached on the tensor (with the placements and mesh objects it was computed for) so that a
-# call's key hashes by identity instead of hashing placement dataclasses; outputs of ops get theirs from
-# the decision that made them. Tokens are unique objects (never equal to a scalar argument), and a
-# token is never reused for another spec, so clearing the table can only cost a recomputation.
-class _SpecToken:
-    __slots__ = ("spec",)
-
-    def __init__(self, spec: tuple) -> None:
-        self.spec = spec
-
-    def __repr__(self) -> str:
-        return f"<spec {self.spec}>"
-
-
-_SPEC_TOKENS: dict[tuple, _SpecToken] = {}
-
-
-def spec_token(placements: tuple, shape: tuple, dtype: torch.dtype, mesh_shape: tuple) -> _SpecToken:
-    """The token standing for one global tensor spec in cache keys (the same object for equal specs).
-
-    >>> from sbp import S
-    >>> spec_token((S(0),), (4, 4), torch.float32, (2,)) is spec_token((S(0),), (4, 4), torch.float32, (2,))
-    True
-    """
-    key = (placements, tuple(shape), dtype, mesh_shape)
-    found = _SPEC_TOKENS.get(key)
-    if found is None:
-        if len(_SPEC_TOKENS) >= CACHE_SIZE:
-            _SPEC_TOKENS.clear()
-        found = _SPEC_TOKENS[key] = _SpecToken(key)
-    return found
-
-
-def _paths(args: tuple, kwargs: dict) -> list[tuple]:
-    """Where each tensor sits: (position,) / (position, index) in args, or (name,) / (name, index)."""
-    out = []
-    for where, value in itertools.chain(enumerate(args), kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            out.append((where,))
-        elif isinstance(value, (list, tuple)):
-            out.extend((where, j) for j, v in enumerate(value) if isinstance(v, torch.Tensor))
-    return out
+from .strict import is_strict
 
 
 def _substitute(args: tuple, kwargs: dict, paths: list[tuple], locals_: list) -> tuple[list, dict]:
@@ -124,7 +87,7 @@ class Decision:
         # its key is left to its first op, which also gives it the leaf rule (`sbp.ops.dispatch`)
         factory = spec.func._schema.name.split("::")[-1] in FACTORIES
         self.out_keys = [None if o is None or k in self.aliases or factory else
-                         spec_token(choice.outputs[k], o.shape, o.dtype, spec.mesh_shape)
+                         SPEC_TOKENS.token(choice.outputs[k], o.shape, o.dtype, spec.mesh_shape)
                          for k, o in enumerate(spec.outputs)]
         # the common case: nothing moves, nothing is written, one output, the op itself runs locally
         returns = spec.func._schema.returns
@@ -134,37 +97,49 @@ class Decision:
                      and all(len(p) == 1 and isinstance(p[0], int) for p in paths))
 
     def execute(self, func, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Run the decision for one call whose key it was made for; `leaves` are the call's tensors in
+        flattened argument order (as `sbp.ops.dispatch.handle` collects them).
+
+        >>> import sbp, sbp.testing
+        >>> from sbp.ops.decide import decide
+        >>> def fn(mesh):
+        ...     x, neg = sbp.distribute(torch.ones(4), mesh, "S(0)"), torch.ops.aten.neg.default
+        ...     return decide(neg, (x,), {}, [x], mesh).execute(neg, (x,), {}, [x]).to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[-1.0, -1.0], [-1.0, -1.0]]
+        """
         mesh = leaves[self.first]._mesh
         if self.fast:
             largs = list(args)
             for (pos,), t in zip(self.paths, leaves):
                 if isinstance(t, GlobalTensor):
                     if t._mesh is not mesh and t._mesh != mesh:
-                        _mixed(func, mesh, t)
+                        refuse_mixed_meshes(func, mesh, t)
                     largs[pos] = t._local
-            if _coord(mesh) is None:
+            if mesh_coord(mesh) is None:
                 return self._wrap_outside(mesh, leaves)
-            out = self._new(0, func(*largs, **kwargs), mesh)
-            if self.view:
-                d = out.__dict__
-                d["_sbp_view"] = (func, args, kwargs, None)   # its logical strides, worked out if asked
-                if leaves[0].__dict__.get("_sbp_detached"):
-                    d["_sbp_detached"] = True   # a view of a detached view is detached too
+            out = self.wrap_output(0, func(*largs, **kwargs), mesh)
+            if self.view:   # (inlined `notes_of` and `is_detached`: every view op passes here)
+                notes = out.__dict__["_notes"] = TensorNotes()
+                notes.view = (func, args, kwargs, None)   # its logical strides, worked out if asked
+                base = leaves[0].__dict__.get("_notes")
+                if base is not None and base.detached:
+                    notes.detached = True   # a view of a detached view is detached too
             return out
         if self.fallback:
             self._complain()
         for i, _ in self.writes:
-            if leaves[i].__dict__.get("_sbp_detached"):
+            if isinstance(leaves[i], GlobalTensor) and is_detached(leaves[i]):
                 raise SbpError(f"{func} writes into a view of a global tensor that could not stay a view of its "
                                f"base's local block (the base was laid out anew for the view: placements "
                                f"{self.spec.inputs[i].placements}); the write would not reach the base. "
                                f"Write into the base, or .clone() the view first")
-        coord = _coord(mesh)
+        coord = mesh_coord(mesh)
         locals_ = []
         for t, target in zip(leaves, self.targets):
             if isinstance(t, GlobalTensor):
                 if t._mesh is not mesh and t._mesh != mesh:
-                    _mixed(func, mesh, t)
+                    refuse_mixed_meshes(func, mesh, t)
                 locals_.append(t._local if target is None else redistribute_raw(t, target)._local)
             else:
                 locals_.append(t if target is None or coord is None else local_from_full(t, mesh, target))
@@ -180,16 +155,24 @@ class Decision:
             _note_views(out, func, args, kwargs)
         return out
 
-    def _new(self, k: int, local: torch.Tensor, mesh: DeviceMesh) -> GlobalTensor:
+    def wrap_output(self, k: int, local: torch.Tensor, mesh: DeviceMesh) -> GlobalTensor:
+        """Output slot `k` of this decision as a GlobalTensor around `local` (its cache key already made).
+
+        >>> import sbp
+        >>> mesh = sbp.DeviceMesh((1,))
+        >>> x = GlobalTensor(torch.ones(2), mesh, (sbp.B,), (2,))
+        >>> from sbp.ops.decide import decide
+        >>> decide(torch.ops.aten.neg.default, (x,), {}, [x], mesh).wrap_output(0, -torch.ones(2), mesh).placements
+        (B,)
+        """
         pls = self.choice.outputs[k]
-        out = _wrap_global(local, mesh, pls, self.out_shapes[k], self.out_strides[k])
-        if self.out_keys[k] is not None:
-            out.__dict__["_sbp_key"] = (pls, mesh, self.out_keys[k])
-        return out
+        key = self.out_keys[k]
+        return _wrap_global(local, mesh, pls, self.out_shapes[k], self.out_strides[k],
+                            None if key is None else (pls, mesh, key))
 
     def _complain(self) -> None:
         pls = ", ".join(repr(m.placements) if m.is_global else "plain" for m in self.spec.inputs)
-        if _STRICT.get():
+        if is_strict():
             raise UnsupportedOpError(
                 f"sbp.strict(): no sharding rule for {self.spec.func} (input placements: {pls}); "
                 f"add a rule (docs/operators.md) or leave strict() to run it on Broadcast inputs")
@@ -226,7 +209,7 @@ class Decision:
         if source is not None:
             return leaves[source]
         if k < len(self.out_shapes) and self.out_shapes[k] is not None:
-            return self._new(k, local, mesh)
+            return self.wrap_output(k, local, mesh)
         return GlobalTensor(local, mesh, (B,) * mesh.ndim, tuple(local.shape))   # shape from the local result
 
     def _wrap_outside(self, mesh: DeviceMesh, leaves: list) -> Any:
@@ -251,7 +234,7 @@ def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:
     many = isinstance(out, (list, tuple))
     for k, t in enumerate(out if many else [out]):
         if isinstance(t, GlobalTensor) and t is not args[0]:
-            t.__dict__["_sbp_view"] = (func, args, kwargs, k if many else None)
+            notes_of(t).view = (func, args, kwargs, k if many else None)
 
 
 FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
@@ -261,27 +244,30 @@ FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "ra
 def _mark_detached(out: Any, base: Any) -> None:
     """Flag view outputs whose local tensor does not alias the base's (redistributed or copied first):
     an in-place op on them would not reach the base, so `execute` refuses it."""
-    if not isinstance(base, GlobalTensor):
+    if not isinstance(base, GlobalTensor) or is_tracing(base._local):  # traced tensors have no address
         return
-    detached = base.__dict__.get("_sbp_detached", False)
+    detached = is_detached(base)
     ptr = base._local.untyped_storage().data_ptr()
     for t in out if isinstance(out, (list, tuple)) else [out]:
         if isinstance(t, GlobalTensor) and t is not base and (
                 detached or (t._local.numel() and t._local.untyped_storage().data_ptr() != ptr)):
-            t.__dict__["_sbp_detached"] = True
+            notes_of(t).detached = True
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
 
 
-def _wrap_by_constructor(local, mesh, pls, shape, strides) -> GlobalTensor:
-    return GlobalTensor(local, mesh, pls, shape)
+def _wrap_by_constructor(local, mesh, pls, shape, strides, key) -> GlobalTensor:
+    out = GlobalTensor(local, mesh, pls, shape)
+    out.__dict__["_key"] = key
+    return out
 
 
-def _wrap_direct(local, mesh, pls, shape, strides) -> GlobalTensor:
+def _wrap_direct(local, mesh, pls, shape, strides, key) -> GlobalTensor:
     """`GlobalTensor(local, mesh, pls, shape)` with the strides computed once per decision, not per call
-    (and not passed at all for a strided local: the wrapper's default strides are the contiguous ones)."""
+    (and not passed at all for a strided local: the wrapper's default strides are the contiguous ones),
+    and its cache key already made."""
     if local.layout is _STRIDED:
         out = _make_wrapper(GlobalTensor, shape, dtype=local.dtype, device=local.device)
     else:
@@ -291,24 +277,43 @@ def _wrap_direct(local, mesh, pls, shape, strides) -> GlobalTensor:
     d["_local"] = local
     d["_mesh"] = mesh
     d["_placements"] = pls
+    d["_key"] = key
+    d["_notes"] = None
     return out
 
 
 def _pick_wrapper():
     """Use `_wrap_direct` only while it builds exactly what the GlobalTensor constructor builds."""
     local, mesh, pls = torch.zeros(2, 3), DeviceMesh((1,)), (B,)
-    want, got = GlobalTensor(local, mesh, pls, (2, 3)), _wrap_direct(local, mesh, pls, (2, 3), contiguous_strides((2, 3)))
+    want = GlobalTensor(local, mesh, pls, (2, 3))
+    got = _wrap_direct(local, mesh, pls, (2, 3), contiguous_strides((2, 3)), None)
     same = (vars(want).keys() == vars(got).keys() and want.stride() == got.stride()
             and want.requires_grad == got.requires_grad and type(want) is type(got))
     return _wrap_direct if same else _wrap_by_constructor
 
 
-def _mixed(func, mesh: DeviceMesh, t: GlobalTensor) -> None:
+def refuse_mixed_meshes(func, mesh: DeviceMesh, t: GlobalTensor) -> None:
+    """Raise the `SbpError` for an op whose global tensors live on different meshes.
+
+    >>> import sbp
+    >>> t = GlobalTensor(torch.ones(2), sbp.DeviceMesh((2,)), (sbp.B,), (2,))
+    >>> refuse_mixed_meshes("aten.add.Tensor", sbp.DeviceMesh((1,)), t)
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.SbpError: aten.add.Tensor mixes global tensors on different meshes (DeviceMesh((1,)) and
+    DeviceMesh((2,))); redistribute them onto one mesh first
+    """
     raise SbpError(f"{func} mixes global tensors on different meshes ({mesh!r} and {t._mesh!r}); "
                    f"redistribute them onto one mesh first")
 
 
-def _coord(mesh: DeviceMesh) -> Optional[tuple[int, ...]]:
+def mesh_coord(mesh: DeviceMesh) -> Optional[tuple[int, ...]]:
+    """This rank's coord on `mesh` (None outside it), read from the binding when it knows it (fast path).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(mesh_coord, (2,))
+    [(0,), (1,)]
+    """
     binding = mesh.binding
     coord = getattr(binding, "coord", _MISSING)
     return mesh.coord if coord is _MISSING else coord

@@ -4,7 +4,8 @@
 filtered by the rule's whole-mesh check, and priced with the planner (`_price`): bytes the busiest rank
 receives to lay the inputs out (and to write in-place results back), plus the reduction debt of every
 Partial the op would create. Ties go to fewer collectives, then fewer changed placements, then the
-rule's order. Ops without a rule get the fallback decision (Broadcast inputs, one-time warning).
+rule's order. Ops without a rule get the fallback decision (Broadcast inputs, one-time warning): the
+one fallback of sbp, also taken by a composite rule (``_foreach_*``, in-place views) that declines a call.
 """
 from __future__ import annotations
 
@@ -13,18 +14,29 @@ from typing import Any, Optional
 
 import torch
 
+from ..planning.api import plan as make_plan
+from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import DTypeError, ShapeError
 from ..values.layout import block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
-from ..planning.search import plan as make_plan
-from ..tensor.global_tensor import GlobalTensor
-from .apply import Decision, _paths
+from . import table as rules
+from .apply import Decision
 from .random import agreed_random_run, is_random
 from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
-from . import table as rules
 
 MAX_COMBOS = 512    # whole-mesh signature combinations priced before pruning per axis
+
+
+def _paths(args: tuple, kwargs: dict) -> list[tuple]:
+    """Where each tensor sits: (position,) / (position, index) in args, or (name,) / (name, index)."""
+    out = []
+    for where, value in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            out.append((where,))
+        elif isinstance(value, (list, tuple)):
+            out.extend((where, j) for j, v in enumerate(value) if isinstance(v, torch.Tensor))
+    return out
 
 
 def _bind(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], leaves: list) -> OpSpec:
@@ -167,7 +179,7 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
     paths = _paths(args, kwargs)
     writes = _writes(func, spec)
     rule = rules.lookup(func)
-    if rule is None:
+    if rule is None or rule.composite is not None:   # no rule, or a composite rule that declined the call
         _check_on_meta(func, args, kwargs, spec)
         return _fallback(spec, paths, writes)
     if rule.meta:

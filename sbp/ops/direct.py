@@ -18,14 +18,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, _op_handler
-from .apply import _coord
-from .dispatch import _CACHE, _tensor_key, float_key, handle
+from ..tensor.global_tensor import GlobalTensor, get_op_handler
+from .apply import mesh_coord
+from .cache import DECISIONS
+from .dispatch import float_key, handle, tensor_key
 
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _autocast = torch._C._is_any_autocast_enabled
+_decision_of = DECISIONS.get   # the cache's own dict lookup (DECISIONS.clear() empties that same dict)
 
 
 def direct_ok(*tensors: torch.Tensor) -> bool:
@@ -33,7 +35,7 @@ def direct_ok(*tensors: torch.Tensor) -> bool:
     (no tensor that autograd must record, no dispatch or function mode, no autocast) and the op handler
     plugged into `GlobalTensor.__torch_dispatch__` is `sbp.ops.dispatch.handle`.
 
-    >>> import sbp
+    >>> import sbp; sbp.load_torch_layers()              # installs sbp.ops.dispatch.handle
     >>> x = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,))
     >>> direct_ok(x), direct_ok(x.requires_grad_())
     (True, False)
@@ -57,27 +59,27 @@ def _direct(op, local_method: Callable, a: GlobalTensor, b: Any) -> Any:
     goes to the handler; `_MISS` when the call has no decision yet (the caller knows what to do then)."""
     kind = type(b)
     if kind is GlobalTensor:
-        decision = _CACHE.get((op, _tensor_key(a), _tensor_key(b)))
+        decision = _decision_of((op, tensor_key(a), tensor_key(b)))
     elif b is _NOTHING:
-        decision = _CACHE.get((op, _tensor_key(a)))
+        decision = _decision_of((op, tensor_key(a)))
     else:
-        decision = _CACHE.get((op, _tensor_key(a), float_key(b) if kind is float else b))
+        decision = _decision_of((op, tensor_key(a), float_key(b) if kind is float else b))
     if decision is None:
         return _MISS
     mesh = a._mesh
-    if not decision.fast or (kind is GlobalTensor and b._mesh is not mesh) or _coord(mesh) is None:
+    if not decision.fast or (kind is GlobalTensor and b._mesh is not mesh) or mesh_coord(mesh) is None:
         return handle(op, (a,) if b is _NOTHING else (a, b), {})
     if b is _NOTHING:
         local = local_method(a._local)
     else:
         local = local_method(a._local, b._local if kind is GlobalTensor else b)
-    return decision._new(0, local, mesh)
+    return decision.wrap_output(0, local, mesh)
 
 
 def _quiet() -> bool:
     """No mode or autocast would act, and `handle` is the plugged-in op handler (`set_op_handler`)."""
     return (not _dispatch_modes() and not _function_modes() and not _autocast()
-            and _op_handler[0] is handle)
+            and get_op_handler() is handle)
 
 
 def _binary(name: str, op) -> Callable:

@@ -1,42 +1,52 @@
-"""The op handler: key the call, look up (or make) its decision, run it.
+"""The op handler: key the call, look up (or make) its decision, run it -- the one op path of sbp.
 
 For every ATen op on a `GlobalTensor`, `handle` builds a cache key from the op and its inputs'
-(placements, global shape, dtype, mesh shape) -- as one token per tensor, see
-`sbp.ops.apply.spec_token` -- plus the non-tensor arguments (a non-zero float only by type, so a
+(placements, global shape, dtype, mesh shape) -- as one token per tensor, see `tensor_key` and
+`sbp.ops.cache.SPEC_TOKENS` -- plus the non-tensor arguments (a non-zero float only by type, so a
 changing learning rate reuses the decision; 0.0 and bools kept apart because they promote dtypes
-differently). A miss makes the decision once (`sbp.ops.decide.decide`: rule signatures, planner
-prices, cheapest wins). ``_foreach_*`` ops go to `sbp.ops.optim.foreach` instead. A plain tensor that
-requires grad gets a hook that turns the global gradient the rules produce into the plain full
-gradient (DESIGN: a plain tensor mixed in is Broadcast). A global leaf that requires grad without the
-leaf rule (``torch.zeros_like(x, requires_grad=True)``: torch sets the flag in C++, past
-`GlobalTensor.requires_grad_`) gets it at its first op, when its key is first made (factories leave
-their outputs' keys unmade for this).
+differently). A hit in `sbp.ops.cache.DECISIONS` runs the decision; a miss looks the op up in the rule
+table: a composite rule (``_foreach_*``, in-place views) runs the call itself, any other rule -- or
+none, the fallback -- makes the decision once (`sbp.ops.decide.decide`: rule signatures, planner prices,
+cheapest wins). A plain tensor that requires grad gets a hook that turns the global gradient the rules
+produce into the plain full gradient (DESIGN: a plain tensor mixed in is Broadcast); which plain tensors
+have it is kept in `PLAIN_GRAD_HOOKED`, a weak identity map (nothing is written into the tensor). A
+global leaf that requires grad without the leaf rule (``torch.zeros_like(x, requires_grad=True)``: torch
+sets the flag in C++, past `GlobalTensor.requires_grad_`) gets it at its first op, when its key is first
+made (factories leave their outputs' keys unmade for this).
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_raw
-from .apply import CACHE_SIZE, _SpecToken, _mixed, spec_token
+from . import table as rules
+from .apply import refuse_mixed_meshes
+from .cache import DECISIONS, SPEC_TOKENS, SpecToken
 from .decide import decide
 from .spec import FLOAT, B
-from . import table as rules
 
-_CACHE: dict = {}
-_DECIDING = threading.RLock()   # a process-lifetime resource guarding the cache's misses, not a flag
+PLAIN_GRAD_HOOKED = WeakIdKeyDictionary()   # plain tensor -> True once it has the plain-gradient hook
 
 
 # ---- the cache key -------------------------------------------------------------------------------------
-def _tensor_key(a: GlobalTensor) -> _SpecToken:
+def tensor_key(a: GlobalTensor) -> SpecToken:
+    """The part of a call's cache key that stands for global tensor `a`: its spec token, remembered in
+    ``a._key`` while `a`'s placements and mesh stay the same objects.
+
+    >>> import sbp
+    >>> x = GlobalTensor(torch.ones(4), sbp.DeviceMesh((2,)), (sbp.S(0),), (8,))
+    >>> tensor_key(x).spec, tensor_key(x) is tensor_key(GlobalTensor(torch.ones(4), x.mesh, (sbp.S(0),), (8,)))
+    (((S(0),), (8,), torch.float32, (2,)), True)
+    """
     d = a.__dict__   # one lookup, then plain dict reads (hot: every op call keys its tensors)
-    cached = d.get("_sbp_key")
+    cached = d["_key"]
     if cached is not None and cached[0] is d["_placements"] and cached[1] is d["_mesh"]:
         return cached[2]
-    found = spec_token(a._placements, a.shape, a.dtype, a._mesh.shape)
-    d["_sbp_key"] = (a._placements, a._mesh, found)
+    found = SPEC_TOKENS.token(a._placements, a.shape, a.dtype, a._mesh.shape)
+    d["_key"] = (a._placements, a._mesh, found)
     ensure_leaf_rule(a)   # e.g. zeros_like(x, requires_grad=True): its first op makes its key
     return found
 
@@ -45,8 +55,8 @@ def _key_of(a: Any, leaves: list) -> Any:
     if isinstance(a, torch.Tensor):
         leaves.append(a)
         if isinstance(a, GlobalTensor):
-            return _tensor_key(a)
-        if a.requires_grad and not getattr(a, "_sbp_plain_grad", False):
+            return tensor_key(a)
+        if a.requires_grad and a not in PLAIN_GRAD_HOOKED:
             _plain_grad_hook(a)
         return (a.shape, a.dtype)
     t = type(a)
@@ -84,7 +94,7 @@ def _plain_grad_hook(t: torch.Tensor) -> None:
         return None
 
     t.register_hook(to_plain)
-    t._sbp_plain_grad = True
+    PLAIN_GRAD_HOOKED[t] = True
 
 
 # ---- the handler ---------------------------------------------------------------------------------------------
@@ -107,13 +117,13 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
         for a in args:
             if isinstance(a, GlobalTensor):
                 leaves.append(a)
-                key.append(_tensor_key(a))
+                key.append(tensor_key(a))
             else:
                 key.append(_key_of(a, leaves))
         if kwargs:
             key.append(tuple([(k, _key_of(v, leaves)) for k, v in kwargs.items()]))
         key = tuple(key)
-        decision = _CACHE.get(key)
+        decision = DECISIONS.get(key)
     except TypeError:  # an unhashable argument (e.g. a generator): decide without caching
         key, decision = None, None
         leaves = []
@@ -121,28 +131,16 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
     if decision is not None:
         return decision.execute(func, args, kwargs, leaves)
     mesh = next((t._mesh for t in leaves if isinstance(t, GlobalTensor)), None)
-    if mesh is None:
-        return NotImplemented
-    special = rules.special(func)
-    if special is not None:
-        return special(func, args, kwargs)
+    if mesh is None:   # torch calls GlobalTensor.__torch_dispatch__ only with a global tensor among the arguments
+        raise TypeError(f"sbp.ops.dispatch.handle: {func} was called without a GlobalTensor argument")
+    rule = rules.lookup(func)
+    if rule is not None and rule.composite is not None:   # its parts are dispatched (and cached) one by one
+        out = rule.composite(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
     for t in leaves:   # before deciding: placements are read against the first tensor's mesh
         if isinstance(t, GlobalTensor) and t._mesh is not mesh and t._mesh != mesh:
-            _mixed(func, mesh, t)
-    with _DECIDING:   # thread-ranks of one process share decisions: one decides, the others reuse it
-        decision = _CACHE.get(key) if key is not None else None
-        if decision is None:
-            decision = decide(func, args, kwargs, leaves, mesh)
-            if key is not None:
-                if len(_CACHE) >= CACHE_SIZE:
-                    _CACHE.clear()
-                _CACHE[key] = decision
+            refuse_mixed_meshes(func, mesh, t)
+    # thread-ranks of one process share decisions: one decides, the others reuse it
+    decision = DECISIONS.decide_once(key, decide, func, args, kwargs, leaves, mesh)   # no closure: no cells per call
     return decision.execute(func, args, kwargs, leaves)
-
-
-def clear_cache() -> None:
-    """Forget every cached decision (tests use it to re-check fallback warnings).
-
-    >>> clear_cache()
-    """
-    _CACHE.clear()

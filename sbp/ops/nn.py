@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ..values.placement import Split
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
+from ..values.placement import Split
 from .spec import ANY, PSUM, B, Call, OpSpec, Rule, Sig, splits
 
 aten = torch.ops.aten
@@ -227,7 +227,8 @@ def _run_sdpa(call: Call) -> Any:
     return call.default()
 
 
-SDPA = Rule(_sdpa_sigs, run=_run_sdpa, doc="q, k, v (and grads) S(batch or head dim) -> S; backward: grad P(sum) -> P(sum); B")
+SDPA = Rule(_sdpa_sigs, run=_run_sdpa,
+            doc="q, k, v (and grads) S(batch or head dim) -> S; backward: grad P(sum) -> P(sum); B")
 
 
 # ---- mean squared error -------------------------------------------------------------------------------------------

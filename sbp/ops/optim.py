@@ -10,6 +10,9 @@ that op's rule says; an in-place op without an in-place form (``_foreach_maximum
 out of place and copies back. The foreach ops that reduce each tensor to one value (``_foreach_norm``,
 ``_foreach_max``: what ``clip_grad_norm_(foreach=True)`` runs) are not pointwise: each tensor goes
 through the reduction's own rule (a norm over a split dim is a Partial, reduced where needed).
+
+The rule table finds every ``_foreach_*`` overload by name (`is_foreach`) and gives it `FOREACH`, a
+composite rule running `foreach`.
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..values.placement import Partial
 from ..tensor.global_tensor import GlobalTensor
+from ..values.placement import Partial
+from .spec import Rule, no_signatures
 
 aten = torch.ops.aten
 
@@ -117,6 +121,9 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
     reduce = _REDUCING.get(func._schema.name.split("::")[-1])
     if reduce is not None:   # one value per tensor: the reduction's own rule, tensor by tensor
         return [reduce(t, *args[1:], **kwargs) for t in args[0]]
+    packet, copy_back = _base(func)
+    if packet is None:   # no per-tensor op (e.g. _foreach_powsum): not known to be pointwise, so the fallback
+        return NotImplemented
     if _lined_up(func, args):
         largs, lkwargs = _local_args(args, kwargs)
         out = func(*largs, **lkwargs)
@@ -124,9 +131,6 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
             return out
         like = args[0]
         return [GlobalTensor(o, t._mesh, t._placements, tuple(t.shape)) for o, t in zip(out, like)]
-    packet, copy_back = _base(func)
-    if packet is None:
-        return NotImplemented
     n, calls = _per_index(func, args, kwargs)
     results = []
     for pos, kw in calls:
@@ -137,3 +141,7 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
         results.append(out)
     returns = func._schema.returns
     return results if returns and str(returns[0].type).startswith("List[") else None
+
+
+FOREACH = Rule(no_signatures, composite=foreach,
+               doc="the pointwise rule per list index; one fused local call when every index lines up")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..tensor.factories import agreed_seed
 from .spec import Call
 
 aten = torch.ops.aten
@@ -37,11 +38,16 @@ def is_random(func) -> bool:
 
 
 def agreed_random_run(call: Call) -> Any:
-    """Run a random op on this rank's (Broadcast) inputs with a generator every rank seeds alike."""
-    from ..tensor.factories import _agreed_seed
+    """Run a random op on this rank's (Broadcast) inputs with a generator every rank seeds alike.
 
+    >>> import sbp
+    >>> mesh = sbp.DeviceMesh((1,))
+    >>> call = Call(torch.ops.aten.rand_like.default, [torch.zeros(3)], {}, None, None, mesh, (0,))
+    >>> agreed_random_run(call).shape
+    torch.Size([3])
+    """
     takes_generator = any(a.name == "generator" for a in call.func._schema.arguments)
-    seed = _agreed_seed(call.mesh, call.kwargs.get("generator") if takes_generator else None)
+    seed = agreed_seed(call.mesh, call.kwargs.get("generator") if takes_generator else None)
     device = next((a.device for a in call.args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     if takes_generator:
         generator = torch.Generator(device=device).manual_seed(seed)

@@ -130,7 +130,7 @@ TRIANGLE = AlongDims(_last_two, partial_in=(PSUM, PMAX, PMIN), doc="S(batch dims
 FLIP = AlongDims(_same_shape("dims"), partial_in=(PSUM, PMAX, PMIN), doc="S(d not flipped)->S; P->P")
 
 
-# ---- indexed ops along one dim: gather, scatter, scatter_add, index_select ---------------------------------------------
+# ---- indexed ops along one dim: gather, scatter, scatter_add, index_select -------------------------------------------
 def _indexed_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     """Every tensor split alike on a dim d != `dim` where all have the output's length; Partial where linear.
 

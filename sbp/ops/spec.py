@@ -197,6 +197,16 @@ def default_run(call: Call) -> Any:
 SigFn = Callable[[OpSpec, int], Sequence[Sig]]
 CheckFn = Callable[[OpSpec, Choice], bool]
 RunFn = Callable[[Call], Any]
+CompositeFn = Callable[[Any, tuple, dict], Any]   # (func, args, kwargs) -> result, or NotImplemented
+
+
+def no_signatures(spec: OpSpec, axis: int) -> list[Sig]:
+    """The signatures of a composite rule: none (its parts are dispatched through their own rules).
+
+    >>> no_signatures(None, 0)
+    []
+    """
+    return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +222,11 @@ class Rule:
     takes their product over the axes, drops the combinations `check` refuses (e.g. views whose uneven
     blocks would not line up) and picks the cheapest. `run(call)` computes this rank's outputs;
     `doc` is the signature summary shown in docs/operators.md.
+
+    A *composite* rule (`composite(func, args, kwargs)`, with `sigs=no_signatures`) runs the whole call
+    on the global tensors itself, dispatching its parts through their own rules: ``_foreach_*`` ops index
+    by index, in-place views through their out-of-place view. It returns `NotImplemented` to decline a
+    call, which then takes the fallback (Broadcast inputs, one-time warning).
     """
 
     sigs: SigFn
@@ -219,6 +234,7 @@ class Rule:
     check: Optional[CheckFn] = None
     doc: str = ""
     meta: bool = True  # False: output shapes come from the local results (Broadcast outputs only)
+    composite: Optional[CompositeFn] = None
 
 
 def splits(pls: Sequence[Placement], dim: int) -> bool:

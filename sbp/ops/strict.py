@@ -8,6 +8,8 @@ import contextlib
 import contextvars
 from typing import Iterator
 
+from ..runtime.agreement import backward_on_this_thread
+
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("sbp_strict", default=False)
 
 
@@ -26,7 +28,8 @@ def strict(enabled: bool = True) -> Iterator[None]:
     """
     token = _STRICT.set(enabled)
     try:
-        yield
+        with backward_on_this_thread(enabled):   # CUDA backward threads do not see this ContextVar
+            yield
     finally:
         _STRICT.reset(token)
 

@@ -1,17 +1,21 @@
-"""The rule table: ATen op -> sharding rule. `lookup` finds an op's rule, `register` adds one.
+"""The rule table: ATen op -> sharding rule, the one place an op's behaviour on global tensors is declared.
 
-Lookup order: the exact overload (``aten.sum.dim_IntList``), then pointwise ops by ATen tag
-(``torch.Tag.pointwise``, random ops excluded). ``_foreach_*`` ops are `special`: they run index by
-index through the pointwise rule (`sbp.ops.optim`). Each rule's signatures are documented in its
-family module and listed in docs/operators.md (``python -m sbp.ops.table`` prints the table).
+`lookup` finds an op's rule, `register` adds one. Lookup order: the exact overload
+(``aten.sum.dim_IntList``), then two families found by a property instead of one row per overload:
+pointwise ops by ATen tag (``torch.Tag.pointwise``, random ops excluded) and ``_foreach_*`` ops by name
+(`sbp.ops.optim.FOREACH`, a composite rule: index by index through the pointwise rule). In-place views
+(``squeeze_``, ``t_``, ``detach_``, ...) are rows with the composite rule `sbp.ops.views.INPLACE_VIEW`.
+An op with no rule takes the one fallback (`sbp.ops.decide`). Each rule's signatures are documented in
+its family module and listed in docs/operators.md (``python -m sbp.ops.table`` prints the table).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from . import matmul, nn, optim, pointwise, reductions, views
+from .cache import DECISIONS
 from .spec import Rule
 
 aten = torch.ops.aten
@@ -102,6 +106,16 @@ TABLE: dict[Any, Rule] = {
     aten.stack.default: views.CAT,
     aten.select_backward.default: views.SELECT_BACKWARD,
     aten.slice_backward.default: views.SLICE_BACKWARD,
+    # in-place views: the tensor becomes its out-of-place view (composite)
+    aten.squeeze_.default: views.INPLACE_VIEW,
+    aten.squeeze_.dim: views.INPLACE_VIEW,
+    aten.squeeze_.dims: views.INPLACE_VIEW,
+    aten.unsqueeze_.default: views.INPLACE_VIEW,
+    aten.t_.default: views.INPLACE_VIEW,
+    aten.transpose_.default: views.INPLACE_VIEW,
+    aten.swapdims_.default: views.INPLACE_VIEW,
+    aten.swapaxes_.default: views.INPLACE_VIEW,
+    aten.detach_.default: views.INPLACE_VIEW,
     # identity-like, casts, factories from a tensor, fills and copies
     aten.detach.default: pointwise.IDENTITY,
     aten.alias.default: pointwise.IDENTITY,
@@ -134,55 +148,53 @@ TABLE: dict[Any, Rule] = {
 
 
 def lookup(func) -> Optional[Rule]:
-    """The rule of `func`: its table entry, else the pointwise rule for pointwise-tagged ops, else None.
+    """The rule of `func`: its table entry, else its family's rule (pointwise by tag, ``_foreach_*`` by
+    name), else None (the fallback).
 
     >>> lookup(torch.ops.aten.mm.default).doc
     'contraction mk,kn->mn'
     >>> lookup(torch.ops.aten.gelu.default) is pointwise.POINTWISE
     True
-    """
-    rule = TABLE.get(func)
-    if rule is None and pointwise.is_pointwise(func):
-        return pointwise.POINTWISE
-    return rule
-
-
-def special(func) -> Optional[Callable]:
-    """A handler that replaces signature matching for `func` (``_foreach_*`` ops, in-place views such as
-    ``squeeze_``), or None.
-
-    >>> special(torch.ops.aten._foreach_add_.List) is optim.foreach, special(torch.ops.aten.add.Tensor)
+    >>> lookup(torch.ops.aten._foreach_add_.List) is optim.FOREACH, lookup(torch.ops.aten.roll.default)
     (True, None)
     """
-    if optim.is_foreach(func):
-        return optim.foreach
-    return views.inplace_view if views.is_inplace_view(func) else None
+    rule = TABLE.get(func)
+    if rule is None:
+        if pointwise.is_pointwise(func):
+            return pointwise.POINTWISE
+        if optim.is_foreach(func):
+            return optim.FOREACH
+    return rule
 
 
 def register(func, rule: Optional[Rule]) -> Optional[Rule]:
     """Add, replace (or with None remove) the rule of one ATen overload; returns the previous rule.
 
-    Decisions made before are dropped from the cache.
+    Decisions made before are dropped from the cache (`sbp.ops.cache.DECISIONS`).
 
     >>> from sbp.ops.spec import Rule, Sig, B
     >>> previous = register(torch.ops.aten.erfinv.default, Rule(lambda spec, axis: [Sig((B,), (B,))]))
     >>> _ = register(torch.ops.aten.erfinv.default, previous)   # restore
     """
-    from .dispatch import clear_cache
     previous = TABLE.pop(func, None)
     if rule is not None:
         TABLE[func] = rule
-    clear_cache()
+    DECISIONS.clear()
     return previous
 
 
-def table_rows() -> list[tuple[str, str]]:
-    """(op, signature summary) for every table entry, for docs/operators.md.
+FAMILIES = (("aten.<pointwise-tagged op>", pointwise.POINTWISE),   # rows `lookup` finds by property
+            ("aten._foreach_*", optim.FOREACH))
 
-    >>> table_rows()[0]
-    ('aten.mm.default', 'contraction mk,kn->mn')
+
+def table_rows() -> list[tuple[str, str]]:
+    """(op, signature summary) for every table entry, then the families `lookup` finds by property, for
+    docs/operators.md.
+
+    >>> table_rows()[0], table_rows()[-1][0]
+    (('aten.mm.default', 'contraction mk,kn->mn'), 'aten._foreach_*')
     """
-    return [(str(func), rule.doc) for func, rule in TABLE.items()]
+    return [(str(func), rule.doc) for func, rule in TABLE.items()] + [(name, rule.doc) for name, rule in FAMILIES]
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the table for docs/operators.md

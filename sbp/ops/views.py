@@ -21,6 +21,9 @@ of the output's split. Merging dims after the split dim passes when the shards a
 (4, 6) -> 12,12 of 24; but rows 3,2 of (5, 6) give 18,12 where S(0) of 30 is 15,15); splitting a split
 dim passes when the local sizes divide evenly (C split 6,6 -> (H=4, 3): 2,2 heads). Anything else is
 refused and the planner redistributes first (to the cheapest layout the view accepts).
+
+In-place views (``squeeze_``, ``t_``, ``transpose_``, ``detach_``, ...) have the composite rule
+`INPLACE_VIEW`: the tensor becomes its out-of-place view, placed by that view's rule (`inplace_view`).
 """
 from __future__ import annotations
 
@@ -29,9 +32,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..tensor.global_tensor import GlobalTensor, logical_strides, notes_of
 from ..values.layout import block
 from ..values.placement import Split
-from .spec import ANY, PMAX, PMIN, PSUM, B, Call, Choice, OpSpec, Rule, Sig, dims_of, splits
+from .spec import ANY, PMAX, PMIN, PSUM, B, Call, Choice, OpSpec, Rule, Sig, dims_of, no_signatures, splits
 
 aten = torch.ops.aten
 PARTIALS = (PSUM, PMAX, PMIN)
@@ -205,7 +209,7 @@ def _run_expand(call: Call) -> Any:
 EXPAND = Rule(_expand_sigs, run=_run_expand, doc="S(d)->S(d+new dims) for non-broadcast d; B; P")
 
 
-# ---- slicing ----------------------------------------------------------------------------------------------------------
+# ---- slicing ---------------------------------------------------------------------------------------------------------
 def _slice_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     x = spec.inputs[0]
     dim = spec.arg("dim", 0) % x.ndim
@@ -298,7 +302,7 @@ SELECT_BACKWARD = Rule(_select_backward_sigs, run=_run_with_local_sizes, doc="S(
 SLICE_BACKWARD = Rule(_slice_backward_sigs, run=_run_with_local_sizes, doc="S(d != dim)->S(d); B; P(sum)")
 
 
-# ---- factories from a tensor, fills and copies ---------------------------------------------------------------------------
+# ---- factories from a tensor, fills and copies -----------------------------------------------------------------------
 def _like_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     """`*_like`: the result keeps the input's splits; a Partial input gives a Broadcast result."""
     p = spec.inputs[0].placements[axis]
@@ -368,18 +372,6 @@ FULL_NO_META = Rule(_full_sigs, meta=False, doc="B inputs (the op needs whole va
 
 
 # ---- in-place views ------------------------------------------------------------------------------------------
-INPLACE_VIEWS = ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "detach_")
-
-
-def is_inplace_view(func) -> bool:
-    """Whether `func` changes its input's shape in place (``x.squeeze_()``, ``x.t_()``, ...).
-
-    >>> is_inplace_view(torch.ops.aten.squeeze_.dim), is_inplace_view(torch.ops.aten.squeeze.dim)
-    (True, False)
-    """
-    return func._schema.name.split("::")[-1] in INPLACE_VIEWS
-
-
 def inplace_view(func, args: tuple, kwargs: dict) -> Any:
     """``x.squeeze_(0)``, ``x.t_()``, ...: `x` becomes the out-of-place view (its rule places it): it takes
     that view's local, placements and global shape and strides, and stays the same Python object.
@@ -393,18 +385,16 @@ def inplace_view(func, args: tuple, kwargs: dict) -> Any:
     >>> sbp.testing.spmd(fn, (2,))[0]
     ((2, 4), (S(1),), (2, 2))
     """
-    from ..tensor.global_tensor import GlobalTensor, logical_strides
-
     x = args[0]
     view = getattr(aten, func._schema.name.split("::")[-1][:-1])(*args, **kwargs)
     if not isinstance(x, GlobalTensor) or not isinstance(view, GlobalTensor):
         return NotImplemented
     strides = logical_strides(view)   # worked out from x as it was, before x changes
     d = x.__dict__
-    d["_local"], d["_placements"] = view._local, view._placements
-    d.pop("_sbp_key", None)
-    d.pop("_sbp_view", None)
-    d["_sbp_strides"] = strides
+    d["_local"], d["_placements"], d["_key"] = view._local, view._placements, None   # another spec now
+    notes = notes_of(x)
+    notes.view = None                  # no longer made by a view op: its strides are set
+    notes.strides = strides
     with torch.utils._mode_utils.no_dispatch():   # the wrapper's own sizes, as torch changes a subclass's
         meta = torch._C._meta_in_tls_dispatch_include()
         torch._C._set_meta_in_tls_dispatch_include(True)
@@ -414,3 +404,7 @@ def inplace_view(func, args: tuple, kwargs: dict) -> Any:
             torch._C._set_meta_in_tls_dispatch_include(meta)
     return x
 
+
+
+INPLACE_VIEW = Rule(no_signatures, composite=inplace_view,
+                    doc="the out-of-place view's rule; the tensor takes that view's local, placements and shape")

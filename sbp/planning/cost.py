@@ -1,4 +1,4 @@
-"""The planner's cost model: bytes received by the busiest rank, peak memory, and the lower bound.
+"""The planner's prices: what one step makes the busiest rank receive, and its peak memory.
 
 Collectives are priced with ring formulas on the exact (uneven) block sizes from layout maths:
 all_gather receives what the rank lacks, reduce_scatter ``(n-1)`` times its output piece, all_reduce
@@ -9,7 +9,8 @@ padding that makes uneven pieces equal (less than one slab per member) is not co
 
 Everything is cached per `Costing` (one plan's search): block ranges per dim and splitting axes,
 per state, per layout (states that differ only in Broadcast/Partial axes share their blocks), and
-per pair of layouts for what ranks lack.
+per pair of layouts for what ranks lack. Lower bounds, built on the same blocks, are
+`sbp.planning.bounds`.
 """
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ from typing import Optional
 
 from ..values.layout import split_range
 from ..values.mesh import DeviceMesh
-from ..values.placement import Partial, Placement, Split
+from ..values.placement import Partial, Split
 from ..values.steps import Step
 from .exchange import reduce_recv_elems
-
-State = tuple[Placement, ...]
+from .states import State
 
 
 class Costing:
@@ -35,7 +35,7 @@ class Costing:
     """
 
     __slots__ = ("shape", "mesh", "itemsize", "ndim", "coords", "_states", "_layouts", "_dim", "_leaf", "_overlap",
-                 "_lack", "_bound")
+                 "_lack", "_memo")
 
     def __init__(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int) -> None:
         self.shape = shape
@@ -52,7 +52,7 @@ class Costing:
         self._states: dict[State, tuple] = {}
         self._layouts: dict[tuple, tuple] = {}  # per layout key, see `_state`
         self._lack: dict[tuple[tuple, tuple], int] = {}
-        self._bound: dict[tuple, object] = {}
+        self._memo: dict[tuple, object] = {}  # reduce_transfer prices, boxes, groups
 
     def _state(self, s: State) -> tuple:
         """(ranges, numels, largest numel, layout key) of a state, in one lookup. States that split the
@@ -110,6 +110,16 @@ class Costing:
     def numels(self, s: State) -> tuple[int, ...]:
         """Local element count at every coord (row-major)."""
         return self._state(s)[1]
+
+    def layout_key(self, s: State) -> tuple:
+        """Per dim, the axes splitting it: states with the same key hold the same blocks everywhere.
+
+        >>> from sbp import S, B, Partial
+        >>> c = Costing((8, 8), (2, 2), 4)
+        >>> c.layout_key((S(1), B)), c.layout_key((S(1), Partial())) is c.layout_key((S(1), B))
+        (((), (0,)), True)
+        """
+        return self._state(s)[3]
 
     def lack(self, s: State, t: State) -> int:
         """Elements of its `t` block that the busiest rank does not hold in `s`."""
@@ -196,143 +206,47 @@ class Costing:
         Groups that hold the same blocks have the same schedule, so each distinct one is priced once.
         """
         key = ("reduce_transfer", s, t, axes)
-        out = self._bound.get(key)
+        out = self._memo.get(key)
         if out is None:
-            have, want = self._boxes(s), self._boxes(t)
+            have, want = self.boxes(s), self.boxes(t)
             q = self.group_size(tuple(a for a in axes if isinstance(s[a], Partial)))
             # groups hold the same blocks when they agree on the axes splitting a dim outside the group
             outside = [a for a, p in enumerate(s) if a not in axes and isinstance(p, Split)]
             seen, out = set(), 0
-            for members in self._groups_across(axes):
+            for members in self.groups_across(axes):
                 where = tuple(self.coords[members[0]][a] for a in outside)
                 if where not in seen:
                     seen.add(where)
                     out = max(out, *reduce_recv_elems([have[i] for i in members], [want[i] for i in members], q))
-            self._bound[key] = out
+            self._memo[key] = out
         return out
 
-    # ---- lower bound -------------------------------------------------------------------------------
-    def reduction_bound(self, s: State, d: State) -> int:
-        key = ("reduce", s, d)
-        out = self._bound.get(key)
-        if out is None:
-            out = self._bound[key] = self._reduction_bound(s, d)
-        return out
+    def groups_across(self, axes: tuple[int, ...]) -> list[list[int]]:
+        """Coord indices grouped by their coords off `axes` (the members of each group differ on `axes`).
 
-    def _reduction_bound(self, s: State, d: State) -> int:
-        """A bound for Partial sources that holds for any schedule, counted in elements.
-
-        Per element, the q contributions of the axes still to reduce need q - 1 receptions to meet,
-        and the result m - 1 more to reach the m ranks whose final block holds it (m = 1 when the
-        target is Partial too, whose ranks may hold zeros). The busiest rank receives at least the
-        total over the ranks' count; a rank whose target block still has other contributors receives
-        at least that block. Both `P -> S` ((q-1)/q) and `P -> B` (2(q-1)/q) meet it with one ring
-        collective.
+        >>> Costing((8,), (2, 2), 4).groups_across((1,))
+        [[0, 1], [2, 3]]
         """
-        q = groups = 1  # ranks along the axes still to reduce, and along the kept Partial axes
-        for n, p, y in zip(self.mesh.shape, s, d):
-            if isinstance(p, Partial):
-                if p == y:
-                    groups *= n
-                else:
-                    q *= n
-        if q == 1:   # the axes to reduce have size 1: nothing meets, the parts are the values already
-            return self.move_bound(s, d)
-        total_elems = math.prod(self.shape) * groups
-        if self._partial_axes(d):
-            # Partial targets (new or kept axes): contributions may be re-split, ranks may hold zeros
-            traffic, per_rank = total_elems * (q - 1), 0
-        else:
-            _, numels, per_rank, _ = self._state(d)
-            traffic = total_elems * (q - 2) + sum(numels)
-        floor = -(-traffic // len(self.coords))
-        return max(self.move_bound(s, d), max(floor, per_rank) * self.itemsize)
-
-    def heuristic(self, s: State, d: State) -> int:
-        """A cheap bound for the search (never above the true cost): what ranks lack of their `d` blocks.
-
-        Targets with new Partial axes get `move_bound`'s per-group bound: a zero-filled rank needs nothing.
-        """
-        if any(isinstance(q, Partial) and p != q for p, q in zip(s, d)):
-            return self.move_bound(s, d)  # the per-group bound (zero-filled ranks need nothing)
-        return self.lack(s, d) * self.itemsize
-
-    def move_bound(self, s: State, d: State) -> int:
-        """What the busiest rank must receive when nothing needs reducing (Partial source axes are
-        treated as already reduced, so for Partial states it is a lower bound).
-
-        Split/Broadcast targets: exactly what each rank lacks of its block (a transfer achieves it).
-        Partial targets: a rank may hold zeros or any share of a contribution, so per group of ranks
-        that differ only on the target's Partial axes, what no member holds of the group's block must
-        arrive at one of them: the busiest receives at least that, divided by the group's size.
-        """
-        key = ("move", self._state(s)[3], d)  # blocks are all that matter: one entry per layout of s
-        out = self._bound.get(key)
-        if out is not None:
-            return out
-        new = self._partial_axes(d)
-        if not new:
-            best = self.lack(s, d)
-        else:
-            have, best = self._boxes(s), 0
-            for members, target, size in self._targets(d, new):
-                held, seen = 0, []
-                for i in members:
-                    b = have[i]
-                    if b not in seen:  # distinct blocks of a state are disjoint
-                        seen.append(b)
-                        held += _overlap(target, b)
-                lack = -(-(size - held) // len(members))
-                if lack > best:
-                    best = lack
-        self._bound[key] = best * self.itemsize
-        return best * self.itemsize
-
-    def _partial_axes(self, d: State) -> tuple[int, ...]:
-        key = ("partial", d)
-        out = self._bound.get(key)
-        if out is None:
-            out = self._bound[key] = tuple(a for a, y in enumerate(d) if isinstance(y, Partial))
-        return out
-
-    def _targets(self, d: State, new: tuple[int, ...]) -> list[tuple[list[int], tuple, int]]:
-        """Per group of coords that differ only on `new` (the Partial axes of `d`): its members, their
-        common block of `d`, and that block's size."""
-        key = ("targets", d)
-        out = self._bound.get(key)
-        if out is None:
-            want = self._boxes(d)
-            out = self._bound[key] = [(m, want[m[0]], _overlap(want[m[0]], want[m[0]]))
-                                      for m in self._groups_across(new)]
-        return out
-
-    def _groups_across(self, axes: tuple[int, ...]) -> list[list[int]]:
-        """Coord indices grouped by their coords off `axes` (the members of each group differ on `axes`)."""
         key = ("groups", axes)
-        out = self._bound.get(key)
+        out = self._memo.get(key)
         if out is None:
             groups: dict[tuple[int, ...], list[int]] = {}
             for i, c in enumerate(self.coords):
                 groups.setdefault(tuple(v for a, v in enumerate(c) if a not in axes), []).append(i)
-            out = self._bound[key] = list(groups.values())
+            out = self._memo[key] = list(groups.values())
         return out
 
-    def _boxes(self, s: State) -> list[tuple[tuple[int, int], ...]]:
-        """Per coord, its block as one (start, stop) per dim (distinct blocks of a state are disjoint)."""
+    def boxes(self, s: State) -> list[tuple[tuple[int, int], ...]]:
+        """Per coord, its block as one (start, stop) per dim (distinct blocks of a state are disjoint).
+
+        >>> from sbp import S, B
+        >>> Costing((8,), (2, 2), 4).boxes((S(0), B))
+        [((0, 4),), ((0, 4),), ((4, 8),), ((4, 8),)]
+        """
         per_dim, _, _, layout = self._state(s)
         key = ("boxes", layout)
-        out = self._bound.get(key)
+        out = self._memo.get(key)
         if out is None:
-            out = self._bound[key] = list(zip(*per_dim)) if per_dim else [()] * len(self.coords)
+            out = self._memo[key] = list(zip(*per_dim)) if per_dim else [()] * len(self.coords)
         return out
 
-
-def _overlap(a, b) -> int:
-    n = 1
-    for (alo, ahi), (blo, bhi) in zip(a, b):
-        lo = alo if alo > blo else blo
-        hi = ahi if ahi < bhi else bhi
-        if hi <= lo:
-            return 0
-        n *= hi - lo
-    return n

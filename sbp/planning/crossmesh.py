@@ -18,8 +18,8 @@ from ..values.errors import MeshError, PlanError
 from ..values.layout import Block, block, block_numel, check_global_shape, intersect
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
-from .search import _plan_cached
 from ..values.steps import Plan
+from .search import plan_cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,20 +163,24 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
 @lru_cache(maxsize=1024)
 def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, itemsize) -> CrossMeshPlan:
     land, post_needed = _landing(dst)
-    post = _plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0)
+    post = plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0)
     candidates = []
     if any(isinstance(p, Partial) for p in src):
         ops = {p.op for p in src if isinstance(p, Partial)}
         if len(ops) == 1:  # send contributions as they are, reduce at the destination
             candidates.append(_build(shape, src_mesh, src, src, dst_mesh, land, post, dst, itemsize,
-                                     _plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
+                                     plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
         for mid in _reduced_states(src, len(shape)):
-            pre = _plan_cached(shape, src_mesh.shape, src, mid, itemsize, 0)
+            pre = plan_cached(shape, src_mesh.shape, src, mid, itemsize, 0)
             candidates.append(_build(shape, src_mesh, src, mid, dst_mesh, land, post, dst, itemsize, pre))
     else:
         candidates.append(_build(shape, src_mesh, src, src, dst_mesh, land, post, dst, itemsize,
-                                 _plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
+                                 plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
     return min(candidates, key=lambda p: (p.bytes_per_rank, p.num_collectives, p.transfer_bytes))
+
+
+CACHES = (("crossmesh.plan_cross_mesh", _cross_cached),)
+"""The memos of this module, by name (`sbp.planning.clear_caches` clears them)."""
 
 
 def _landing(dst: tuple[Placement, ...]) -> tuple[tuple[Placement, ...], bool]:

@@ -18,7 +18,8 @@ from typing import Iterator
 from ..values.errors import PlanError
 from ..values.layout import Block, block, block_numel, intersect, split_range
 from ..values.mesh import DeviceMesh
-from ..values.placement import REDUCE_OPS, Broadcast, Partial, Placement, Split
+from ..values.placement import Broadcast, Partial, Placement
+from .states import BROADCAST_CODE, split_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,29 +283,27 @@ def self_contained(src: tuple[Placement, ...], dst: tuple[Placement, ...], axes:
     return contained(tuple(map(split_code, src)), tuple(map(split_code, dst)), axes)
 
 
-def split_code(p: Placement) -> int:
-    """A placement as one int: ``d`` for ``S(d)``, -1 for ``B``, below -1 for ``P(op)`` (one per op).
-
-    >>> from sbp import S, B, Partial
-    >>> split_code(S(1)), split_code(B), split_code(Partial("max"))
-    (1, -1, -4)
-    """
-    return p.dim if isinstance(p, Split) else -1 if isinstance(p, Broadcast) else -2 - REDUCE_OPS.index(p.op)
-
-
 def contained(src: tuple[int, ...], dst: tuple[int, ...], axes: tuple[int, ...]) -> bool:
-    """`self_contained` on `split_code`s (the planner's hot loop works on them)."""
+    """`self_contained` on `split_code`s (the planner's hot loop works on them).
+
+    >>> contained((0, 0), (BROADCAST_CODE, 0), (0,)), contained((0, 0), (BROADCAST_CODE, 0), (0, 1))
+    (False, True)
+    """
     for state in (src, dst):
         inside: set[int] = set()  # dims split in the group so far
         for a, d in enumerate(state):
             if a in axes:
-                if d >= 0:
+                if d > BROADCAST_CODE:  # S(d)
                     inside.add(d)
-                elif d != -1:  # a Partial axis in the group
+                elif d < BROADCAST_CODE:  # a Partial axis in the group
                     return False
             elif d in inside:  # an outside splitter after an inside one
                 return False
     return True
+
+
+CACHES = (("exchange.exchange", exchange), ("exchange.reduce_exchange", reduce_exchange))
+"""The memos of this module, by name (`sbp.planning.clear_caches` clears them)."""
 
 
 def _group(mesh: DeviceMesh, axes: tuple[int, ...], coord: tuple[int, ...]) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import lru_cache
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -63,9 +63,23 @@ def debug(enabled: bool = True) -> Iterator[None]:
         raise SbpError(f"sbp.debug(enabled) takes a bool, got {enabled!r}")
     token = _DEBUG.set(enabled)
     try:
-        yield
+        with backward_on_this_thread(enabled):
+            yield
     finally:
         _DEBUG.reset(token)
+
+
+def backward_on_this_thread(enabled: bool = True) -> "torch.autograd.set_multithreading_enabled | nullcontext":
+    """While `enabled`: autograd runs every backward node on the thread that called ``backward()`` (for
+    CUDA it otherwise uses a worker thread per device, where this thread's `ContextVar` switches --
+    `sbp.debug()`, `sbp.strict()` -- are not set, so their checks would be silently off in backward).
+    One GPU per process has one such worker anyway: nothing runs in parallel that would not otherwise.
+
+    >>> with backward_on_this_thread():
+    ...     torch.autograd.is_multithreading_enabled()
+    False
+    """
+    return torch.autograd.set_multithreading_enabled(False) if enabled else nullcontext()
 
 
 def is_enabled() -> bool:

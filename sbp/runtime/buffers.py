@@ -29,10 +29,10 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..planning.exchange import exchange
 from ..values.errors import PlanError
 from ..values.layout import Block, block, block_numel, block_shape, relative
 from ..values.placement import Placement
-from ..planning.exchange import exchange
 
 Run = tuple[int, int]  # half-open flat range [start, stop) of a contiguous tensor
 Place = tuple[tuple[slice, ...], tuple[int, ...], int]  # slices of a block, their shape, flat buffer offset

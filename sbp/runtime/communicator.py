@@ -22,12 +22,12 @@ The padded figures (what really crossed the wire) are kept beside them as `wire_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
 from ..values.layout import split_sizes
-
+from ..values.mesh import DeviceMesh, MeshBinding
 
 ChunkList = Union[Sequence[torch.Tensor], torch.Tensor]
 # a message to send: the contiguous tensor, or a function that packs it when its turn comes
@@ -84,8 +84,8 @@ class Counters:
 
 
 @runtime_checkable
-class Communicator(Protocol):
-    """What the executor needs from a backend. The object is also a mesh's `binding`.
+class Communicator(MeshBinding, Protocol):
+    """What the runtime needs from a backend: everything the layers above call on a mesh's `binding`.
 
     Every method is called by every member of the group, in the same order (SPMD).
     `numels` (optional) are the logical element counts of the members' pieces when the executor has
@@ -93,6 +93,7 @@ class Communicator(Protocol):
     """
 
     rank: int                              # world rank
+    backend: str                           # "dist" (torch.distributed: gloo or NCCL) or "threads"
     coord: tuple[int, ...] | None          # coord in the bound mesh; None outside it
     counters: Counters
     exchange_route: str                    # how the executor runs exchanges: "auto" (by messages where they
@@ -101,6 +102,12 @@ class Communicator(Protocol):
 
     def members(self, axes: tuple[int, ...]) -> tuple[int, ...]:
         """World ranks of this rank's group along `axes`, in member (row-major) order."""
+
+    def axis_names(self, axes: Sequence[int]) -> str:
+        """The axes as text for messages (``"axis 'tp'"``, ``"axes 0, 1"``)."""
+
+    def bind(self, mesh: DeviceMesh) -> DeviceMesh:
+        """`mesh` (another mesh over ranks of the same world) bound to this backend; shares its groups."""
 
     def all_gather(self, t: torch.Tensor, axes: tuple[int, ...], *, numels: Sequence[int] | None = None,
                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -138,9 +145,16 @@ class Communicator(Protocol):
         in `recvs` fills the contiguous `buf` with what member i sends here. At most one message per peer
         and direction, none to itself. Every member calls it, also one with nothing to move."""
 
-    def submesh_binding(self, mesh: Any, axes: tuple[int, ...], members: Any = None) -> "Communicator":
+    def submesh_binding(self, mesh: DeviceMesh, axes: tuple[int, ...],
+                        members: tuple[int, ...] | None = None) -> "Communicator":
         """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group);
         shares process groups and counters."""
+
+    def exchange(self, ranks: Sequence[int], send: dict[int, list[torch.Tensor]],
+                 recv_shapes: dict[int, list[Sequence[int]]], *, dtype: torch.dtype,
+                 device: "torch.device | str") -> dict[int, list[torch.Tensor]]:
+        """Point-to-point among world `ranks` (all of them call it): `send[peer]` are the pieces for world
+        rank `peer`, `recv_shapes[peer]` the shapes expected from it; returns the pieces received per peer."""
 
 
 # ---- shared helpers for backends ------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `pack` and `assemble` are pure per-rank functions (the reference simulation in the tests routes their
 outputs by hand); `redistribute_cross` runs them with the source mesh's communicator, whose
-`exchange` sends each peer its pieces directly (point-to-point between world ranks; no new group).
+`exchange` sends each peer its pieces (on torch.distributed: one `all_to_all_single` on the group over
+exactly the ranks of both meshes, made when they were bound, so every member of it takes part).
 Ranks outside both meshes return at once and are never waited on.
 """
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Optional, Sequence
 import torch
 
 from ..planning.crossmesh import CrossMeshPlan, plan_cross_mesh
-from .agreement import agree, is_enabled, peer_gather, plan_signature
 from ..values.errors import MeshError
 from ..values.layout import block, block_shape, relative
 from ..values.mesh import DeviceMesh
+from .agreement import agree, is_enabled, peer_gather, plan_signature
+from .executor import execute
 
 REDUCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
@@ -104,7 +106,6 @@ def redistribute_cross(local: torch.Tensor, src_mesh: DeviceMesh, global_shape: 
             "src mesh": src_mesh, "dst mesh": dst_mesh, "dtype": local.dtype, "global shape": tuple(global_shape),
             "src placements": plan.src, "dst placements": plan.dst, "plan": plan_signature(plan)},
             device=local.device)
-    from .executor import execute
     if rank in src_mesh.ranks:
         local = execute(plan.pre, local, src_mesh)
     send = pack(plan, rank, local)

@@ -18,15 +18,16 @@ from typing import Sequence
 
 import torch
 
-from .communicator import Communicator
+from ..planning.api import plan as make_plan
 from ..values.errors import MeshError, PlanError, ShapeError
 from ..values.layout import Block, block, block_shape, check_global_shape, relative
 from ..values.mesh import DeviceMesh
-from .buffers import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
-from ..planning.search import plan as make_plan
-from .reduce_exchange import run_reduce_transfer
 from ..values.steps import Plan, Step
+from . import traced
+from .buffers import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
+from .communicator import Communicator
+from .reduce_exchange import run_reduce_transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class _Ctx:
     coord: tuple[int, ...]
     comm: Communicator
     caller_storage: int  # address of the caller's local tensor's memory: never written to
+    tracing: bool = False  # under torch.compile / fake tensors: collectives lower to `sbp.runtime.traced`
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in memory the executor allocated (so a collective may work in place)."""
@@ -108,11 +110,18 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequ
     shape = check_global_shape(global_shape)
     src = normalize(src, len(shape), mesh.ndim)
     dst = normalize(dst, len(shape), mesh.ndim)
-    return execute(_plan(shape, tuple(mesh.shape), src, dst, local.element_size()), local, mesh)
+    return execute(cached_plan(shape, tuple(mesh.shape), src, dst, local.element_size()), local, mesh)
 
 
 @lru_cache(maxsize=4096)
-def _plan(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst, itemsize: int) -> Plan:
+def cached_plan(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst, itemsize: int) -> Plan:
+    """`sbp.plan` for arguments already normalised (a checked shape tuple, normalised placements): the
+    executor's hot-path cache in front of the planner's own (it skips re-validating the arguments).
+
+    >>> import sbp
+    >>> cached_plan((8,), (2,), (sbp.S(0),), (sbp.B,), 4) is cached_plan((8,), (2,), (sbp.S(0),), (sbp.B,), 4)
+    True
+    """
     return make_plan(shape, mesh_shape, src, dst, itemsize)
 
 
@@ -122,11 +131,15 @@ def _context(plan: Plan, mesh: DeviceMesh, local: torch.Tensor) -> _Ctx | None:
         return None
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise MeshError(f"plan is for a mesh of shape {plan.mesh_shape}, the mesh has shape {mesh.shape}")
+    if traced.is_tracing(local):  # fake / functional tensors have no memory to read the address of
+        return _Ctx(plan.global_shape, mesh, coord, mesh.binding, 0, True)
     return _Ctx(plan.global_shape, mesh, coord, mesh.binding,
                 local.untyped_storage().data_ptr())
 
 
 def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+    if ctx.tracing and step.kind != "local":
+        return traced.run_step(step, local, ctx.global_shape, tuple(ctx.mesh.shape), ctx.coord, ctx.comm)
     match step.kind:
         case "local":
             return _local(step, local, ctx)

@@ -23,11 +23,11 @@ import functools
 
 import torch
 
-from .communicator import Communicator, reduce_list
+from ..planning.exchange import Pairs, reduce_exchange
 from ..values.layout import Block, block, block_numel, block_shape, relative
 from ..values.placement import Partial
 from ..values.steps import Step
-from ..planning.exchange import Pairs, reduce_exchange
+from .communicator import Communicator, reduce_list
 
 
 def run_reduce_transfer(step: Step, local: torch.Tensor, global_shape: tuple[int, ...],

@@ -2,7 +2,7 @@
 
 Redistribution does not change the logical tensor, so its gradient is the incoming gradient laid out
 again: the backward of ``src -> dst`` redistributes the gradient (whatever placements it arrives with)
-to `grad_placements(src)`, which is `src` with every `P(op)` replaced by `B` -- the gradient of a
+to `gt.grad_placements(src)`, which is `src` with every `P(op)` replaced by `B` -- the gradient of a
 Partial value is Broadcast, since each local contributes to the logical value. Backward passes run
 planned redistributions through the same executor as forward ones; nothing gathers everything.
 
@@ -18,19 +18,26 @@ forward        gradient            backward communication of ``redistribute(src 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from ..runtime.crossmesh import redistribute_cross as run_cross_mesh
+from ..runtime.traced import is_tracing
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, normalize
-from .global_tensor import GlobalTensor, grad_placements, local_from_full, redistribute_raw
+from . import global_tensor as gt  # GlobalTensor's methods call this module: the one allowed cycle
+
+if TYPE_CHECKING:
+    from .global_tensor import GlobalTensor
 
 
 def _as_global(grad: torch.Tensor, mesh: DeviceMesh, global_shape: tuple[int, ...],
                like: tuple[Placement, ...]) -> GlobalTensor:
     """A gradient as a GlobalTensor; a plain gradient is the full value on every rank (Broadcast)."""
-    if isinstance(grad, GlobalTensor):
+    if isinstance(grad, gt.GlobalTensor):
         return grad
-    return GlobalTensor(local_from_full(grad, mesh, like), mesh, like, global_shape)
+    return gt.GlobalTensor(gt.local_from_full(grad, mesh, like), mesh, like, global_shape)
 
 
 class _Redistribute(torch.autograd.Function):
@@ -39,12 +46,12 @@ class _Redistribute(torch.autograd.Function):
         ctx.src = x._placements
         ctx.mesh = x._mesh
         ctx.global_shape = tuple(x.shape)
-        out = redistribute_raw(x, dst)
+        out = gt.redistribute_raw(x, dst)
         return _not_aliasing(out, x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        want = grad_placements(ctx.src)
+        want = gt.grad_placements(ctx.src)
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
         return redistribute(g, want), None
 
@@ -52,16 +59,15 @@ class _Redistribute(torch.autograd.Function):
 class _RedistributeCross(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, mesh: DeviceMesh, dst: tuple[Placement, ...]) -> GlobalTensor:  # type: ignore[override]
-        from ..runtime.crossmesh import redistribute_cross
         ctx.src, ctx.src_mesh, ctx.dst_mesh = x._placements, x._mesh, mesh
         ctx.global_shape = tuple(x.shape)
-        local = redistribute_cross(x._local, x._mesh, ctx.global_shape, x._placements, mesh, dst)
-        return _not_aliasing(GlobalTensor(local, mesh, dst, ctx.global_shape), x)
+        local = run_cross_mesh(x._local, x._mesh, ctx.global_shape, x._placements, mesh, dst)
+        return _not_aliasing(gt.GlobalTensor(local, mesh, dst, ctx.global_shape), x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         g = _as_global(grad, ctx.dst_mesh, ctx.global_shape, (Broadcast(),) * ctx.dst_mesh.ndim)
-        return redistribute_cross(g, ctx.src_mesh, grad_placements(ctx.src)), None, None
+        return redistribute_cross(g, ctx.src_mesh, gt.grad_placements(ctx.src)), None, None
 
 
 def _not_aliasing(out: GlobalTensor, x: GlobalTensor) -> GlobalTensor:
@@ -69,8 +75,10 @@ def _not_aliasing(out: GlobalTensor, x: GlobalTensor) -> GlobalTensor:
     (B -> S(0), B -> P) would hand back a view of the source, and a write into the result would change
     the source on some ranks only. `redistribute` returns a new tensor, as DTensor's does."""
     mine = out._local
+    if is_tracing(mine):  # traced tensors have no address; a copy of a fresh buffer is free to a compiler
+        return gt.GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape)) if mine.numel() else out
     if mine.numel() and mine.untyped_storage().data_ptr() == x._local.untyped_storage().data_ptr():
-        return GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape))
+        return gt.GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape))
     return out
 
 
@@ -84,15 +92,15 @@ class _Full(torch.autograd.Function):
             # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
             # runs here too (and this rank takes its part in the backward of a cross-mesh move)
             return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
-        return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+        return gt.redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         # the plain gradient is Broadcast (every rank computed the same loss); B -> S/B is a local slice
-        want = grad_placements(ctx.src)
-        if isinstance(grad, GlobalTensor):  # pragma: no cover - full() returns a plain tensor
+        want = gt.grad_placements(ctx.src)
+        if isinstance(grad, gt.GlobalTensor):  # pragma: no cover - full() returns a plain tensor
             return redistribute(grad, want)
-        return GlobalTensor(local_from_full(grad, ctx.mesh, want), ctx.mesh, want, ctx.global_shape)
+        return gt.GlobalTensor(gt.local_from_full(grad, ctx.mesh, want), ctx.mesh, want, ctx.global_shape)
 
 
 class _ToLocal(torch.autograd.Function):
@@ -105,7 +113,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return GlobalTensor(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape), None
+        return gt.GlobalTensor(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape), None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -115,11 +123,11 @@ class _FromLocal(torch.autograd.Function):
         ctx.mesh = mesh
         ctx.pls = pls
         ctx.global_shape = global_shape
-        return GlobalTensor(local.view_as(local), mesh, pls, global_shape)
+        return gt.GlobalTensor(local.view_as(local), mesh, pls, global_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        want = grad_placements(ctx.pls)
+        want = gt.grad_placements(ctx.pls)
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
         return redistribute(g, want).to_local(), None, None, None
 

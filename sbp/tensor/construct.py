@@ -14,12 +14,24 @@ from typing import Optional, Sequence
 import torch
 
 from ..runtime.agreement import agree, is_enabled, mesh_gather, mismatch
-from ..values.errors import DTypeError, MeshError, RankMismatchError, ShapeError, SbpError
+from ..runtime.traced import CompileError, is_tracing
+from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, normalize
-from .global_tensor import (GlobalTensor, check_local_device, check_partial_dtype, empty_outside, local_from_full,
-                     mesh_device, sum_holds_value)
+from .autograd import from_local_autograd
+from .global_tensor import (
+    GlobalTensor,
+    check_local_device,
+    check_partial_dtype,
+    empty_outside,
+    local_from_full,
+    mesh_description,
+    mesh_device,
+    mesh_of,
+    placements_text,
+    sum_holds_value,
+)
 
 # every dtype a global tensor may have, by a stable code for metadata collectives
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -162,6 +174,15 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     >>> sbp.testing.spmd(fn, (2,))
     [torch.Size([5, 3]), torch.Size([5, 3])]
     """
+    if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (no collective)
+        if global_shape is None or check:
+            raise CompileError(_NEEDS_SHAPE)
+        return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
+                                    tuple(global_shape), check)
+    return _from_local(local, mesh, placements, global_shape, check)
+
+
+def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape, check: bool) -> GlobalTensor:
     _check_bound(mesh, "from_local")
     if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor):
         raise SbpError(f"from_local needs this rank's plain local torch.Tensor, got {type(local).__name__}")
@@ -178,6 +199,10 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         if global_shape is None:
             raise SbpError(f"from_local: rank {mesh.rank} is outside the mesh and cannot infer the global shape; "
                            f"pass global_shape=")
+    elif is_tracing(local):  # a compiled graph: shapes are known at trace time, no collective runs
+        if global_shape is None or check:
+            raise CompileError(_NEEDS_SHAPE)
+        _check_local_shapes(global_shape, mesh, pls, None, local)
     else:
         shapes = None
         if check:
@@ -187,9 +212,19 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         if global_shape is None:
             global_shape = _infer_global_shape(shapes, mesh, pls)
         _check_local_shapes(global_shape, mesh, pls, shapes, local)
-    from .autograd import from_local_autograd
     return from_local_autograd(local, mesh, pls, tuple(global_shape))
 
+
+_NEEDS_SHAPE = ("from_local inside torch.compile needs global_shape= and check=False: inferring or checking "
+                "shapes takes a collective on the values of the local shapes; pass the global shape (or call "
+                "from_local outside the compiled function)")
+
+
+def _from_local_described(local: torch.Tensor, mesh: tuple, placements, global_shape, check: bool) -> GlobalTensor:
+    return _from_local(local, mesh_of(mesh), placements, global_shape, check)
+
+
+_compiled_from_local = torch._dynamo.nonstrict_trace(_from_local_described)
 
 # ---- from_local helpers ------------------------------------------------------------------------------
 SHAPE_SLOTS = 16  # local shapes travel padded to this many dims, so ranks that disagree on ndim still meet

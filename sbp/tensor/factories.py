@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..runtime.backends.base import comm_device
 from ..values.errors import DTypeError, MeshError, SbpError
 from ..values.layout import check_global_shape, local_slices
 from ..values.mesh import DeviceMesh
@@ -25,7 +26,8 @@ from .global_tensor import GlobalTensor, check_partial_dtype, empty_outside, mes
 CHUNK = 1 << 16  # elements per random chunk; part of the values' definition: never change it lightly
 
 Shape = Union[int, Sequence[int]]
-Fill = Callable[[tuple[slice, ...], tuple[int, ...], torch.dtype], torch.Tensor]
+# (global index of the block, block shape, dtype, device) -> the block, made on that device
+Fill = Callable[[tuple[slice, ...], tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
 def zeros(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
@@ -56,7 +58,7 @@ def empty(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
     >>> empty((2, 0)).shape
     torch.Size([2, 0])
     """
-    fill = lambda index, shape, dtype: torch.empty(shape, dtype=dtype)
+    fill = lambda index, shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
     return _make(global_shape, mesh, placements, dtype, requires_grad, 0.0, fill)
 
 
@@ -103,7 +105,7 @@ def randn(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
 
 # ---- machinery ---------------------------------------------------------------------------------------------
 def _constant(value) -> Fill:
-    return lambda index, shape, dtype: torch.full(shape, value, dtype=dtype)
+    return lambda index, shape, dtype, device: torch.full(shape, value, dtype=dtype, device=device)
 
 
 def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, requires_grad: bool,
@@ -129,7 +131,7 @@ def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, re
     if mesh is None:
         if placements is not None:
             raise SbpError(f"placements {placements!r} need a mesh; pass mesh= or drop placements")
-        out = fill(tuple(slice(0, n) for n in shape), shape, dtype)
+        out = fill(tuple(slice(0, n) for n in shape), shape, dtype, torch.device("cpu"))
         return out.requires_grad_(requires_grad)
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
         raise MeshError(f"factories need an sbp.DeviceMesh bound to processes (sbp.init_mesh or sbp.testing.spmd), "
@@ -137,14 +139,15 @@ def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, re
     pls = normalize((Broadcast(),) * mesh.ndim if placements is None else placements, len(shape), mesh.ndim)
     check_partial_dtype(pls, dtype, "factory")
     coord = mesh.coord
-    device = mesh_device(mesh, "factory")
+    mesh_device(mesh, "factory")
+    device = comm_device(mesh)
     if coord is None:
         local = empty_outside(len(shape), dtype, device)
     else:
         index = local_slices(shape, mesh.shape, pls, coord)
         block = tuple(s.stop - s.start for s in index)
         if sum_holds_value(mesh, pls, coord):
-            local = fill(index, block, dtype).to(device)
+            local = fill(index, block, dtype, device)   # made on the device, not filled on the host and copied
         else:
             local = torch.zeros(block, dtype=dtype, device=device)
     out = GlobalTensor(local, mesh, pls, shape)
@@ -162,7 +165,7 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
     if generator is not None and not isinstance(generator, torch.Generator):
         raise SbpError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if seed is None:
-        seed = _agreed_seed(mesh, generator)
+        seed = agreed_seed(mesh, generator)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise SbpError(f"seed must be an int, got {seed!r}")
     elif not -(1 << 63) <= seed < (1 << 64):
@@ -172,7 +175,8 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
     for n in shape:
         total *= n
 
-    def fill(index: tuple[slice, ...], block: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def fill(index: tuple[slice, ...], block: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
         flat = _flat_indices(shape, index)                  # (local numel,) ascending global flat indices
         out = torch.empty(flat.numel(), dtype=dtype)
         if flat.numel():
@@ -183,7 +187,7 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
                 values = _chunk(draw, seed, k, min(CHUNK, total - k * CHUNK), dtype)
                 out[start:start + count] = values[flat[start:start + count] - k * CHUNK]
                 start += count
-        return out.view(block)
+        return out.view(block).to(device)   # drawn on the host: the values are CPU generator values everywhere
 
     return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
 
@@ -270,9 +274,19 @@ def _flat_indices(shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Ten
     return flat.reshape(-1)
 
 
-def _agreed_seed(mesh: Optional[DeviceMesh], generator: Optional[torch.Generator]) -> int:
-    drawn = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
+def agreed_seed(mesh: Optional[DeviceMesh], generator: Optional[torch.Generator]) -> int:
+    """A seed drawn from `generator` (or the default one) on the mesh's first rank and all-gathered, so every
+    rank of the mesh gets the same seed (one small collective); a pure mesh or a rank outside it draws alone.
+
+    >>> import sbp, sbp.testing
+    >>> seeds = sbp.testing.spmd(lambda mesh: agreed_seed(mesh, None), (2,))
+    >>> seeds[0] == seeds[1]
+    True
+    """
+    # drawn on the generator's own device (a CUDA generator draws only there)
+    device = generator.device if generator is not None else torch.device("cpu")
+    drawn = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64, device=device)
     if mesh is None or mesh.binding is None or mesh.coord is None:
         return int(drawn.item())
-    drawn = drawn.to(torch.device(mesh.device_type))     # NCCL meshes need CUDA tensors
+    drawn = drawn.to(comm_device(mesh))     # NCCL meshes need tensors on the rank's GPU
     return int(mesh.binding.all_gather(drawn, tuple(range(mesh.ndim)))[0].item())

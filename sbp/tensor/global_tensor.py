@@ -2,11 +2,12 @@
 
 The wrapper reports the *global* shape, stride, dtype and device; the data lives in `_local` (a plain
 tensor holding this rank's block, or its Partial part). Autograd runs on the wrapper (see
-`sbp.tensor.autograd`); ATen ops reach `__torch_dispatch__`, which asks the op handler plugged in with
-`set_op_handler` (the rule table of `sbp.ops`) and otherwise uses `default_dispatch` (`sbp.ops.fallback`):
-a few layout-preserving ops run on the local tensor, everything else runs on the full tensor and returns
-a Broadcast result with a one-time warning naming the op. Also here: the local helpers every layer above
-shares (`local_from_full`, `redistribute_raw`, `grad_placements`, ...).
+`sbp.tensor.autograd`); ATen ops reach `__torch_dispatch__`, which hands every op to the handler plugged in
+with `set_op_handler` -- the one op path, `sbp.ops` (`sbp.ops.install()`; ``import sbp`` does it on the first
+use of a torch-level name). Per-tensor state is declared on the class: the local tensor, mesh, placements
+and op-cache key as direct attributes (every op reads them), the rest in one slotted record, `TensorNotes`,
+made on first use (`notes_of`). Also here: the local helpers every layer above shares (`local_from_full`,
+`redistribute_raw`, `grad_placements`, ...).
 """
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..values.errors import DTypeError, MeshError, PlacementError, ShapeError
-from ..runtime.agreement import is_enabled as _debug_enabled
-from ..values.layout import local_slices
-from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Placement, normalize
-
+from ..runtime import agreement
+from ..runtime.agreement import is_enabled as debug_enabled
+from ..runtime.executor import cached_plan, redistribute_local
+from ..runtime.traced import is_tracing
+from ..values.errors import DTypeError, MeshError, PlacementError, SbpError, ShapeError
+from ..values.layout import block, local_slices
+from ..values.mesh import DeviceMesh, live_mesh
+from ..values.placement import Broadcast, Partial, Placement, Split, normalize
+from . import autograd  # the class's conversions are its autograd functions: the one allowed cycle
+from .setitem import basic_entries, index_error, narrows_a_split_dim, write_blocks
 
 OpHandler = Callable[[Any, tuple, dict], Any]
 _op_handler: list[Optional[OpHandler]] = [None]  # the one plug-in point; set by sbp.ops, never a flag
@@ -33,6 +38,34 @@ class FallbackWarning(UserWarning):
     >>> issubclass(FallbackWarning, UserWarning), issubclass(FallbackWarning, sbp.SbpError)
     (True, False)
     """
+
+
+class TensorNotes:
+    """What sbp remembers about some `GlobalTensor`s beyond their local tensor, mesh, placements and cache key.
+
+    ``view``: how a view op's output was made, ``(func, args, kwargs, output index)``, replayed on meta
+    tensors by `logical_strides`. ``strides``: the logical strides once worked out (or set by an in-place
+    view). ``detached``: a view whose local tensor does not alias its base's (a write into it would miss
+    the base, so writes are refused). ``leaf_rule``: the leaf's gradient hook is installed
+    (`install_leaf_rule`). Most tensors never need any of these, so a tensor's record is made on first use
+    (`notes_of`); until then ``t._notes`` is None and every field reads as its default.
+
+    >>> notes = TensorNotes()
+    >>> notes.view, notes.strides, notes.detached, notes.leaf_rule
+    (None, None, False, False)
+    """
+
+    __slots__ = ("view", "strides", "detached", "leaf_rule")
+
+    def __init__(self) -> None:
+        self.view: Optional[tuple] = None
+        self.strides: Optional[tuple[int, ...]] = None
+        self.detached = False
+        self.leaf_rule = False
+
+    def __repr__(self) -> str:
+        return (f"TensorNotes(view={self.view is not None}, strides={self.strides}, detached={self.detached}, "
+                f"leaf_rule={self.leaf_rule})")
 
 
 class GlobalTensor(torch.Tensor):
@@ -53,6 +86,8 @@ class GlobalTensor(torch.Tensor):
     _local: torch.Tensor
     _mesh: DeviceMesh
     _placements: tuple[Placement, ...]
+    _key: Optional[tuple]   # (placements, mesh, spec token): its part of an op's cache key (sbp.ops.dispatch)
+    _notes: Optional[TensorNotes]   # the rest of sbp's per-tensor state; None until `notes_of` makes it
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # results stay what dispatch returns
 
@@ -65,6 +100,7 @@ class GlobalTensor(torch.Tensor):
             layout=local.layout, requires_grad=requires_grad)
         d = self.__dict__
         d["_local"], d["_mesh"], d["_placements"] = local, mesh, tuple(placements)
+        d["_key"] = d["_notes"] = None
         return self
 
     def item(self) -> Any:
@@ -89,18 +125,17 @@ class GlobalTensor(torch.Tensor):
         try:
             return super().__getitem__(index)
         except IndexError as e:
-            raise _index_error(self, index, e) from e
+            raise index_error(self, index, e) from e
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        from .setitem import basic_entries, narrows_a_split_dim, write_blocks
         entries = basic_entries(index, self.ndim)
-        if entries is not None and narrows_a_split_dim(self, entries) and not self.__dict__.get("_sbp_detached") \
+        if entries is not None and narrows_a_split_dim(self, entries) and not is_detached(self) \
                 and not (torch.is_grad_enabled() and (self.requires_grad or getattr(value, "requires_grad", False))):
             return write_blocks(self, index, entries, value)   # a slice of a split dim cannot stay a view
         try:
             super().__setitem__(index, value)
         except IndexError as e:
-            raise _index_error(self, index, e) from e
+            raise index_error(self, index, e) from e
 
     # ---- metadata --------------------------------------------------------------------------------
     @property
@@ -153,8 +188,7 @@ class GlobalTensor(torch.Tensor):
         >>> GlobalTensor(torch.ones(2, 3), sbp.DeviceMesh((2,)), (sbp.S(0),), (4, 3)).to_local().shape
         torch.Size([2, 3])
         """
-        from .autograd import to_local
-        return to_local(self, grad_placements)
+        return autograd.to_local(self, grad_placements)
 
     def full(self) -> torch.Tensor:
         """The whole logical tensor as a plain tensor on every rank (a planned redistribution to all-`B`).
@@ -165,8 +199,9 @@ class GlobalTensor(torch.Tensor):
         >>> GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)).full()
         tensor([1., 1.])
         """
-        from .autograd import full
-        return full(self)
+        if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
+            return _compiled_full(self)
+        return autograd.full(self)
 
     full_tensor = full
 
@@ -183,25 +218,10 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
-        from .autograd import redistribute, redistribute_cross
-        if mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
-        if mesh is None or mesh is self._mesh or mesh == self._mesh:
-            pls = normalize(placements, len(self.shape), len(self._mesh.shape))
-            if pls == self._placements:  # already laid out so (and checked when it was made)
-                _debug_check(self, pls)  # redistribute_raw checks every other call
-                return self
-            check_partial_dtype(pls, self.dtype, "redistribute")
-            return redistribute(self, pls)
-        if mesh.binding is None:
-            raise MeshError(f"redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, "
-                            f"sbp.testing.submesh); {mesh!r} is a pure value")
-        if mesh.device_type != self._mesh.device_type:
-            raise MeshError(f"redistribute(mesh=...) moves between meshes of one device type; the tensor is on a "
-                            f"{self._mesh.device_type!r} mesh, the target mesh is {mesh.device_type!r}")
-        pls = normalize(placements, self.ndim, mesh.ndim)
-        check_partial_dtype(pls, self.dtype, "redistribute")
-        return redistribute_cross(self, mesh, pls)
+        if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
+            return _compiled_redistribute(self, placements_text(placements),
+                                          () if mesh is None else mesh_description(mesh))
+        return _redistribute(self, placements, mesh)
 
     # ---- autograd integration --------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
@@ -270,6 +290,23 @@ class GlobalTensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickles (``torch.save``) as this rank's local tensor, the layout and the mesh's description --
+        never a process group; ``torch.load`` binds it to the live mesh of that description
+        (`sbp.values.mesh.LIVE_MESHES`) and also works with ``weights_only=True``.
+
+        >>> import io, sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     buf = io.BytesIO()
+        ...     torch.save(sbp.distribute(torch.arange(4.), mesh, "S(0)"), buf)
+        ...     y = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        ...     return y.placements, y.mesh is mesh, y.to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [((S(0),), True, [0.0, 1.0]), ((S(0),), True, [2.0, 3.0])]
+        """
+        return rebuild_global_tensor, (self._local.detach(), self._mesh, self._placements, tuple(self.shape),
+                                       self.requires_grad, bool(getattr(self, "_is_param", False)))
+
     def __tensor_flatten__(self):
         return ["_local"], (self._mesh, self._placements, tuple(self.shape))
 
@@ -281,23 +318,54 @@ class GlobalTensor(torch.Tensor):
     # ---- ATen dispatch -----------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         handler = _op_handler[0]
-        if handler is not None:
-            out = handler(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        return default_dispatch(func, args, kwargs)
+        if handler is None:
+            raise SbpError(f"{func} on a GlobalTensor: sbp's operator rules are not installed; import sbp and use "
+                           f"sbp.<name> (sbp.distribute, sbp.zeros, ...), which installs them, or call "
+                           f"sbp.ops.install()")
+        return handler(func, args, kwargs or {})
+
+
+def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                          global_shape: tuple[int, ...], requires_grad: bool, is_param: bool) -> torch.Tensor:
+    """A pickled global tensor again (what `GlobalTensor.__reduce_ex__` stores): an `nn.Parameter` when it
+    was one. The mesh arrives bound (`sbp.values.mesh.live_mesh`); the local must match its layout.
+
+    >>> import sbp
+    >>> rebuild_global_tensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,), False, False)
+    GlobalTensor(shape=(2,), placements=(B,), mesh=(1,))
+    """
+    if mesh.binding is not None and mesh.coord is not None:
+        want = tuple(b - a for a, b in block(tuple(global_shape), mesh.shape, tuple(placements), mesh.coord))
+        if tuple(local.shape) != want:
+            raise ShapeError(f"a pickled global tensor of global shape {tuple(global_shape)} with placements "
+                             f"{_fmt(tuple(placements))} holds a local of shape {tuple(local.shape)} on rank "
+                             f"{mesh.rank} (coord {mesh.coord}), whose block is {want}: was the file saved by "
+                             f"another rank? (torch.save files hold one rank's shards; sbp.save/sbp.load reshard)")
+    out = GlobalTensor(local, mesh, tuple(placements), tuple(global_shape))
+    if is_param:
+        return torch.nn.Parameter(out, requires_grad=requires_grad)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def register_safe_globals() -> None:
+    """Allow sbp's types in ``torch.load(..., weights_only=True)``: the global-tensor rebuild, meshes and
+    placements (plain values; no code runs on load). `sbp.load_torch_layers` calls it.
+
+    >>> register_safe_globals(); rebuild_global_tensor in torch.serialization.get_safe_globals()
+    True
+    """
+    torch.serialization.add_safe_globals([rebuild_global_tensor, live_mesh, DeviceMesh, Split, Broadcast, Partial])
 
 
 # ---- the plug-in point for an operator rule table ----------------------------------------------------
 def set_op_handler(handler: Optional[OpHandler]) -> Optional[OpHandler]:
     """Plug in the operator handler (the rule table of `sbp.ops`); returns the previous one.
 
-    The handler is called as ``handler(func, args, kwargs)`` for every ATen op on a `GlobalTensor`; it
-    returns the result, or `NotImplemented` to let `default_dispatch` handle the op.
+    The handler is called as ``handler(func, args, kwargs)`` for every ATen op on a `GlobalTensor` and
+    returns the result; it is the only op path (with None, ops on global tensors raise `SbpError`).
 
-    >>> previous = set_op_handler(None)   # no handler: default_dispatch only
+    >>> previous = set_op_handler(None)   # no handler: ops on global tensors raise SbpError
     >>> _ = set_op_handler(previous)
     """
     previous, _op_handler[0] = _op_handler[0], handler
@@ -311,6 +379,81 @@ def get_op_handler() -> Optional[OpHandler]:
     True
     """
     return _op_handler[0]
+
+
+def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh]) -> GlobalTensor:
+    """The body of `GlobalTensor.redistribute` (also what a compiled graph traces through)."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
+    if mesh is None or mesh is self._mesh or mesh == self._mesh:
+        pls = normalize(placements, len(self.shape), len(self._mesh.shape))
+        if pls == self._placements:  # already laid out so (and checked when it was made)
+            _debug_check(self, pls)  # redistribute_raw checks every other call
+            return self
+        check_partial_dtype(pls, self.dtype, "redistribute")
+        return autograd.redistribute(self, pls)
+    if mesh.binding is None:
+        raise MeshError(f"redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, "
+                        f"sbp.testing.submesh); {mesh!r} is a pure value")
+    if mesh.device_type != self._mesh.device_type:
+        raise MeshError(f"redistribute(mesh=...) moves between meshes of one device type; the tensor is on a "
+                        f"{self._mesh.device_type!r} mesh, the target mesh is {mesh.device_type!r}")
+    pls = normalize(placements, self.ndim, mesh.ndim)
+    check_partial_dtype(pls, self.dtype, "redistribute")
+    return autograd.redistribute_cross(self, mesh, pls)
+
+
+def _full(x: GlobalTensor) -> torch.Tensor:
+    return autograd.full(x)
+
+
+def _redistribute_described(x: GlobalTensor, placements: str, mesh: tuple) -> GlobalTensor:
+    return _redistribute(x, placements, mesh_of(mesh) if mesh else None)
+
+
+def placements_text(placements) -> Any:
+    """Placements as a string constant (``"S(0), B"``): what crosses into a compiled graph's opaque calls
+    (dynamo cannot rebuild frozen dataclass instances there); anything else is returned as it is.
+
+    >>> import sbp
+    >>> placements_text((sbp.S(0), sbp.B)), placements_text("P")
+    ('S(0), B', 'P')
+    """
+    if isinstance(placements, Placement):
+        return repr(placements)
+    if isinstance(placements, (tuple, list)) and all(isinstance(p, Placement) for p in placements):
+        return ", ".join([repr(p) for p in placements])
+    return placements
+
+
+def mesh_description(mesh: DeviceMesh) -> tuple:
+    """(shape, names or (), ranks, device type): a bound mesh as a constant of a compiled graph (no None:
+    opaque calls take only tensors, numbers, strings and tuples of them); `mesh_of` is the mesh again.
+
+    >>> import sbp
+    >>> mesh_description(sbp.DeviceMesh((2, 2), names=("dp", "tp")))
+    ((2, 2), ('dp', 'tp'), (0, 1, 2, 3), 'cpu')
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"expected an sbp.DeviceMesh, got {type(mesh).__name__}")
+    return (mesh.shape, mesh.names or (), mesh.ranks, mesh.device_type)
+
+
+def mesh_of(description: tuple) -> DeviceMesh:
+    """The live bound mesh of this process with a `mesh_description` (`sbp.values.mesh.live_mesh`).
+
+    >>> import sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: mesh_of(mesh_description(mesh)) is mesh, (2,))
+    [True, True]
+    """
+    shape, names, ranks, device_type = description
+    return live_mesh(shape, names or None, ranks, device_type)
+
+
+# dynamo does not trace sbp's planning Python; it records one call that AOTAutograd traces with fake tensors,
+# where the executor lowers the plan to functional collectives (mesh and placements are graph constants)
+_compiled_redistribute = torch._dynamo.nonstrict_trace(_redistribute_described)
+_compiled_full = torch._dynamo.nonstrict_trace(_full)
 
 
 # ---- local helpers shared by dispatch, distribute, autograd and the factories ----------------------
@@ -337,7 +480,6 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTenso
     _debug_check(x, dst)
     if dst == x._placements:
         return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
-    from ..runtime.executor import redistribute_local
     local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
     return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
 
@@ -390,14 +532,12 @@ def check_local_device(local: torch.Tensor, mesh: DeviceMesh, what: str) -> None
 
 def _debug_check(x: "GlobalTensor", dst: tuple[Placement, ...]) -> None:
     """Under `sbp.debug()`: every rank of the mesh redistributes the same tensor the same way."""
-    if not _debug_enabled() or x._mesh.binding is None or x._mesh.coord is None:
+    if not debug_enabled() or x._mesh.binding is None or x._mesh.coord is None or is_tracing(x._local):
         return
-    from ..runtime.agreement import agree, mesh_gather, plan_signature
-    from ..runtime.executor import _plan
-    signature = "none: layouts agree" if dst == x._placements else plan_signature(
-        _plan(tuple(x.shape), tuple(x._mesh.shape), x._placements, dst, x._local.element_size()))
-    gather, members = mesh_gather(x._mesh)
-    agree(gather, members, "redistribute", {
+    signature = "none: layouts agree" if dst == x._placements else agreement.plan_signature(
+        cached_plan(tuple(x.shape), tuple(x._mesh.shape), x._placements, dst, x._local.element_size()))
+    gather, members = agreement.mesh_gather(x._mesh)
+    agreement.agree(gather, members, "redistribute", {
         "mesh": x._mesh, "dtype": x.dtype, "global shape": tuple(x.shape), "src placements": x._placements,
         "dst placements": dst, "plan": signature}, device=x._local.device)
 
@@ -443,19 +583,46 @@ def logical_strides(t: GlobalTensor) -> tuple[int, ...]:
     >>> sbp.testing.spmd(lambda mesh: logical_strides(sbp.distribute(torch.ones(2, 3), mesh, "B").t()), (2,))
     [(1, 3), (1, 3)]
     """
-    d = t.__dict__
-    found = d.get("_sbp_strides")
+    notes = t._notes
+    if notes is None:
+        return tuple(t.stride())
+    found = notes.strides
     if found is not None:
         return found
-    recipe = d.get("_sbp_view")
+    recipe = notes.view
     if recipe is None:
         return tuple(t.stride())
     func, args, kwargs, k = recipe
     meta = lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else \
         [meta(x) for x in a] if isinstance(a, (list, tuple)) else a
     out = func(*[meta(a) for a in args], **{n: meta(v) for n, v in kwargs.items()})
-    found = d["_sbp_strides"] = tuple((out[k] if k is not None else out).stride())
+    found = notes.strides = tuple((out[k] if k is not None else out).stride())
     return found
+
+
+def notes_of(t: GlobalTensor) -> TensorNotes:
+    """`t`'s `TensorNotes`, made on first use (readers that only look check ``t._notes`` for None instead).
+
+    >>> import sbp
+    >>> t = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,))
+    >>> t._notes is None, notes_of(t) is notes_of(t), t._notes.detached
+    (True, True, False)
+    """
+    notes = t.__dict__["_notes"]
+    if notes is None:
+        notes = t.__dict__["_notes"] = TensorNotes()
+    return notes
+
+
+def is_detached(t: GlobalTensor) -> bool:
+    """Whether `t` is a view whose local tensor does not alias its base's (see `TensorNotes`).
+
+    >>> import sbp
+    >>> is_detached(GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)))
+    False
+    """
+    notes = t.__dict__["_notes"]
+    return notes is not None and notes.detached
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -494,7 +661,7 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
 
     >>> import sbp
     >>> leaf = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)).requires_grad_()
-    >>> leaf._sbp_leaf_rule
+    >>> leaf._notes.leaf_rule
     True
     """
     mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
@@ -503,12 +670,11 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
         if isinstance(grad, GlobalTensor):
             if grad._placements == want and grad._mesh == mesh:
                 return None
-            from .autograd import redistribute
-            return redistribute(grad, want)
+            return autograd.redistribute(grad, want)
         return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, shape)
 
     leaf.register_hook(to_leaf_layout)
-    leaf.__dict__["_sbp_leaf_rule"] = True
+    notes_of(leaf).leaf_rule = True
 
 
 def ensure_leaf_rule(t: GlobalTensor) -> None:
@@ -517,38 +683,11 @@ def ensure_leaf_rule(t: GlobalTensor) -> None:
 
     >>> import sbp
     >>> t = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,), requires_grad=True)
-    >>> ensure_leaf_rule(t); t._sbp_leaf_rule
+    >>> ensure_leaf_rule(t); t._notes.leaf_rule
     True
     """
-    if "_sbp_leaf_rule" not in t.__dict__ and t.requires_grad and t.is_leaf:
+    if t.requires_grad and t.is_leaf and (t._notes is None or not t._notes.leaf_rule):
         install_leaf_rule(t)
-
-
-def _index_error(x: GlobalTensor, index: Any, e: IndexError) -> ShapeError:
-    """`ShapeError` for an index torch refused (out of bounds, too many indices), naming the global layout.
-
-    >>> import sbp
-    >>> x = GlobalTensor(torch.zeros(2, 4), DeviceMesh((2,)), (sbp.S(0),), (4, 4))
-    >>> print(_index_error(x, (slice(1, None), 10), IndexError("index 10 is out of bounds")))
-    x[1:, 10] on global shape (4, 4) with placements (S(0),): index 10 is out of bounds
-    """
-    def text(i: Any) -> str:
-        if isinstance(i, slice):
-            parts = ["" if v is None else str(v) for v in (i.start, i.stop, i.step)]
-            return ":".join(parts[:2] if i.step is None else parts)
-        if i is Ellipsis:
-            return "..."
-        if isinstance(i, torch.Tensor):
-            return f"<{_dtype_name(i.dtype)} tensor of shape {tuple(i.shape)}>"
-        return repr(i)
-
-    items = index if isinstance(index, tuple) else (index,)
-    return ShapeError(f"x[{', '.join(text(i) for i in items)}] on global shape {tuple(x.shape)} with placements "
-                      f"{x._placements}: {e}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -567,6 +706,3 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _fmt(pls: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(repr(p) for p in pls) + ("," if len(pls) == 1 else "") + ")"
 
-
-# the default rules construct GlobalTensors, so they import this module: bind them last
-from ..ops.fallback import default_dispatch, fallback  # noqa: E402,F401 - re-exported

@@ -25,8 +25,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..values.errors import DTypeError, ShapeError
 from ..values.layout import block, splitters
 from ..values.placement import Partial
+
 
 def basic_entries(index: Any, ndim: int) -> Optional[tuple]:
     """`index` as ints, slices and ``None`` with ``...`` expanded and every dim named; None when the index
@@ -85,8 +87,7 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
     try:
         region = torch.empty(shape, device="meta")[entries].shape
     except IndexError as e:
-        from .global_tensor import _index_error
-        raise _index_error(x, index, e) from e
+        raise index_error(x, index, e) from e
     coord = x._mesh.coord
     if coord is None:
         return   # outside the mesh: no block (and no part in gathering a global value)
@@ -103,9 +104,7 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
 
 def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:
     """The value as a plain tensor of the region's shape (torch's broadcasting; leading 1s dropped)."""
-    from .global_tensor import GlobalTensor, _index_error
-
-    if isinstance(value, GlobalTensor):
+    if isinstance(value, type(x)):   # a global value (x is a GlobalTensor)
         v = value.full()
     elif isinstance(value, torch.Tensor):
         v = value
@@ -113,7 +112,6 @@ def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:
         try:
             v = torch.as_tensor(value, dtype=x.dtype)
         except (TypeError, RuntimeError, ValueError, OverflowError) as e:
-            from ..values.errors import DTypeError
             raise DTypeError(f"x[...] = {value!r}: the value does not convert to the tensor's dtype {x.dtype} "
                              f"(global shape {tuple(x.shape)}): {e}") from None
     v = v.to(device=x._local.device, dtype=x.dtype)
@@ -122,7 +120,7 @@ def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:
     try:
         return v.expand(region)
     except RuntimeError as e:
-        raise _index_error(x, index, IndexError(f"shape mismatch: value of shape {tuple(v.shape)} cannot be "
+        raise index_error(x, index, IndexError(f"shape mismatch: value of shape {tuple(v.shape)} cannot be "
                                                 f"broadcast to the indexed shape {tuple(region)} ({e})")) from None
 
 
@@ -156,3 +154,29 @@ def _local_entries(entries: tuple, shape: tuple[int, ...], blk) -> tuple[Optiona
         of_value.append(slice(k0, k1))
     return tuple(local), tuple(of_value)
 
+
+def index_error(x: torch.Tensor, index: Any, e: IndexError) -> ShapeError:
+    """`ShapeError` for an index torch refused (out of bounds, too many indices), naming the global layout.
+
+    >>> import sbp
+    >>> x = sbp.GlobalTensor(torch.zeros(2, 4), sbp.DeviceMesh((2,)), (sbp.S(0),), (4, 4))
+    >>> print(index_error(x, (slice(1, None), 10), IndexError("index 10 is out of bounds")))
+    x[1:, 10] on global shape (4, 4) with placements (S(0),): index 10 is out of bounds
+    """
+    def text(i: Any) -> str:
+        if isinstance(i, slice):
+            parts = ["" if v is None else str(v) for v in (i.start, i.stop, i.step)]
+            return ":".join(parts[:2] if i.step is None else parts)
+        if i is Ellipsis:
+            return "..."
+        if isinstance(i, torch.Tensor):
+            return f"<{_dtype_name(i.dtype)} tensor of shape {tuple(i.shape)}>"
+        return repr(i)
+
+    items = index if isinstance(index, tuple) else (index,)
+    return ShapeError(f"x[{', '.join(text(i) for i in items)}] on global shape {tuple(x.shape)} with placements "
+                      f"{x._placements}: {e}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

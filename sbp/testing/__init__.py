@@ -11,8 +11,8 @@ True
 """
 import importlib as _importlib
 
-from .spmd import SpmdError, spmd, submesh
 from .asserts import assert_layout_equivalent
+from .spmd import SpmdError, spmd, submesh
 
 # The lazy, hypothesis-backed names (`strategies` and the names in `_STRATEGIES`) stay out of `__all__`:
 # `from sbp.testing import *` must not need hypothesis.

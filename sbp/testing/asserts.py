@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from ..tensor.global_tensor import GlobalTensor
+from ..values.errors import SbpError
 from ..values.placement import Partial
 
 
@@ -25,9 +27,6 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     ...
     AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,): max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
     """
-    from ..values.errors import SbpError
-    from ..tensor.global_tensor import GlobalTensor
-
     for name, t in (("x", x), ("y", y)):
         if not isinstance(t, torch.Tensor):
             raise SbpError(f"assert_layout_equivalent compares tensors (GlobalTensor or plain torch.Tensor); "
@@ -79,8 +78,6 @@ def _equal(fx: torch.Tensor, fy: torch.Tensor) -> bool:
 
 
 def _check_tolerances(rtol, atol) -> None:
-    from ..values.errors import SbpError
-
     if (rtol is None) != (atol is None):
         raise SbpError(f"assert_layout_equivalent: give rtol and atol together (or neither, for the dtype's "
                        f"defaults), got rtol={rtol!r}, atol={atol!r}")

@@ -20,6 +20,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
+from ..runtime.agreement import debug, is_enabled
+from ..runtime.backends.dist import init_mesh
+from ..runtime.backends.threads import spmd_threads
 from ..values.errors import CommError, MeshError, SbpError
 from ..values.mesh import DeviceMesh
 
@@ -73,7 +76,6 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
                        f"got {timeout!r}")
     mesh = DeviceMesh(mesh_shape, names)
     if backend == "threads":
-        from ..runtime.backends.threads import spmd_threads
         results, errors, order = spmd_threads(fn, mesh, timeout)
         if order:
             rank = _first_cause({r: (errors[r], "") for r in order}, fallback=order[0])
@@ -133,7 +135,6 @@ class _Pool:
 
         Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back).
         """
-        from ..runtime.agreement import is_enabled
         for conn in self.conns:
             conn.send((payload, mesh.shape, mesh.names, timeout, is_enabled()))
         results: list[Any] = [None] * self.size
@@ -257,8 +258,6 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
     import torch
     import torch.distributed as dist
 
-    from ..runtime.backends.dist import init_mesh
-    from ..runtime.agreement import debug
 
     torch.set_num_threads(1)  # several ranks share the cores
     delta = timedelta(seconds=timeout)

@@ -10,11 +10,11 @@ import json
 import sys
 from typing import NoReturn, Optional, Sequence
 
+from ..planning.api import plan
 from ..values.errors import SbpError
 from ..values.layout import check_global_shape
 from ..values.mesh import as_mesh_shape
 from ..values.placement import normalize, placements
-from ..planning.search import plan
 
 # torch dtype name -> bytes per element (also accepted with a "torch." prefix)
 DTYPE_ITEMSIZE = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
+from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
 from ..values.layout import check_global_shape, local_slices
 from ..values.mesh import DeviceMesh, as_mesh_shape
@@ -26,7 +27,6 @@ def visualize(x=None, *, global_shape: Optional[Sequence[int]] = None, mesh: Opt
     dp=1      rank 2: [5:10, 0:12] P(sum) part  rank 3: [5:10, 0:12] P(sum) part
     """
     if x is not None:
-        from ..tensor.global_tensor import GlobalTensor
         if not isinstance(x, GlobalTensor):
             raise SbpError(f"visualize(x) needs an sbp.GlobalTensor, got {type(x).__name__}; for a layout without "
                            f"data pass global_shape=, mesh= and placements=")

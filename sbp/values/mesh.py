@@ -9,14 +9,34 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from .errors import MeshError
 
 MAX_RANKS = 1 << 24   # 16,777,216: far beyond any torch.distributed world, small enough to list
 
 AxisRef = "int | str"
+
+
+@runtime_checkable
+class MeshBinding(Protocol):
+    """What a mesh needs from the communicator it is bound to (`DeviceMesh.binding`). The full interface,
+    collectives included, is `sbp.runtime.communicator.Communicator`, which extends this one; the values
+    layer names only what it calls, so it never imports the runtime.
+
+    >>> import sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: isinstance(mesh.binding, MeshBinding), (2,))
+    [True, True]
+    """
+
+    rank: int          # this process's world rank
+    backend: str       # "gloo"/"nccl" via "dist", or "threads"
+
+    def submesh_binding(self, mesh: "DeviceMesh", axes: tuple[int, ...],
+                        members: "tuple[int, ...] | None" = None) -> "MeshBinding":
+        """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +56,7 @@ class DeviceMesh:
     names: Optional[tuple[str, ...]] = None
     ranks: Optional[tuple[int, ...]] = None
     device_type: str = "cpu"
-    binding: Any = field(default=None, compare=False, hash=False, repr=False)
+    binding: Optional[MeshBinding] = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = self.shape
@@ -278,6 +298,32 @@ class DeviceMesh:
             raise MeshError(f"rank {self.rank} is outside this mesh (ranks: {list(self.ranks)}); it has no sub-mesh")
         return self.submesh(name, coord)
 
+    # ---- copies and pickles: the value travels, the binding never does ------------------------------
+    def __copy__(self) -> "DeviceMesh":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "DeviceMesh":
+        """A mesh is an immutable value; a copy of anything holding it shares it, binding included (process
+        groups and communicators are never copied).
+
+        >>> import copy
+        >>> mesh = DeviceMesh((2,)); copy.deepcopy({"m": mesh})["m"] is mesh
+        True
+        """
+        return self
+
+    def __reduce__(self) -> tuple:
+        """Pickles as its description (shape, names, ranks, device type), never its binding. A pure mesh
+        loads as a pure mesh; a bound one binds again on load to the live mesh of the process with the
+        same description (`LIVE_MESHES.find`).
+
+        >>> import pickle
+        >>> pickle.loads(pickle.dumps(DeviceMesh((2, 2), names=("dp", "tp"))))
+        DeviceMesh((2, 2), names=('dp', 'tp'))
+        """
+        description = (self.shape, self.names, self.ranks, self.device_type)
+        return (DeviceMesh if self.binding is None else live_mesh), description
+
     def _bound(self, what: str) -> Any:
         if self.binding is None:
             raise MeshError(
@@ -290,6 +336,83 @@ class DeviceMesh:
         names = f", names={self.names}" if self.names else ""
         ranks = "" if self.ranks == tuple(range(self.size())) else f", ranks={list(self.ranks)}"
         return f"DeviceMesh({self.shape}{names}{ranks})"
+
+
+
+class LiveMeshes:
+    """The bound meshes of this process, by description: what an unpickled mesh binds to.
+
+    Backends `remember` every mesh they bind. A torch.distributed mesh is remembered for the process; a
+    mesh of the in-process backend for its thread (each thread is one rank there). `find` returns the
+    remembered mesh equal to a description or, when there is none, binds a new one through a remembered
+    mesh of the same world (torch.distributed: every rank must then load in the same order, since new
+    process groups are made). `clear` forgets them all.
+
+    >>> live = LiveMeshes()
+    >>> live.find(((2,), None, (0, 1), "cpu"))
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.MeshError: cannot load a global tensor of DeviceMesh((2,)) (device_type 'cpu'): no mesh is bound in this process; bind one first on every rank, e.g. sbp.init_mesh((2,), device_type='cpu'), then load
+    """
+
+    def __init__(self) -> None:
+        self._process: dict[tuple, DeviceMesh] = {}
+        self._thread = threading.local()
+        self._lock = threading.Lock()
+
+    def _table(self, per_thread: bool) -> dict[tuple, DeviceMesh]:
+        if not per_thread:
+            return self._process
+        table = getattr(self._thread, "meshes", None)
+        if table is None:
+            table = self._thread.meshes = {}
+        return table
+
+    def remember(self, mesh: DeviceMesh, *, per_thread: bool) -> None:
+        """Note a bound mesh (the latest of one description wins)."""
+        key = (mesh.shape, mesh.names, mesh.ranks, mesh.device_type)
+        with self._lock:
+            table = self._table(per_thread)
+            table.pop(key, None)
+            table[key] = mesh
+
+    def find(self, description: tuple) -> DeviceMesh:
+        """The live mesh with `description` (shape, names, ranks, device type), bound anew if needed."""
+        key = tuple(description)
+        mesh = DeviceMesh(*key)   # validates the description
+        with self._lock:
+            tables = [t for t in (getattr(self._thread, "meshes", None), self._process) if t]
+            for table in tables:
+                if key in table:
+                    return table[key]
+            world = next((m for table in tables for m in reversed(table.values())
+                          if m.device_type == mesh.device_type), None)
+        if world is None:
+            names = f", names={mesh.names}" if mesh.names else ""
+            raise MeshError(f"cannot load a global tensor of {mesh!r} (device_type {mesh.device_type!r}): no mesh is "
+                            f"bound in this process; bind one first on every rank, e.g. "
+                            f"sbp.init_mesh({mesh.shape}{names}, device_type={mesh.device_type!r}), then load")
+        return world.binding.bind(mesh)   # the backend remembers the new mesh
+
+    def clear(self) -> None:
+        """Forget every remembered mesh (of the process and of this thread)."""
+        with self._lock:
+            self._process.clear()
+            self._table(True).clear()
+
+
+LIVE_MESHES = LiveMeshes()   # the one registry: backends remember into it, unpickling finds in it
+
+
+def live_mesh(shape: tuple[int, ...], names: Optional[tuple[str, ...]], ranks: tuple[int, ...],
+              device_type: str) -> DeviceMesh:
+    """The live bound mesh with this description (what a pickled bound mesh loads as); see `LiveMeshes`.
+
+    >>> import sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: live_mesh(mesh.shape, mesh.names, mesh.ranks, "cpu") is mesh, (2,))
+    [True, True]
+    """
+    return LIVE_MESHES.find((shape, names, ranks, device_type))
 
 
 def bad_coord(coord: Any, shape: tuple[int, ...]) -> str:

@@ -6,8 +6,8 @@ Placements are immutable values. Dims may be negative until the placement meets 
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Union
 
 from .errors import PlacementError
@@ -35,6 +35,9 @@ class Split:
     def __hash__(self) -> int:  # (the generated one builds a tuple per call; placements key the planner's caches)
         return self.dim
 
+    def __reduce__(self) -> tuple:  # pickles as a call of the class (loads under torch.load(weights_only=True))
+        return Split, (self.dim,)
+
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
@@ -49,6 +52,9 @@ class Broadcast:
 
     def __hash__(self) -> int:
         return -1000
+
+    def __reduce__(self) -> tuple:
+        return Broadcast, ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,9 @@ class Partial:
 
     def __hash__(self) -> int:
         return hash(self.op)
+
+    def __reduce__(self) -> tuple:
+        return Partial, (self.op,)
 
 
 Placement = Union[Split, Broadcast, Partial]

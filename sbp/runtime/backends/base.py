@@ -9,10 +9,22 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..communicator import (ChunkList, CallRecord, Counters, Outgoing, check_recv_shapes, count_all_gather,
-                    count_all_reduce, count_all_to_all, count_reduce_scatter, count_send_recv, stacked, with_axes)
 from ...values.errors import CommError
-from ...values.mesh import DeviceMesh
+from ...values.mesh import LIVE_MESHES, DeviceMesh
+from ..communicator import (
+    CallRecord,
+    ChunkList,
+    Counters,
+    Outgoing,
+    check_recv_shapes,
+    count_all_gather,
+    count_all_reduce,
+    count_all_to_all,
+    count_reduce_scatter,
+    count_send_recv,
+    stacked,
+    with_axes,
+)
 
 Members = tuple[int, ...]  # world ranks of one group, in member (row-major) order
 
@@ -82,6 +94,7 @@ class BoundComm:
         members = self.members(axes)
         n = len(members)
         t = t.contiguous()
+        self._check("all_gather", axes, t)
         if out is None:
             out = t.new_empty(n * t.numel())
         elif out.numel() != n * t.numel() or not out.is_contiguous() or out.dtype != t.dtype:
@@ -100,6 +113,7 @@ class BoundComm:
         """The `op`-reduction over members of the chunk meant for this rank."""
         members = self.members(axes)
         inp = stacked(chunks, len(members))
+        self._check(f"reduce_scatter({op})", axes, inp)
         index = members.index(self.rank)
         out = inp[0].clone() if len(members) == 1 else self._reduce_scatter(inp, members, axes, op)
         self._count(count_reduce_scatter(index, inp[0].numel(), numels, len(members), inp.element_size()), axes)
@@ -124,6 +138,7 @@ class BoundComm:
         if len(numels) != n or sum(numels) != flat.numel() or flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError(f"reduce_scatter_runs needs a contiguous 1-d tensor cut into one run per member "
                              f"({n}), got shape {tuple(flat.shape)} and runs {list(numels)}")
+        self._check(f"reduce_scatter({op})", axes, flat)
         if n == 1:
             out, width = flat.clone(), numels[0]
         else:
@@ -136,6 +151,7 @@ class BoundComm:
         """The `op`-reduction of every member's `t`, contiguous; a new tensor unless `inplace`, which lets
         the backend reduce into `t` itself (the caller owns it)."""
         members = self.members(axes)
+        self._check(f"all_reduce({op})", axes, t)
         if not t.is_contiguous():
             t, inplace = t.contiguous(), True  # a fresh copy already
         if len(members) == 1:
@@ -172,6 +188,8 @@ class BoundComm:
                              f"in_splits {list(in_splits)} for {inp.numel()} elements, out_splits "
                              f"{list(out_splits)} for {out.numel()}")
         index = members.index(self.rank)
+        self._check("all_to_all", axes, inp)
+        self._check("all_to_all", axes, out)
         if n == 1:
             out.copy_(inp)
             if meanwhile is not None:
@@ -208,6 +226,8 @@ class BoundComm:
                                  f"{index}) at most once, got members {peers}")
         if any(not buf.is_contiguous() for _, buf in recvs):
             raise ValueError("send_recv needs contiguous receive buffers")
+        for _, buf in recvs:
+            self._check("send_recv", axes, buf)
         if n == 1:
             if meanwhile is not None:
                 meanwhile()
@@ -220,7 +240,8 @@ class BoundComm:
     def exchange(self, ranks: Sequence[int], send: dict[int, list[torch.Tensor]],
                  recv_shapes: dict[int, list[Sequence[int]]], *, dtype: torch.dtype,
                  device: "torch.device | str") -> dict[int, list[torch.Tensor]]:
-        """Point-to-point among world `ranks` (every one of them calls it; no group is needed).
+        """Pieces among world `ranks`, every one of them calling it (ranks outside take no part; the dist
+        backend runs it on a group over exactly `ranks`, see `DistComm._exchange`).
 
         `send[peer]` are the pieces for world rank `peer`; `recv_shapes[peer]` the shapes expected from it.
         Returns the received pieces per peer, in the same order. Used by cross-mesh redistribution.
@@ -231,9 +252,13 @@ class BoundComm:
         got = self._exchange(tuple(ranks), {p: [t.contiguous() for t in ts] for p, ts in send.items()}, wanted,
                              dtype, torch.device(device))
         received = sum(numel(s) for shapes in wanted.values() for s in shapes)
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = dtype.itemsize
         self.counters.record(CallRecord("exchange", (), sent * size, received * size, sent * size, received * size))
         return got
+
+    def _check(self, what: str, axes: tuple[int, ...], t: torch.Tensor) -> None:
+        """Refuse a tensor a backend cannot take (the dist backend: one on another device than the mesh's).
+        Called before the one-member shortcut, so a one-rank run catches what a larger one would."""
 
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
@@ -297,6 +322,17 @@ class BoundComm:
         raise NotImplementedError  # pragma: no cover
 
 
+def comm_device(mesh: DeviceMesh) -> torch.device:
+    """The device of the tensors `mesh`'s collectives take: its binding's own where it names one (the dist
+    backend: ``cuda:<local rank>`` on NCCL), else the mesh's device type.
+
+    >>> comm_device(DeviceMesh((2,)))
+    device(type='cpu')
+    """
+    device = getattr(mesh.binding, "device", None)
+    return device if isinstance(device, torch.device) else torch.device(mesh.device_type)
+
+
 def outgoing_tensor(t: Outgoing) -> torch.Tensor:
     """A message of `send_recv`: the tensor (packed now if given as a function), which must be contiguous.
 
@@ -316,4 +352,7 @@ def bound(mesh: DeviceMesh, comm: Any) -> DeviceMesh:
     >>> bound(DeviceMesh((2,)), None) == DeviceMesh((2,))
     True
     """
-    return DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type, comm)
+    out = DeviceMesh(mesh.shape, mesh.names, mesh.ranks, mesh.device_type, comm)
+    if comm is not None:   # an unpickled mesh of this description binds to it (per thread on "threads")
+        LIVE_MESHES.remember(out, per_thread=comm.backend == "threads")
+    return out

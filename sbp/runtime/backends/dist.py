@@ -5,7 +5,10 @@ Process groups are created eagerly by `init_mesh`, one per group of every non-em
 in one fixed order, by every rank of the world (also ranks outside the mesh: `new_group` is collective
 over the default group). That keeps group creation deterministic without relying on
 `use_local_synchronization` and leaves no lazily created group that some rank might create in another
-order. They live on the binding (no module-level state) and are shared with sub-meshes.
+order. They live on the binding and are shared with sub-meshes; `PROCESS_GROUPS` caches them per
+process by (ranks, backend, timeout), so binding the same ranks again makes no duplicate, and binding a
+mesh also makes the group over its ranks and those of each mesh bound before it, on which cross-mesh
+moves run (one `all_to_all_single` every member takes part in).
 
 Collectives used (all supported by gloo and NCCL in torch 2.13): `all_gather_single` /
 `all_gather_into_tensor` and `reduce_scatter_single` / `reduce_scatter_tensor` (flat buffers),
@@ -33,14 +36,18 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..communicator import Counters, Outgoing, reduce_list
 from ...values.errors import CommError, MeshError
 from ...values.mesh import DeviceMesh
+from ..communicator import Counters, Outgoing, reduce_list
 from .base import BoundComm, Members, bound, outgoing_tensor
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# dtypes both gloo and NCCL carry and reduce (complex travels as real pairs: torch views it so itself, except
+# in reduce_scatter); moves of others (int16) travel as their bytes, reductions of them in int32
+WIRE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives; take the new names where they exist
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -73,10 +80,12 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
     timeout = as_timeout(timeout)
     # a pure value first: bad shapes, names or ranks fail before any process group exists
     mesh = DeviceMesh(shape, names, ranks, device_type)
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = _backend(device_type)
     if not dist.is_initialized():
         _init_default(backend, device_type, timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if device_type == "cuda":   # also when the caller initialised torch.distributed without set_device
+        select_cuda_device(rank)
     if ranks is None and mesh.size() != world:
         raise MeshError(f"mesh of shape {mesh.shape} has {mesh.size()} ranks but the world has {world} "
                         f"processes; pass ranks=[...] to put the mesh on part of the world")
@@ -89,8 +98,8 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
             key = tuple(sorted(members))
             if len(members) == 1 or key in groups:
                 continue
-            pg = dist.new_group(list(key), timeout=timeout, backend=backend)
-            groups[key] = pg if rank in key else None
+            groups[key] = PROCESS_GROUPS.get(key, backend, timeout)
+    PROCESS_GROUPS.add_mesh(mesh.ranks, backend, timeout)   # and the groups a cross-mesh move with it runs on
     return bound(mesh, DistComm(mesh, rank, {k: g for k, g in groups.items() if g is not None}, timeout))
 
 
@@ -129,9 +138,94 @@ def _init_default(backend: str, device_type: str, timeout: timedelta) -> None:
                         f"launch with torchrun (or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or call "
                         f"torch.distributed.init_process_group first")
     if device_type == "cuda":
-        rank = int(os.environ["RANK"])
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        select_cuda_device(int(os.environ["RANK"]))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def select_cuda_device(rank: int) -> torch.device:
+    """Make this process's current CUDA device the one of its rank on the node, as DTensor does: LOCAL_RANK
+    when the launcher set it, else ``rank % torch.cuda.device_count()``. Without it a world initialised
+    by the caller (no ``torch.cuda.set_device``) puts every rank on cuda:0.
+
+    >>> select_cuda_device(0)          # doctest: +SKIP
+    device(type='cuda', index=0)
+    """
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else rank % torch.cuda.device_count()
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+class ProcessGroups:
+    """The process groups this process has made, keyed by (sorted members, backend, timeout), so `bind()`,
+    DTensor interop and another `init_mesh` over ranks already grouped reuse the group (every NCCL
+    communicator costs GPU memory) instead of making a duplicate.
+
+    Every group is made by every rank of the world, in the same order (`init_mesh` is called so), so every
+    rank's cache holds the same keys (a rank outside a group keeps None). For cross-mesh moves, whose
+    other ranks take no part, binding a mesh also makes the group over its ranks together with the ranks
+    of each mesh bound before it (same backend): a move between any two bound meshes then has a group
+    where every member takes part. (``use_local_synchronization`` groups, made by the members alone, are
+    not used: torch names them after the number of groups each rank knows, which differs between ranks
+    inside and outside earlier groups.) Forgotten when the default group changes.
+
+    >>> ProcessGroups().clear()
+    """
+
+    def __init__(self) -> None:
+        self._world: object = None
+        self._groups: dict[tuple, "dist.ProcessGroup | None"] = {}
+        self._meshes: list[tuple[Members, str]] = []   # rank sets of the meshes bound so far, in order
+        self.made = 0   # groups this cache created (tests count them)
+
+    def clear(self) -> None:
+        """Forget every group (they stay valid in torch.distributed)."""
+        self._groups.clear()
+        self._meshes.clear()
+        self._world = None
+
+    def _check_world(self) -> None:
+        if dist.group.WORLD is not self._world:
+            self.clear()
+            self._world = dist.group.WORLD
+
+    def get(self, members: Members, backend: str, timeout: timedelta) -> "dist.ProcessGroup | None":
+        """The group of the sorted `members`, made on first use; None on a rank outside it. Every rank of
+        the world calls it, in the same order."""
+        self._check_world()
+        key = (tuple(sorted(members)), backend, timeout)
+        if key not in self._groups:
+            pg = dist.new_group(list(key[0]), timeout=timeout, backend=backend)
+            self.made += 1
+            self._groups[key] = pg if dist.get_rank() in key[0] else None
+        return self._groups[key]
+
+    def find(self, members: Members, backend: str) -> "dist.ProcessGroup | None":
+        """A group over exactly `members` on `backend` (any timeout), or None."""
+        self._check_world()
+        key = tuple(sorted(members))
+        return next((g for (m, b, _), g in self._groups.items() if m == key and b == backend and g is not None),
+                    None)
+
+    def add_mesh(self, ranks: Sequence[int], backend: str, timeout: timedelta) -> None:
+        """Note a bound mesh's ranks and make the union groups with every mesh bound before (world-collective)."""
+        self._check_world()
+        mine = tuple(sorted(ranks))
+        for other, other_backend in list(self._meshes):
+            union = tuple(sorted(set(mine) | set(other)))
+            if other_backend == backend and len(union) > 1 and \
+                    not any(m == union and b == backend for m, b, _ in self._groups):
+                self.get(union, backend, timeout)
+        if (mine, backend) not in self._meshes:
+            self._meshes.append((mine, backend))
+
+
+PROCESS_GROUPS = ProcessGroups()   # process groups are process-wide in torch.distributed; this is their cache
 
 
 def _axis_subsets(ndim: int) -> list[tuple[int, ...]]:
@@ -145,16 +239,19 @@ class DistComm(BoundComm):
     backend = "dist"
 
     def __init__(self, mesh: DeviceMesh, rank: int, groups: dict[Members, dist.ProcessGroup],
-                 timeout: timedelta, counters: Counters | None = None) -> None:
+                 timeout: timedelta, counters: Counters | None = None, device: torch.device | None = None) -> None:
         super().__init__(mesh, rank, counters)
         self.timeout = timeout
+        # the one device every tensor handed to a collective must be on: type *and* index
+        self.device = device if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu"))
         self._groups = groups
         self._orders: dict[Members, list[int] | None] = {}
         self._gloo = mesh.device_type == "cpu"
         self.exchange_route = "auto" if self._gloo else "all_to_all"
 
     def _rebind(self, mesh: DeviceMesh) -> "DistComm":
-        return DistComm(mesh, self.rank, self._groups, self.timeout, self.counters)
+        return DistComm(mesh, self.rank, self._groups, self.timeout, self.counters, self.device)
 
     def bind(self, mesh: DeviceMesh) -> DeviceMesh:
         """Another mesh over the same world (`init_mesh` with this mesh's timeout; every rank calls it)."""
@@ -186,9 +283,12 @@ class DistComm(BoundComm):
                 self._guarded(what, axes, members, work.wait)
 
     def _check_device(self, what: str, axes: tuple[int, ...], t: torch.Tensor) -> None:
-        if t.device.type != self.mesh.device_type:
-            raise CommError(f"{what} on mesh axes {axes}{self.axis_names(axes)}: tensor is on {t.device} but the "
-                            f"mesh is a {self.mesh.device_type!r} mesh; move the local tensor to the mesh's device")
+        if t.device != self.device:   # the index too: a tensor on another GPU of the node is refused
+            raise CommError(f"{what} on mesh axes {axes}{self.axis_names(axes)}: tensor is on {t.device} but this "
+                            f"rank's mesh device is {self.device} (a {self.mesh.device_type!r} mesh); move the "
+                            f"local tensor to {self.device}")
+
+    _check = _check_device   # BoundComm calls it before the one-member shortcut
 
     def _guarded(self, what: str, axes: tuple[int, ...], members: Members, fn: Callable[[], object]) -> object:
         try:
@@ -200,7 +300,7 @@ class DistComm(BoundComm):
 
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, members: Members, axes: tuple[int, ...]) -> None:
         pg, order = self._group(members)
-        flat = t.reshape(-1)
+        flat, out = _wire(t.reshape(-1)), _wire(out)
         got = out if order is None else torch.empty_like(out)  # gloo takes no stacked output
         self._call("all_gather", axes, members, t, lambda: _all_gather_flat(got, flat, group=pg))
         if order is not None:
@@ -218,8 +318,12 @@ class DistComm(BoundComm):
         pg, order = self._group(members)
         inp = stacked.reshape(-1) if order is None else stacked[order].reshape(-1)
         out = stacked.new_empty(stacked.shape[1:])
+        # torch's reduce_scatter does not view complex as real (NCCL has no complex type): do it here
+        wire_in, wire_out = _reducible(inp), _reducible(out.view(-1))
         self._call(f"reduce_scatter({op})", axes, members, inp,
-                   lambda: _reduce_scatter_flat(out.view(-1), inp, op=_REDUCE_OPS[op], group=pg))
+                   lambda: _reduce_scatter_flat(wire_out, wire_in, op=_REDUCE_OPS[op], group=pg))
+        if wire_out.dtype != out.dtype and not out.dtype.is_complex:
+            out.view(-1).copy_(wire_out)
         return out
 
     def _reduce_scatter_runs(self, flat: torch.Tensor, numels: tuple[int, ...], members: Members,
@@ -238,14 +342,22 @@ class DistComm(BoundComm):
                     inplace: bool) -> torch.Tensor:
         pg, _ = self._group(members)
         out = t if inplace else t.clone()
+        wire = _reducible(out)
         self._call(f"all_reduce({op})", axes, members, out,
-                   lambda: dist.all_reduce(out, op=_REDUCE_OPS[op], group=pg))
+                   lambda: dist.all_reduce(wire, op=_REDUCE_OPS[op], group=pg))
+        if wire.dtype != out.dtype and not out.dtype.is_complex:
+            out.copy_(wire)
         return out
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: tuple[int, ...],
                     in_splits: tuple[int, ...], members: Members, axes: tuple[int, ...],
                     meanwhile: Callable[[], object] | None, what: str = "all_to_all") -> None:
         pg, order = self._group(members)
+        if _wire(inp) is not inp:   # a dtype the wire lacks (int16): its bytes, runs scaled by the item size
+            k = inp.element_size()
+            self._all_to_all(out.view(torch.uint8), inp.view(torch.uint8), tuple(n * k for n in out_splits),
+                             tuple(n * k for n in in_splits), members, axes, meanwhile, what)
+            return
         if order is None:
             self._call(what, axes, members, inp, lambda: dist.all_to_all_single(
                 out, inp, list(out_splits), list(in_splits), group=pg, async_op=meanwhile is not None), meanwhile)
@@ -275,12 +387,12 @@ class DistComm(BoundComm):
         def post() -> None:
             for i, buf in recvs:
                 self._check_device("send_recv", axes, buf)
-                works.append(dist.irecv(buf, src=members[i], group=pg))
+                works.append(dist.irecv(_wire(buf.view(-1)), src=members[i], group=pg))
             for i, t in sends:
                 t = outgoing_tensor(t)
                 self._check_device("send_recv", axes, t)
                 sent.append(t)  # kept alive until its send is waited for
-                works.append(dist.isend(t, dst=members[i], group=pg))
+                works.append(dist.isend(_wire(t.view(-1)), dst=members[i], group=pg))
 
         self._guarded(what, axes, members, post)
         try:
@@ -293,26 +405,77 @@ class DistComm(BoundComm):
 
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
-        """Batched isend/irecv on the default group: one flat buffer per peer, empty ones skipped (both
-        sides know every size, so they skip the same ones)."""
-        ops, inbox = [], {}
-        for peer in sorted(send):
-            pieces = [t.reshape(-1) for t in send[peer]]
-            if sum(t.numel() for t in pieces):
-                ops.append(dist.P2POp(dist.isend, torch.cat(pieces), peer))
-        for peer in sorted(recv_shapes):
-            sizes = [int(torch.Size(s).numel()) for s in recv_shapes[peer]]
-            inbox[peer] = torch.empty(sum(sizes), dtype=dtype, device=device)
-            if sum(sizes):
-                ops.append(dist.P2POp(dist.irecv, inbox[peer], peer))
-
-        def run() -> None:   # bounded by this mesh's timeout, not the default group's
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait(self.timeout)
-
-        self._call("exchange", (), tuple(ranks), next(iter(inbox.values()), torch.empty(0, device=device)), run)
-        out = {}
+        """One `all_to_all_single` over a group of exactly `ranks` (`init_mesh` made it on every world rank
+        when it bound the second of the two meshes): every member takes part, also one with nothing to
+        send (zero sizes), so NCCL never sees a point-to-point batch that some member of the group skips,
+        and the group has the mesh's backend whatever the default group's is."""
+        members = tuple(sorted(ranks))
+        if self.rank not in members:
+            raise CommError(f"exchange among ranks {list(members)} called on rank {self.rank}, which is not one "
+                            f"of them")
+        numel = lambda shape: int(torch.Size(shape).numel())
+        pieces, in_splits, out_splits = [], [], []
+        for peer in members:
+            mine = [t.reshape(-1) for t in send.get(peer, [])] if peer != self.rank else []
+            pieces += mine
+            in_splits.append(sum(t.numel() for t in mine))
+            out_splits.append(sum(numel(s) for s in recv_shapes.get(peer, [])) if peer != self.rank else 0)
+        inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+        inbox = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        self._check_device("exchange", (), inbox)
+        if len(members) > 1:
+            pg = self._groups.get(members) or PROCESS_GROUPS.find(members, _backend(self.mesh.device_type))
+            if pg is not None:
+                self._groups[members] = pg
+                self._all_to_all(inbox, inp, tuple(out_splits), tuple(in_splits), members, (), None,
+                                 what="exchange")
+            else:   # ranks that no two bound meshes span: unbatched pairs on the default group
+                self._pairs(members, inp, inbox, in_splits, out_splits)
+        out, runs = {}, dict(zip(members, inbox.split(out_splits)))
         for peer, shapes in recv_shapes.items():
-            sizes = [int(torch.Size(s).numel()) for s in shapes]
-            out[peer] = [piece.view(s) for piece, s in zip(inbox[peer].split(sizes), shapes)]
+            sizes = [numel(s) for s in shapes]
+            out[peer] = [piece.view(s) for piece, s in zip(runs[peer].split(sizes), shapes)]
         return out
+
+    def _pairs(self, members: Members, inp: torch.Tensor, inbox: torch.Tensor, in_splits: list[int],
+               out_splits: list[int]) -> None:
+        """isend / irecv per peer with something to move, not batched: on NCCL each pair of ranks gets its
+        own communicator on first use, so ranks outside the pair need not take part (a batch would need
+        every rank of the group in its first call)."""
+        works, sent = [], []
+        what = f"exchange (ranks {list(members)}, point to point)"
+
+        def post() -> None:
+            for peer, piece in zip(members, inbox.split(out_splits)):
+                if piece.numel():
+                    works.append(dist.irecv(_wire(piece), src=peer))
+            for peer, piece in zip(members, inp.split(in_splits)):
+                if piece.numel():
+                    sent.append(piece)
+                    works.append(dist.isend(_wire(piece), dst=peer))
+
+        self._guarded(what, (), members, post)
+        for work in works:
+            self._guarded(what, (), members, lambda: work.wait(self.timeout))
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor as what gloo and NCCL carry: itself, or its bytes for a dtype they lack.
+
+    >>> _wire(torch.ones(2, dtype=torch.int16)).dtype, _wire(torch.ones(2)).dtype
+    (torch.uint8, torch.float32)
+    """
+    return t if t.dtype in WIRE_DTYPES or t.dtype.is_complex else t.view(torch.uint8)
+
+
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor gloo and NCCL reduce: complex as its (real, imag) pairs (a view: sums are the same),
+    a dtype they lack (int16) widened to int32 (a copy: the caller copies the result back; a sum wraps
+    alike once narrowed, min/max are exact).
+
+    >>> _reducible(torch.ones(2, dtype=torch.complex64)).shape, _reducible(torch.ones(2, dtype=torch.int16)).dtype
+    (torch.Size([2, 2]), torch.int32)
+    """
+    if t.dtype.is_complex:
+        return torch.view_as_real(t)
+    return t if t.dtype in WIRE_DTYPES else t.to(torch.int32)

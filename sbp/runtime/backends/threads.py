@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..communicator import Counters, reduce_list
 from ...values.errors import CommError, MeshError, RankMismatchError
 from ...values.mesh import DeviceMesh
+from ..communicator import Counters, reduce_list
 from .base import BoundComm, Members, bound
 
 

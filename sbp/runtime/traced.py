@@ -1,0 +1,255 @@
+"""The traced lowering: a `Plan`'s steps as torch's functional collectives, for `torch.compile`.
+
+While a local tensor is being traced (dynamo, AOTAutograd's fake/functional tensors, `make_fx`), the
+executor hands every collective step here instead of running eager torch.distributed calls. Each step
+becomes ``torch.ops._c10d_functional`` ops (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``, ``all_to_all_single``, each followed by ``wait_tensor``) on the process group of the
+step's group (named by ``pg.group_name``), so the compiled graph holds exactly the planned collectives
+and a compiler may schedule them. Only shape maths runs (the same layouts the eager executor uses);
+no data pointer is read. Uneven pieces travel padded to one width (all_gather / reduce_scatter) or with
+exact per-peer split sizes (all_to_all, point-to-point ``transfer`` and both phases of
+``reduce_transfer``, which become ``all_to_all_single`` calls).
+
+Only communicators over torch.distributed process groups can be traced; the threads backend has no
+process groups (`CompileError`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from ..planning.exchange import exchange, reduce_exchange
+from ..values.errors import MeshError, PlanError
+from ..values.layout import block, block_numel, block_shape, relative
+from ..values.placement import Partial
+from ..values.steps import Step
+from .buffers import gather, scatter
+from .communicator import Communicator
+
+_FUNCOL = torch.ops._c10d_functional
+
+
+class CompileError(MeshError):
+    """A plan cannot be lowered to functional collectives (e.g. the mesh is bound to the threads backend).
+
+    >>> raise CompileError("no process groups")
+    Traceback (most recent call last):
+    ...
+    sbp.runtime.traced.CompileError: no process groups
+    """
+
+
+def is_tracing(t: torch.Tensor) -> bool:
+    """Whether `t` is being traced (a fake or functional tensor, dynamo compiling, a proxy mode active):
+    then a plan must run as functional collectives (`run_step`), not as eager calls.
+
+    >>> is_tracing(torch.ones(2))
+    False
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode() as mode:
+    ...     is_tracing(torch.ones(2))
+    True
+    """
+    if type(t) is not torch.Tensor and isinstance(t, (FakeTensor, FunctionalTensor)):
+        return True
+    return (torch._is_functional_tensor(t) or get_proxy_mode() is not None
+            or torch.compiler.is_compiling())
+
+
+def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]]:
+    """(process group name, group size, member index at each group rank) of this rank's group along
+    `axes`; the member order is the mesh's row-major order, the group's is ascending ranks.
+
+    On the threads backend (ranks as threads, no process groups) there is none:
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     try:
+    ...         return group_name(mesh.binding, (0,))
+    ...     except CompileError as e:
+    ...         return str(e)[:60]
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    'torch.compile of a redistribution needs a mesh bound to torc'
+    """
+    members = comm.members(axes)
+    groups = getattr(comm, "_groups", None)  # DistComm: process groups keyed by sorted members
+    if not isinstance(groups, dict):
+        raise CompileError(f"torch.compile of a redistribution needs a mesh bound to torch.distributed process "
+                           f"groups (sbp.init_mesh, sbp.testing.spmd(..., backend='gloo')); this mesh is bound "
+                           f"to the {comm.backend!r} backend, which runs ranks as threads and has no process "
+                           f"groups: run it eagerly or use backend='gloo'/'nccl'")
+    pg = groups.get(tuple(sorted(members)))
+    if pg is None:
+        raise CompileError(f"no process group for ranks {list(members)} on rank {comm.rank}")
+    return pg.group_name, len(members), _order(members)
+
+
+@functools.lru_cache(maxsize=1024)
+def _order(members: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(members.index(r) for r in sorted(members))
+
+
+def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+             coord: tuple[int, ...], comm: Communicator) -> torch.Tensor:
+    """One communicating step of a plan as functional collectives on this rank's (traced) `local`.
+
+    Local steps (slicing, no communication) stay with the executor:
+
+    >>> import sbp, torch
+    >>> step = sbp.plan((4,), (2,), "B", "S(0)").steps[0]
+    >>> run_step(step, torch.arange(4.), (4,), (2,), (0,), None)
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.PlanError: the traced lowering has no step kind 'local'
+    """
+    match step.kind:
+        case "all_gather":
+            return _all_gather(step, local, global_shape, mesh_shape, coord, comm)
+        case "reduce_scatter":
+            return _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm)
+        case "all_reduce":
+            if local.numel() == 0:
+                return local.contiguous()
+            name, _, _ = group_name(comm, step.axes)
+            return _wait(_FUNCOL.all_reduce(local.contiguous(), _op(step), name))
+        case "all_to_all" | "transfer":
+            return _exchange(step, local, global_shape, mesh_shape, coord, comm)
+        case "reduce_transfer":
+            return _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm)
+    raise PlanError(f"the traced lowering has no step kind {step.kind!r}")
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _FUNCOL.wait_tensor(t)
+
+
+def _op(step: Step) -> str:
+    if step.op is not None:
+        return step.op
+    return next(step.src[a].op for a in step.axes if isinstance(step.src[a], Partial))
+
+
+def _to_group_order(buf: torch.Tensor, width: int, order: tuple[int, ...]) -> torch.Tensor:
+    """A flat buffer of equal member-order pieces rearranged into group-rank order (and back: the
+    inverse permutation); the buffer itself when the orders agree."""
+    if order == tuple(range(len(order))):
+        return buf
+    return torch.cat([buf[m * width:(m + 1) * width] for m in order])
+
+
+def _from_group_order(buf: torch.Tensor, width: int, order: tuple[int, ...]) -> torch.Tensor:
+    if order == tuple(range(len(order))):
+        return buf
+    at = {m: g for g, m in enumerate(order)}
+    return torch.cat([buf[at[m] * width:(at[m] + 1) * width] for m in range(len(order))])
+
+
+def _all_gather(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+    lay = gather(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    name, n, order = group_name(comm, step.axes)
+    flat = local.reshape(-1)
+    if flat.numel() != lay.width:
+        flat = torch.cat([flat, flat.new_zeros(lay.width - flat.numel())])
+    buf = _from_group_order(_wait(_FUNCOL.all_gather_into_tensor(flat.contiguous(), n, name)), lay.width, order)
+    if lay.runs is not None:
+        return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape)
+    out = local.new_empty(lay.shape)
+    for where, shape, offset in lay.places:
+        out[where] = buf[offset:offset + math.prod(shape)].view(shape)
+    return out
+
+
+def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+    lay = scatter(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
+    if lay.width == 0:
+        return local.new_empty(lay.shape)
+    name, n, order = group_name(comm, step.axes)
+    if lay.direct:
+        inp = local.reshape(-1)
+    else:
+        inp = local.new_zeros(n * lay.width)
+        if lay.runs is not None:
+            flat = local.reshape(-1)
+            for src, dst, length in lay.runs:
+                inp[dst:dst + length] = flat[src:src + length]
+        else:
+            for where, shape, offset in lay.places:
+                inp[offset:offset + math.prod(shape)] = local[where].reshape(-1)
+    inp = _to_group_order(inp, lay.width, order).contiguous()
+    got = _wait(_FUNCOL.reduce_scatter_tensor(inp, _op(step), n, name))
+    return got[:lay.numels[lay.index]].view(lay.shape)
+
+
+def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
+                order: tuple[int, ...]) -> list[tuple[object, torch.Tensor]]:
+    """One exact all_to_all_single: the blocks of `send` ((member, block) pairs) cut from `source` (which
+    holds `held`), per-peer sizes in group-rank order; returns (block, received piece) in `recv` order."""
+    outbox: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for peer, b in send:
+        outbox[peer].append(source[relative(b, held)].reshape(-1))
+    in_sizes = [sum(p.numel() for p in outbox[m]) for m in order]
+    out_sizes_m = [0] * n
+    for peer, b in recv:
+        out_sizes_m[peer] += block_numel(b)
+    out_sizes = [out_sizes_m[m] for m in order]
+    parts = [p for m in order for p in outbox[m]]
+    inp = torch.cat(parts) if parts else source.new_empty(0)
+    got = _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
+    starts, at = {}, 0
+    for g, m in enumerate(order):
+        starts[m] = at
+        at += out_sizes[g]
+    out = []
+    for peer, b in recv:
+        k = block_numel(b)
+        out.append((b, got[starts[peer]:starts[peer] + k].view(block_shape(b))))
+        starts[peer] += k
+    return out
+
+
+def _exchange(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+    ex = exchange(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
+    me = ex.members.index(coord)
+    have, want = block(global_shape, mesh_shape, step.src, coord), block(global_shape, mesh_shape, step.dst, coord)
+    out = local.new_empty(block_shape(want))
+    keep = ex.keep[me]
+    if keep is not None and block_numel(keep):
+        out[relative(keep, want)] = local[relative(keep, have)]
+    if ex.max_recv_elems == 0:  # nothing moves anywhere in the group: no call
+        return out
+    name, n, order = group_name(comm, step.axes)
+    for b, piece in _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order):
+        out[relative(b, want)] = piece
+    return out
+
+
+def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+    ex = reduce_exchange(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
+    me = ex.members.index(coord)
+    have, want = block(global_shape, mesh_shape, step.src, coord), block(global_shape, mesh_shape, step.dst, coord)
+    out = local.new_empty(block_shape(want))
+    op = _op(step)
+    name, n, order = group_name(comm, step.axes)
+    arrived: dict = {}
+    if any(ex.recv1):
+        for b, piece in _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order):
+            arrived.setdefault(b, []).append(piece)
+    for b, holds in ex.owned[me]:
+        parts = ([local[relative(b, have)]] if holds else []) + arrived.get(b, [])
+        out[relative(b, want)] = functools.reduce(_REDUCE[op], parts)
+    if any(ex.recv2):
+        for b, piece in _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order):
+            out[relative(b, want)] = piece
+    return out
+
+
+_REDUCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+
+__all__ = ["CompileError", "is_tracing", "group_name", "run_step"]

@@ -1,0 +1,1 @@
+"""Tests of sbp.io: checkpoints and DTensor interop."""

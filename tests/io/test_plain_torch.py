@@ -1,0 +1,268 @@
+"""Plain torch on global tensors: `torch.save` / `torch.load` (also ``weights_only=True``) and `copy.deepcopy`
+of tensors, state dicts, optimizer states and parallelized models, on the threads backend and on gloo
+processes (where the mesh's binding holds real process groups, which must never be pickled or copied).
+
+Every rank writes its own file (the usual per-rank checkpoint pattern) and reads it back; the values and
+layouts must come back exactly.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import sbp
+import sbp.nn
+import sbp.testing
+from sbp.values.errors import MeshError, ShapeError
+
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
+BACKENDS = ["threads", pytest.param("gloo", marks=pytest.mark.gloo)]
+FORBIDDEN = ("ProcessGroup", "distributed_c10d", "_thread", "threading", "Comm", "Lock", "Condition")
+
+
+def values(shape: tuple[int, ...], dtype=torch.float64) -> torch.Tensor:
+    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=dtype).reshape(shape) / 7
+
+
+def round_trip(obj, **load_kwargs):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), **load_kwargs)
+
+
+def same_global(a, b) -> bool:
+    return (isinstance(b, sbp.GlobalTensor) and a.placements == b.placements and a.mesh == b.mesh
+            and tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+            and torch.equal(a.to_local(), b.to_local()))
+
+
+def classes_in_pickle(obj) -> set[tuple[str, str]]:
+    """Every class or function a pickle of `obj` names (read back with a recording unpickler)."""
+    seen: set[tuple[str, str]] = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO(pickle.dumps(obj))).load()
+    return seen
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6)).double()
+
+
+BATCH = values((5, 6)) - 0.5
+
+
+# ---- one global tensor ------------------------------------------------------------------------------
+def _tensors(mesh):
+    out = []
+    for shape, pls in (((10, 7), "S(0)"), ((5, 3), "B"), ((4, 6), "P"), ((3,), "P(max)")):
+        x = sbp.distribute(values(shape), mesh, ", ".join([pls] + ["B"] * (mesh.ndim - 1)))
+        for kwargs in ({}, {"weights_only": True}):
+            y = round_trip(x, **kwargs)
+            out.append(same_global(x, y) and y.mesh is mesh and torch.equal(y.full(), x.full()))
+    bad = {c for c in classes_in_pickle(x) if any(f in ".".join(c) for f in FORBIDDEN)}
+    return out, bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_save_load_of_a_global_tensor(backend):
+    shape = (2, 2) if backend == "threads" else (2,)
+    for oks, bad in sbp.testing.spmd(_tensors, shape, backend=backend, timeout=60):
+        assert all(oks) and len(oks) == 8
+        assert bad == set()
+
+
+def test_a_pickle_names_the_mesh_description_only():
+    def fn(mesh):
+        return classes_in_pickle(sbp.distribute(values((4, 2)), mesh, "S(0)"))
+    names = sbp.testing.spmd(fn, (2,))[0]
+    assert ("sbp.values.mesh", "live_mesh") in names and ("sbp.tensor.global_tensor", "rebuild_global_tensor") in names
+    assert {c for c in names if c[0].startswith("sbp.runtime")} == set()
+
+
+def _requires_grad_round_trip(mesh):
+    w = sbp.distribute(values((4, 2)), mesh, "S(0)").requires_grad_()
+    p = nn.Parameter(sbp.distribute(values((4, 2)), mesh, "B"))
+    w2, p2 = round_trip(w), round_trip(p, weights_only=True)
+    (w2 * 2).sum().full().backward()
+    return (w2.requires_grad, w2.is_leaf, w2.grad.placements, isinstance(p2, nn.Parameter), p2.requires_grad,
+            isinstance(p2, sbp.GlobalTensor))
+
+
+def test_requires_grad_and_parameters_survive():
+    for r in sbp.testing.spmd(_requires_grad_round_trip, (2,)):
+        assert r == (True, True, (sbp.S(0),), True, True, True)
+
+
+# ---- model and optimizer state dicts, per-rank files ------------------------------------------------------
+def _state_dicts(mesh, path):
+    model = sbp.nn.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(BATCH).full().pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    file = os.path.join(path, f"rank{mesh.rank}.pt")
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, file)
+    # a fresh model and optimizer (other weights) load the files back
+    fresh = sbp.nn.parallelize(nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6)).double(), mesh,
+                               {"0": "colwise", "2": "rowwise"})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = torch.load(file, weights_only=True)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    params_equal = all(same_global(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    moments = [(s["exp_avg"], fresh_opt.state[q]["exp_avg"]) for p, q in zip(model.parameters(), fresh.parameters())
+               for s in [opt.state[p]]]
+    moments_equal = all(same_global(a, b) for a, b in moments)
+    # one more step on both: the same numbers
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(BATCH).full().pow(2).sum().backward()
+        o.step()
+    after = all(torch.equal(a.full(), b.full()) for a, b in zip(model.parameters(), fresh.parameters()))
+    return params_equal, moments_equal, after
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_and_optimizer_state_dicts_round_trip(backend, tmp_path):
+    results = sbp.testing.spmd(functools.partial(_state_dicts, path=str(tmp_path)), (2,), backend=backend, timeout=60)
+    assert results == [(True, True, True)] * 2
+
+
+def _wrong_rank_file(mesh, path):
+    x = sbp.distribute(values((5, 2)), mesh, "S(0)")
+    torch.save(x, os.path.join(path, f"rank{mesh.rank}.pt"))
+    x.full()   # a collective: both files are written past this point
+    try:
+        torch.load(os.path.join(path, f"rank{1 - mesh.rank}.pt"))   # 3 rows saved by rank 0, 2 by rank 1
+    except ShapeError as e:
+        return str(e)
+    return None
+
+
+def test_loading_another_ranks_file_is_refused(tmp_path):
+    msgs = sbp.testing.spmd(functools.partial(_wrong_rank_file, path=str(tmp_path)), (2,))
+    assert all(m is not None and "sbp.save/sbp.load reshard" in m for m in msgs), msgs
+
+
+@pytest.mark.slow
+def test_loading_with_no_mesh_bound_names_the_mesh(tmp_path):
+    file = tmp_path / "x.pt"
+    sbp.testing.spmd(lambda mesh: torch.save(sbp.distribute(values((4,)), mesh, "S(0)"), file)
+                     if mesh.rank == 0 else None, (2,), names=("tp",))
+    code = textwrap.dedent(f"""
+        import torch, sbp
+        try:
+            torch.load({str(file)!r})
+        except sbp.MeshError as e:
+            print("MeshError:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "MeshError: cannot load a global tensor of DeviceMesh((2,), names=('tp',))" in out.stdout
+    assert "sbp.init_mesh((2,), names=('tp',), device_type='cpu')" in out.stdout
+
+
+def test_loading_binds_a_mesh_not_made_yet():
+    def fn(mesh):
+        other = sbp.DeviceMesh((2,), names=("x",))                       # same ranks, another description
+        x = sbp.distribute(values((4, 3)), mesh.binding.bind(other), "S(1)")
+        buf = io.BytesIO()
+        torch.save(x, buf)
+        sbp.values.mesh.LIVE_MESHES.clear()                              # forget it: load must bind anew
+        before = mesh.binding.bind(sbp.DeviceMesh((2,)))                 # a live mesh of the same world
+        y = torch.load(io.BytesIO(buf.getvalue()))
+        return y.mesh == other, y.mesh.binding is not None, torch.equal(y.full(), x.full()), before is not y.mesh
+    assert sbp.testing.spmd(fn, (2,)) == [(True, True, True, True)] * 2
+
+
+# ---- deepcopy -------------------------------------------------------------------------------------
+def _deepcopy(mesh):
+    model = sbp.nn.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"})
+    twin = copy.deepcopy(model)
+    same_layout = all(a.placements == b.placements and a.mesh is b.mesh and a is not b and
+                      a.to_local().data_ptr() != b.to_local().data_ptr()
+                      for a, b in zip(model.parameters(), twin.parameters()))
+    losses = []
+    for m in (model, twin):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        curve = []
+        for _ in range(3):
+            loss = m(BATCH).full().pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+        losses.append(curve)
+    with torch.no_grad():
+        before = [p.full().clone() for p in model.parameters()]
+        for p in twin.parameters():
+            p.mul_(0)
+        untouched = all(torch.equal(b, p.full()) for b, p in zip(before, model.parameters()))
+    return same_layout, losses[0] == losses[1], untouched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepcopy_of_a_parallelized_model(backend):
+    results = sbp.testing.spmd(_deepcopy, (2,), backend=backend, timeout=60)
+    assert results == [(True, True, True)] * 2
+
+
+def _deepcopy_matches_one_process(mesh):
+    twin = copy.deepcopy(sbp.nn.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"}))
+    return twin(BATCH).full().detach()
+
+
+@pytest.mark.gloo
+def test_deepcopy_computes_the_single_device_model():
+    want = mlp()(BATCH)
+    for got in sbp.testing.spmd(_deepcopy_matches_one_process, (2,), backend="gloo", timeout=60):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+
+# ---- dtype and device moves keep global parameters --------------------------------------------------
+def _moves(mesh):
+    model = sbp.nn.parallelize(mlp(), mesh, {"0": "colwise", "2": "rowwise"})
+    layouts = [p.placements for p in model.parameters()]
+    seen = []
+    for move in (lambda m: m.float(), lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.to("cpu"),
+                 lambda m: m.to(dtype=torch.float32, device="cpu")):
+        move(model)
+        params = list(model.parameters())
+        seen.append((all(isinstance(p, sbp.GlobalTensor) and isinstance(p, nn.Parameter) for p in params),
+                     [p.placements for p in params] == layouts, params[0].dtype, params[0].to_local().dtype))
+    out = model(BATCH.float()).full()
+    return seen, out.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtype_and_device_moves_keep_global_parameters(backend):
+    for seen, out_dtype in sbp.testing.spmd(_moves, (2,), backend=backend, timeout=60):
+        assert [s[:2] for s in seen] == [(True, True)] * 5
+        assert [s[2] for s in seen] == [torch.float32, torch.float16, torch.float64, torch.float64, torch.float32]
+        assert all(s[2] == s[3] for s in seen)
+        assert out_dtype == torch.float32
+
+
+def test_pure_meshes_and_placements_pickle_as_values():
+    mesh = sbp.DeviceMesh((2, 3), names=("dp", "tp"), ranks=range(6, 12))
+    assert pickle.loads(pickle.dumps(mesh)) == mesh and pickle.loads(pickle.dumps(mesh)).binding is None
+    pls = sbp.placements("S(1), P(max)")
+    assert round_trip(pls, weights_only=True) == pls
+    with pytest.raises(MeshError, match="no mesh is bound"):
+        sbp.values.mesh.LiveMeshes().find(((2,), None, (0, 1), "cpu"))

@@ -1,0 +1,1 @@
+"""Tests of sbp.nn: parallelize plans, a transformer block and the example training script."""

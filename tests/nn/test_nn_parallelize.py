@@ -1,0 +1,433 @@
+"""`sbp.nn.parallelize`: parallel layers against the single-device model, collective counts, DP x TP, errors.
+
+In-process SPMD tier (threads backend) for the bulk, one gloo case end to end. The oracle is the same
+module on one device: every rank builds it from the same full weights (made once in the test process,
+since thread-ranks share torch's default generator) and the parallel model must give the same loss,
+outputs and gradients (float64, tight tolerance) and the same parameters after optimizer steps.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+import sbp
+import sbp.nn
+import sbp.testing
+from sbp.nn import Colwise, Embedding, Rowwise, SequenceParallel
+from tests.support.repo import load_example
+
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
+
+HAS_OPS = importlib.util.find_spec("sbp.ops") is not None
+needs_ops = pytest.mark.xfail(not HAS_OPS, reason="collective counts need the operator rule table (sbp.ops); "
+                              "without it ops fall back to Broadcast computation", strict=False)
+TOL = dict(rtol=1e-10, atol=1e-12)
+# Adam divides by sqrt(v) + eps: a gradient that is exactly zero in theory (the attention key bias: softmax
+# ignores a shift shared by all keys) carries ~1e-17 rounding noise, which Adam scales by lr / eps
+ADAM_TOL = dict(rtol=1e-8, atol=1e-9)
+MLP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def mlp(dim: int = 6, hidden: int = 10, blocks: int = 1) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)]
+    return nn.Sequential(*layers).double()
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full() if isinstance(p.grad, sbp.GlobalTensor) else p.grad for n, p in model.named_parameters()}
+
+
+def reference(model: nn.Module, x: torch.Tensor, loss_fn) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    model = copy.deepcopy(model)
+    x = x.clone().requires_grad_(True)
+    loss = loss_fn(model(x))
+    loss.backward()
+    return loss.detach(), x.grad, grads_of(model)
+
+
+def collectives(mesh: sbp.DeviceMesh) -> collections.Counter:
+    return collections.Counter(c.collective for c in mesh.binding.counters.calls)
+
+
+def full(t):
+    return t.full() if isinstance(t, sbp.GlobalTensor) else t
+
+
+def square_loss(y):
+    return (full(y) ** 2).sum()
+
+
+# ---- equivalence with the single-device model -------------------------------------------------------------
+
+def _run_mlp(mesh, model, plan, x):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, plan)
+    x = x.clone().requires_grad_(True)
+    loss = square_loss(model(x))
+    loss.backward()
+    pls = {n: p.placements for n, p in model.named_parameters()}
+    grad_pls = {n: p.grad.placements for n, p in model.named_parameters()}
+    return loss.detach(), x.grad, grads_of(model), pls, grad_pls
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (3,)])
+def test_mlp_matches_single_device(mesh_shape):
+    model = mlp(hidden=10)  # 10 hidden features over 4 or 3 ranks: uneven shards
+    x = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_xgrad, ref_grads = reference(model, x, square_loss)
+    for loss, xgrad, grads, pls, grad_pls in sbp.testing.spmd(
+            functools.partial(_run_mlp, model=model, plan=MLP_PLAN, x=x), mesh_shape):
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(xgrad, ref_xgrad, **TOL)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **TOL)
+        assert pls == {"0.weight": (sbp.S(0),), "0.bias": (sbp.S(0),), "2.weight": (sbp.S(1),), "2.bias": (sbp.B,)}
+        assert grad_pls == pls  # the leaf rule: a parameter's .grad has the parameter's placements
+
+
+def _output_layouts(mesh, model):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, {"0": Colwise(), "2": Rowwise(use_local_output=True)})
+    x = torch.ones(3, 6, dtype=torch.float64)
+    h = model[0](x)
+    return h.placements, h.local_shape, type(model(x)).__name__
+
+
+def test_output_placements_and_local_output():
+    (pls, local_shape, out_type), *_ = sbp.testing.spmd(functools.partial(_output_layouts, model=mlp()), (2,))
+    assert pls == (sbp.S(1),) and local_shape == (3, 5)  # colwise output S(-1), normalised to S(1)
+    assert out_type == "Tensor"                           # use_local_output=True gives a plain tensor
+
+
+def _train(mesh, model, plan, batches, steps, build_opt, loss_fn):
+    model = copy.deepcopy(model)
+    if mesh is not None:
+        sbp.nn.parallelize(model, mesh, plan)
+    opt = build_opt(model.parameters())
+    losses = []
+    for x in batches[:steps]:
+        loss = loss_fn(model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(full(loss).item())
+    return losses, {n: full(p.detach()) for n, p in model.named_parameters()}
+
+
+def test_mlp_optimizer_steps_match():
+    model = mlp(hidden=12)
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(4, 6, dtype=torch.float64, generator=g) for _ in range(3)]
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2, foreach=False)
+    ref_losses, ref_params = _train(None, model, MLP_PLAN, batches, 3, opt, square_loss)
+    for losses, params in sbp.testing.spmd(
+            functools.partial(_train, model=model, plan=MLP_PLAN, batches=batches, steps=3, build_opt=opt,
+                              loss_fn=square_loss), (2,)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+        for name, p in ref_params.items():
+            torch.testing.assert_close(params[name], p, **TOL)
+
+
+EX = load_example("train_tp")
+
+
+def tiny_gpt():
+    data, vocab = EX.encode()
+    cfg = EX.Config(vocab=vocab, dim=16, heads=4, layers=2, block=8)
+    idx, targets = next(EX.batches(data, 3, cfg.block, 1, seed=0))
+    return EX.build(cfg, seed=0, dtype=torch.float64), idx, targets
+
+
+def _run_gpt(mesh, model, plan, idx, targets):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, plan)
+    loss = EX.scalar(model(idx, targets))
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, sequence_parallel", [((2,), False), ((4,), False), ((2,), True), ((2, 2), False)],
+                         ids=["tp2", "tp4", "tp2-sequence-parallel", "dp2xtp2"])
+def test_transformer_matches_single_device(mesh_shape, sequence_parallel):
+    model, idx, targets = tiny_gpt()
+    ref = copy.deepcopy(model)
+    ref_loss = ref(idx, targets)
+    ref_loss.backward()
+    results = sbp.testing.spmd(functools.partial(_run_gpt, model=model, plan=EX.tp_plan(sequence_parallel),
+                                                 idx=idx, targets=targets), mesh_shape)
+    for loss, grads in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_transformer_optimizer_steps_match():
+    model, _, _ = tiny_gpt()
+    data, _ = EX.encode()
+    batches = list(EX.batches(data, 3, model.cfg.block, 3, seed=1))
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2, foreach=False)
+
+    def loss_fn(loss):
+        return EX.scalar(loss)
+
+    class WithTargets(nn.Module):  # the batches carry targets: feed both through the model
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, batch):
+            return self.gpt(*batch)
+
+    wrapped = WithTargets(model)
+    plan = {f"gpt.{k}": v for k, v in EX.tp_plan().items()}
+    ref_losses, ref_params = _train(None, wrapped, plan, batches, 3, opt, loss_fn)
+    losses, params = sbp.testing.spmd(functools.partial(_train, model=wrapped, plan=plan, batches=batches, steps=3,
+                                                        build_opt=opt, loss_fn=loss_fn), (2,))[1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, **ADAM_TOL)
+
+
+# ---- data parallel x tensor parallel ----------------------------------------------------------------------
+
+def _run_dp_tp(mesh, model, x):
+    out = _run_mlp(mesh, model, MLP_PLAN, x)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_dp_x_tp_mlp(backend):
+    model = mlp(hidden=8)
+    x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_xgrad, ref_grads = reference(model, x, square_loss)
+    results = sbp.testing.spmd(functools.partial(_run_mlp, model=model, plan=MLP_PLAN, x=x), (2, 2),
+                               backend=backend, names=("dp", "tp"))
+    for loss, xgrad, grads, pls, grad_pls in results:
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(xgrad, ref_xgrad, **TOL)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **TOL)
+        B, S = sbp.B, sbp.S
+        assert pls == {"0.weight": (B, S(0)), "0.bias": (B, S(0)), "2.weight": (B, S(1)), "2.bias": (B, B)}
+        assert grad_pls == pls  # P(sum) gradients on dp were reduced to the parameters' B
+
+
+def _batch_layout(mesh, model):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, MLP_PLAN, tp_axis="tp")
+    seen = []
+    model[0].register_forward_hook(lambda mod, args, out: seen.append((args[0].placements, out.placements)))
+    model(torch.ones(4, 6, dtype=torch.float64))
+    return seen[0]
+
+
+def test_dp_x_tp_batch_is_split_on_dp():
+    (x_pls, h_pls), *_ = sbp.testing.spmd(functools.partial(_batch_layout, model=mlp()), (2, 2), names=("dp", "tp"))
+    assert x_pls == (sbp.S(0), sbp.B) and h_pls == (sbp.S(0), sbp.S(1))
+
+
+# ---- collective counts: the same as hand-written Megatron ----------------------------------------------------
+
+def _count_mlp(mesh, model, plan, x, x_placements=None):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, plan)
+    if x_placements is not None:
+        x = sbp.distribute(x, mesh, x_placements, requires_grad=True)
+    else:
+        x = x.clone().requires_grad_(True)
+    mesh.binding.counters.reset()
+    y = model(x)
+    forward = collectives(mesh)
+    mesh.binding.counters.reset()
+    (y.to_local() ** 2).sum().backward()  # y is B (or S(1)): the local part of the loss needs no collective
+    return forward, collectives(mesh)
+
+
+@needs_ops
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_megatron_counts(blocks):
+    model = mlp(hidden=8, blocks=blocks)
+    plan = {str(3 * b): "colwise" for b in range(blocks)} | {str(3 * b + 2): "rowwise" for b in range(blocks)}
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for forward, backward in sbp.testing.spmd(functools.partial(_count_mlp, model=model, plan=plan, x=x), (2,)):
+        assert forward == {"all_reduce": blocks}
+        assert backward == {"all_reduce": blocks}
+
+
+@needs_ops
+def test_attention_counts_one_all_reduce_each_way():
+    """q, k and v read one input: their input gradients are summed before the one all_reduce (fused qkv)."""
+    torch.manual_seed(0)
+    attn = EX.Attention(EX.Config(dim=16, heads=4, block=8)).double()
+    plan = {"[qkv]": Colwise(use_local_output=True), "proj": Rowwise(local_input=True)}
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    for forward, backward in sbp.testing.spmd(functools.partial(_count_mlp, model=attn, plan=plan, x=x), (2,)):
+        assert forward == {"all_reduce": 1}
+        assert backward == {"all_reduce": 1}
+
+
+@needs_ops
+def test_sequence_parallel_counts():
+    model = mlp(hidden=8)
+    plan = {"0": "colwise", "2": Rowwise(output_placement="S(1)")}
+    x = torch.randn(2, 4, 6, dtype=torch.float64)  # (B, T, C), entering as S(1) on the sequence
+    for forward, backward in sbp.testing.spmd(
+            functools.partial(_count_mlp, model=model, plan=plan, x=x, x_placements="S(1)"), (2,)):
+        for counts in (forward, backward):
+            # the gather S(1) -> B is one collective moving exactly an all_gather's bytes; the planner may run
+            # it as all_gather or as an exact transfer (one all_to_all or messages; same bytes, its tie-break)
+            gathers = counts.pop("all_gather", 0) + counts.pop("all_to_all", 0) + counts.pop("send_recv", 0)
+            assert (gathers, dict(counts)) == (1, {"reduce_scatter": 1})
+
+
+def _count_embedding(mesh, weight, ids, style):
+    emb = nn.Embedding.from_pretrained(weight.clone(), freeze=False)
+    sbp.nn.parallelize(emb, mesh, {"": style})
+    mesh.binding.counters.reset()
+    out = emb(ids)
+    forward = collectives(mesh)
+    return out.full(), forward, out.placements
+
+
+@pytest.mark.parametrize("style, placements, counts", [
+    ("embedding", (sbp.B,), {"all_reduce": 1}),
+    (Embedding(output_placement="S(1)"), (sbp.S(1),), {"reduce_scatter": 1}),
+], ids=["B", "S(1)"])
+def test_vocab_parallel_embedding(style, placements, counts):
+    weight = torch.randn(11, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([[0, 5, 10, 3], [7, 7, 1, 9]])
+    for out, forward, pls in sbp.testing.spmd(
+            functools.partial(_count_embedding, weight=weight, ids=ids, style=style), (2,)):
+        torch.testing.assert_close(out, weight[ids], **TOL)
+        assert pls == placements
+        if HAS_OPS:
+            assert forward == counts
+
+
+def _sequence_norm(mesh, model, x):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, {"0": SequenceParallel(), "1": "colwise", "3": Rowwise(output_placement="S(1)")})
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    loss = square_loss(y)
+    loss.backward()
+    return y.placements, loss.detach(), x.grad, grads_of(model), model[0].weight.grad.placements
+
+
+def test_sequence_parallel_layer_norm_region():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6)).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    ref_loss, ref_xgrad, ref_grads = reference(model, x, square_loss)
+    for pls, loss, xgrad, grads, ln_grad_pls in sbp.testing.spmd(
+            functools.partial(_sequence_norm, model=model, x=x), (2,)):
+        assert pls == (sbp.S(1),) and ln_grad_pls == (sbp.B,)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(xgrad, ref_xgrad, **TOL)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **TOL)
+
+
+# ---- bad plans --------------------------------------------------------------------------------------------
+
+def _parallelize(mesh, model, plan):
+    sbp.nn.parallelize(copy.deepcopy(model), mesh, plan)
+
+
+@pytest.mark.parametrize("plan, message", [
+    ({"fc9": "colwise"}, "plan entry 'fc9' matches no module of Sequential"),
+    ({"blocks.*.fc": "colwise"}, "plan entry 'blocks.*.fc' matches no module"),
+    ({"1": "colwise"}, "style 'colwise' cannot shard '1', a GELU; valid modules for 'colwise': nn.Linear"),
+    ({"0": "embedding"}, "style 'embedding' cannot shard '0', a Linear; valid modules for 'embedding': nn.Embedding"),
+    ({"0": "columnwise"}, "plan entry '0': 'columnwise' is not a style; valid: 'colwise', 'rowwise', 'embedding', "
+                          "'sequence'"),
+    ({"0": "colwise", "[02]": "rowwise"}, "module '0' is matched by plan entries '0' and '[02]'"),
+])
+def test_bad_plans(plan, message):
+    with pytest.raises(sbp.SbpError) as info:
+        sbp.testing.spmd(functools.partial(_parallelize, model=mlp(), plan=plan), (2,))
+    assert message in str(info.value.__cause__)
+
+
+def test_bad_style_options():
+    with pytest.raises(sbp.SbpError, match="must be one placement"):
+        Colwise(output_placement="S(0), B")
+    with pytest.raises(sbp.SbpError, match="use_local_output=...\\) must be a bool"):
+        Rowwise(use_local_output="yes")
+
+
+def _twice(mesh, model):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, MLP_PLAN)
+    sbp.nn.parallelize(model, mesh, MLP_PLAN)
+
+
+def test_parallelize_twice_is_refused():
+    with pytest.raises(sbp.SbpError) as info:
+        sbp.testing.spmd(functools.partial(_twice, model=mlp()), (2,))
+    assert "already a global tensor" in str(info.value.__cause__)
+
+
+def test_unbound_mesh_is_refused():
+    with pytest.raises(sbp.SbpError, match="needs a bound sbp.DeviceMesh"):
+        sbp.nn.parallelize(mlp(), sbp.DeviceMesh((2,)), MLP_PLAN)
+
+
+def _tied(mesh):
+    torch.manual_seed(0)
+    emb = nn.Embedding(8, 4).double()
+    head = nn.Linear(4, 8, bias=False).double()
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    sbp.nn.parallelize(model, mesh, {"emb": "embedding", "head": "colwise"})  # both S(0) on the vocab
+    return model.emb.weight is model.head.weight, model.emb.weight.placements
+
+
+def test_tied_parameters_stay_tied():
+    assert sbp.testing.spmd(_tied, (2,))[0] == (True, (sbp.S(0),))
+
+
+@pytest.mark.parametrize("plan", [{"0": "colwise", "2": "rowwise"}, {"": "colwise"}], ids=["mlp", "root"])
+def test_an_input_reused_across_forward_passes_is_converted_anew(plan):
+    """Modules reading one tensor share its conversion within a forward pass only: a buffer refilled in
+    place, an input seen first under no_grad, and one input used for two training steps all give the
+    single-device numbers and gradients."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 6)).double() if "0" in plan \
+        else nn.Linear(6, 4).double()
+    batches = [torch.randn(5, 6, dtype=torch.float64) for _ in range(3)]
+
+    def run(mesh):
+        m = copy.deepcopy(base)
+        if mesh is not None:
+            sbp.nn.parallelize(m, mesh, plan)
+        full = lambda y: y.full() if isinstance(y, sbp.GlobalTensor) else y
+        buf, outs = torch.empty(5, 6, dtype=torch.float64), []
+        for x in batches:
+            buf.copy_(x)
+            with torch.no_grad():
+                outs.append(full(m(buf)))
+        x = batches[0].clone().requires_grad_(True)
+        with torch.no_grad():
+            m(x)
+        for _ in range(2):   # the same input tensor in two steps: its gradient accumulates twice
+            full(m(x)).pow(2).sum().backward()
+        return outs, x.grad
+
+    want_outs, want_grad = run(None)
+    for outs, grad in sbp.testing.spmd(run, (2,)):
+        for got, want in zip(outs, want_outs):
+            torch.testing.assert_close(got, want)
+        assert grad is not None
+        torch.testing.assert_close(grad, want_grad)

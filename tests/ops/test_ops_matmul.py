@@ -1,0 +1,107 @@
+"""Matmul family rules (mm, addmm, bmm, baddbmm, matmul paths, dot, mv): random placements on 1-D and 2x2
+meshes with uneven shapes; values and gradients match torch; the textbook signatures need no communication."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import sbp
+import sbp.testing
+from sbp import B, Partial, S
+from tests.support.ops_kit import check_op, make_global, meshes, placements_for, randn, shape
+
+SETTINGS = settings(max_examples=15, deadline=None)
+
+
+@st.composite
+def case(draw, kind: str, mesh_ndim: int):
+    b, m, k, n = shape(draw, 4, 1, 5)
+    shapes = {
+        "mm": [(m, k), (k, n)],
+        "linear_bias": [(b, m, k), (n, k), (n,)],
+        "addmm": [(m, n), (m, k), (k, n)],
+        "bmm": [(b, m, k), (b, k, n)],
+        "baddbmm": [(b, 1, n), (b, m, k), (b, k, n)],
+        "matmul_3d_2d": [(b, m, k), (k, n)],
+        "matmul_2d_3d": [(m, k), (b, k, n)],
+        "dot": [(k,), (k,)],
+        "mv": [(m, k), (k,)],
+    }[kind]
+    return shapes, [draw(placements_for(len(s), mesh_ndim)) for s in shapes]
+
+
+FNS = {
+    "mm": torch.mm,
+    "linear_bias": F.linear,
+    "addmm": lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+    "bmm": torch.bmm,
+    "baddbmm": lambda c, a, b: torch.baddbmm(c, a, b, beta=-1.0),
+    "matmul_3d_2d": torch.matmul,
+    "matmul_2d_3d": torch.matmul,
+    "dot": torch.dot,
+    "mv": torch.mv,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(FNS))
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_matmul_family(kind, data, mesh):
+    shapes, pls = data.draw(case(kind, len(mesh)))
+    check_op(FNS[kind], [randn(s, i) for i, s in enumerate(shapes)], pls, mesh)
+
+
+@pytest.mark.parametrize("a_pl, b_pl, out_pl", [
+    (S(0), B, S(0)),
+    (B, S(1), S(1)),
+    (S(1), S(0), Partial("sum")),
+    (Partial("sum"), B, Partial("sum")),
+    (B, Partial("sum"), Partial("sum")),
+])
+def test_mm_signatures_need_no_communication(a_pl, b_pl, out_pl):
+    """The OneFlow/DTensor signatures run locally: no bytes move and the output has the table's placement."""
+    a, b = randn((7, 5)), randn((5, 3), 1)
+
+    def fn(mesh):
+        x, w = make_global(a, mesh, (a_pl,)), make_global(b, mesh, (b_pl,))
+        mesh.binding.counters.reset()
+        y = x @ w
+        moved = mesh.binding.counters.received
+        return y.placements, moved, y.full()
+
+    for pls, moved, full in sbp.testing.spmd(fn, (3,)):
+        assert pls == (out_pl,) and moved == 0
+        assert torch.allclose(full, a @ b, atol=1e-12)
+
+
+def test_mm_picks_cheapest_redistribution_not_replication():
+    """x S(0) @ w S(0): replicating w (all_gather of 8x4) is cheaper than moving x; x is never gathered."""
+    a, b = randn((64, 8)), randn((8, 4), 1)
+
+    def fn(mesh):
+        x, w = make_global(a, mesh, (S(0),)), make_global(b, mesh, (S(0),))
+        mesh.binding.counters.reset()
+        y = x @ w
+        return y.placements, mesh.binding.counters.received
+
+    for pls, moved in sbp.testing.spmd(fn, (4,)):
+        assert pls == (S(0),)
+        assert moved == 6 * 4 * 8   # 3 of 4 shards of w (2x4 float64 each): exactly w's all_gather
+
+
+def test_column_then_row_parallel_linear_is_one_partial_sum():
+    """Megatron MLP: x B -> colwise (w1 S(0)) -> S(-1) -> rowwise (w2 S(1)) -> P(sum)."""
+    x, w1, w2 = randn((6, 4)), randn((10, 4), 1), randn((4, 10), 2)
+
+    def fn(mesh):
+        xg = make_global(x, mesh, (B,))
+        h = F.linear(xg, make_global(w1, mesh, (S(0),)))
+        y = F.linear(h, make_global(w2, mesh, (S(1),)))
+        return h.placements, y.placements, y.full()
+
+    for hp, yp, full in sbp.testing.spmd(fn, (3,)):
+        assert hp == (S(1),) and yp == (Partial("sum"),)
+        assert torch.allclose(full, x @ w1.T @ w2.T, atol=1e-12)

@@ -1,0 +1,269 @@
+"""View and shape rules: reshape/view (merging and splitting dims, uneven shards), transpose, permute,
+unsqueeze/squeeze, expand, slice, select, split, cat, stack; values and gradients match torch, and the
+splits that can be tracked stay local."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sbp
+import sbp.testing
+from sbp import Partial, S
+from tests.support.ops_kit import check_op, make_global, meshes, placements_for, randn, shape
+
+SETTINGS = settings(max_examples=15, deadline=None)
+PARTIALS = ("sum", "max")
+
+
+def _factor(draw, n: int) -> tuple[int, int]:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    a = draw(st.sampled_from(divisors))
+    return a, n // a
+
+
+@pytest.mark.slow
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_view_merge_and_split_dims(data, mesh):
+    a, b, c = shape(data.draw, 3, 1, 6)
+    p, q = _factor(data.draw, b * c)
+    targets = [(a * b, c), (a, b * c), (a * b * c,), (a, p, q), (a * b, c, 1), (1, a, b, c), (-1, c)]
+    target = data.draw(st.sampled_from(targets))
+    pls = data.draw(placements_for(3, len(mesh), PARTIALS))
+    check_op(lambda x: x.reshape(target), [randn((a, b, c))], [pls], mesh)
+    check_op(lambda x: x.view(target) * 2, [randn((a, b, c))], [pls], mesh)
+
+
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_view_after_transpose_of_local_blocks(data, mesh):
+    """(B, H, T, D) -> transpose -> view (B, T, H*D): a non-contiguous local block must still work."""
+    bsz, heads, t, d = shape(data.draw, 4, 1, 4)
+    pls = data.draw(placements_for(4, len(mesh), PARTIALS))
+    check_op(lambda x: x.transpose(1, 2).contiguous().view(bsz, t, heads * d), [randn((bsz, heads, t, d))],
+             [pls], mesh)
+
+
+SHAPE_OPS = {
+    "transpose": lambda x: x.transpose(0, -1),
+    "permute": lambda x: x.permute(2, 0, 1),
+    "t": lambda x: x[0].t(),
+    "unsqueeze": lambda x: x.unsqueeze(1).unsqueeze(-1),
+    "squeeze": lambda x: x[:, :1].squeeze(1).squeeze(),
+    "expand": lambda x: x[:, :1].expand(-1, 4, -1).unsqueeze(0).expand(2, -1, -1, -1),
+    "slice": lambda x: x[1:, ::2, -2:],
+    "select": lambda x: x[-1] + x[:, 0].sum() + x.select(2, 1).sum(),
+    "split": lambda x: x.split(2, dim=1),
+    "chunk": lambda x: x.chunk(2, dim=2),
+    "unbind": lambda x: x.unbind(0),
+    "cat": lambda x: torch.cat([x, x * 2], dim=1),
+    "stack": lambda x: torch.stack([x, -x], dim=2),
+    "contiguous_clone_detach": lambda x: x.contiguous().clone() + x.detach(),
+    "flatten_unflatten": lambda x: x.flatten(1).unflatten(1, (x.shape[1], x.shape[2])),
+    "index_select_gather": lambda x: x.index_select(1, torch.tensor([0, 0])) +
+    x.gather(1, torch.zeros((x.shape[0], 2, x.shape[2]), dtype=torch.int64)),
+    "scatter": lambda x: x.scatter(1, torch.zeros((x.shape[0], 1, x.shape[2]), dtype=torch.int64), 2.0) +
+    x.scatter_add(1, torch.ones((x.shape[0], 1, x.shape[2]), dtype=torch.int64), x[:, :1] * 3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SHAPE_OPS))
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_shape_op(name, data, mesh):
+    s = shape(data.draw, 3, 2, 5)
+    pls = data.draw(placements_for(3, len(mesh), PARTIALS))
+    check_op(SHAPE_OPS[name], [randn(s)], [pls], mesh)
+
+
+@pytest.mark.parametrize("src, dst, pls, local", [
+    ((4, 6, 5), (24, 5), (S(0),), True),           # merge after the split dim: blocks 12,12 both ways
+    ((5, 6, 5), (30, 5), (S(0),), False),          # uneven: rows 3,2 -> 18,12, but S(0) of 30 is 15,15
+    ((4, 12), (4, 4, 3), (S(1),), True),           # split a split dim: 6,6 -> heads 2,2 of 3
+    ((4, 12), (4, 3, 4), (S(1),), False),          # 6,6 is not a whole number of heads of 4
+    ((4, 6, 5), (24, 5), (S(0), S(0)), True),      # nested over 2x2: 1,1,1,1 rows -> 6,6,6,6
+    ((2, 6, 4), (2, 24), (S(1), S(1)), False),     # nested 2,1,2,1 -> 8,4,8,4 but S(1),S(1) of 24 is 6 each
+])
+def test_reshape_keeps_splits_local_only_when_blocks_agree(src, dst, pls, local):
+    full = randn(src)
+
+    def fn(mesh):
+        x = make_global(full, mesh, pls)
+        mesh.binding.counters.reset()
+        y = x.view(dst)
+        return y.placements, mesh.binding.counters.received, y.full()
+
+    for got, moved, value in sbp.testing.spmd(fn, (2,) * len(pls)):
+        assert torch.equal(value, full.view(dst))
+        assert (moved == 0 and got == pls) == local, (got, moved)   # the split survives in place
+
+
+def test_select_on_split_dim_gives_partial_sum():
+    full = randn((5, 3))
+
+    def fn(mesh):
+        x = make_global(full, mesh, (S(0),))
+        mesh.binding.counters.reset()
+        row = x[3]
+        return row.placements, mesh.binding.counters.received, row.full()
+
+    for pls, moved, row in sbp.testing.spmd(fn, (3,)):
+        assert pls == (Partial("sum"),) and moved == 0 and torch.equal(row, full[3])
+
+
+@pytest.mark.slow
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_fill_zero_copy_and_like_factories(data, mesh):
+    s = shape(data.draw, 2)
+    pls = [data.draw(placements_for(2, len(mesh), ("sum", "max"))) for _ in range(2)]
+
+    def fn(a, b):
+        c = a.clone()
+        c.copy_(b)                 # b laid out like c
+        d = a.clone().fill_(1.5)   # P(sum): the value once
+        e = a.clone().zero_()
+        return c, d, e, torch.ones_like(a) * a, torch.zeros_like(b) + 1, torch.full_like(a, 2.0), a.new_zeros(3)
+
+    check_op(fn, [randn(s, 0), randn(s, 1)], pls, mesh)
+
+
+def test_item_and_equal_need_whole_values():
+    full = randn((4,))
+
+    def fn(mesh):
+        with sbp.strict():
+            x = make_global(full, mesh, (Partial("sum"),))
+            return x.sum().item(), torch.equal(x, x), bool((x > 100).any())
+
+    for got in sbp.testing.spmd(fn, (2,)):
+        assert math.isclose(got[0], full.sum().item(), rel_tol=1e-12) and got[1] and not got[2]
+
+
+def test_in_place_through_views():
+    """A view that stays local aliases its base (writes reach it, autograd included); a view that needed a
+    new layout is a copy, and writing into it raises instead of silently missing the base."""
+    full = randn((4, 3))
+
+    def fn(mesh):
+        x = make_global(full, mesh, (S(1),), requires_grad=True)
+        y = x * 1
+        y[0].mul_(2)                       # select on an unsplit dim: a real view of the local block
+        with pytest.raises(sbp.SbpError, match="view"):
+            y[:, 1].add_(3)                # select on the split dim: not a view of y's blocks
+        (y * y).sum().backward()
+        return y.full(), x.grad.full()
+
+    ref = full.clone().requires_grad_()
+    ry = ref * 1
+    ry[0].mul_(2)
+    (ry * ry).sum().backward()
+    for y, grad in sbp.testing.spmd(fn, (2,)):
+        assert torch.allclose(y, ry) and torch.allclose(grad, ref.grad)
+
+
+@pytest.mark.parametrize("pls", [("B",), ("S(0)",), ("S(1)",), ("P(sum)",)])
+def test_vector_matrix_product_has_the_vector_shape(pls):
+    """torch builds ``v @ M`` as unsqueeze -> mm -> squeeze_: the in-place squeeze must shrink the global
+    shape too (it was (1, 5) with a (5,) local)."""
+    v, m = randn((7,)), randn((7, 5), 1)
+    vec_pls = ("S(0)",) if pls == ("S(0)",) else ("B",)
+    check_op(lambda a, b: a @ b, [v, m], [vec_pls, pls], (2,))
+    check_op(lambda a, b: b.t() @ a, [v, m], [vec_pls, pls], (2,))
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)])
+def test_in_place_views_change_the_global_shape(mesh):
+    full = randn((1, 7, 5))
+
+    def fn(x):
+        y = x * 1.0                       # a non-leaf to change in place
+        y.squeeze_(0)
+        y.t_()
+        y.unsqueeze_(1)
+        y.transpose_(0, 2)
+        y.swapdims_(1, 2)
+        return y
+
+    for pls in (("S(1)",) * len(mesh), ("S(2)",) + ("B",) * (len(mesh) - 1), ("P(sum)",) * len(mesh)):
+        check_op(fn, [full], [pls], mesh)
+
+    def rank(mesh_):
+        x = make_global(full, mesh_, ("S(1)",) * len(mesh))
+        same = x
+        x.squeeze_(0)
+        return (x is same, tuple(x.shape), x.placements, tuple(x.local_shape), mesh_.coord,
+                torch.equal(x.full(), full[0]))
+
+    for same, gshape, placements, lshape, coord, equal in sbp.testing.spmd(rank, mesh):
+        assert same and equal and gshape == (7, 5) and placements == (S(0),) * len(mesh)
+        assert lshape == sbp.local_shape((7, 5), mesh, placements, coord)
+
+
+def test_in_place_squeeze_of_a_split_size_one_dim():
+    """A size-1 dim split over 2 ranks (one rank holds it, the other an empty shard): squeezing it in
+    place gives the owner's values as a Partial, like the out-of-place squeeze."""
+    def rank(mesh):
+        x = sbp.distribute(torch.arange(4.).view(1, 4), mesh, "S(0)")
+        x.squeeze_(0)
+        return tuple(x.shape), x.full().tolist()
+
+    for gshape, values in sbp.testing.spmd(rank, (2,)):
+        assert gshape == (4,) and values == [0.0, 1.0, 2.0, 3.0]
+
+
+VIEW_CHAINS = {
+    "t": lambda x: x.t(), "t_t": lambda x: x.t().t(), "permute": lambda x: x.unsqueeze(0).permute(2, 0, 1),
+    "unsqueeze": lambda x: x.unsqueeze(1), "slice_rows": lambda x: x[1:3], "slice_cols": lambda x: x[:, 1:3],
+    "split0": lambda x: x.split(2, dim=0)[1], "chunk1": lambda x: x.chunk(2, dim=1)[0],
+    "unbind1": lambda x: x.unbind(1)[2], "expand": lambda x: x[:, :1].expand(5, 4), "detach_t": lambda x: x.t().detach(),
+    "view": lambda x: x.view(20), "inplace_t": lambda x: x.clone().t_(),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEW_CHAINS))
+@pytest.mark.parametrize("pls", [("S(0)",), ("S(1)",), ("B",)])
+def test_contiguity_follows_torch_and_contiguous_copies_views(name, pls):
+    """is_contiguous() and contiguous() follow the logical strides torch would have, on every rank alike:
+    contiguous() of a transposed view is a copy (a write into it leaves the base alone), of a contiguous
+    view the view itself (a write reaches the base, as in torch)."""
+    chain = VIEW_CHAINS[name]
+    full = torch.arange(20.0).view(5, 4)
+    ref = full.clone()
+    view = chain(ref)
+    want_contiguous = view.is_contiguous()
+    view.contiguous().add_(100)
+    for mesh in [(2,), (3,)]:
+        def rank(mesh_):
+            x = sbp.distribute(full, mesh_, pls)
+            v = chain(x)
+            flag = v.is_contiguous()
+            same = v.contiguous() is v
+            try:
+                v.contiguous().add_(100)
+                wrote = True
+            except sbp.SbpError as e:   # a contiguous view laid out anew (docs/operators.md): refused
+                assert same and "could not stay a view" in str(e)
+                wrote = False
+            return flag, same, wrote, x.full()
+
+        for flag, same, wrote, got in sbp.testing.spmd(rank, mesh):
+            assert flag == want_contiguous and same == want_contiguous
+            assert torch.equal(got, ref if wrote else full), (name, pls, mesh)
+
+
+def test_contiguous_of_a_view_of_a_leaf_that_requires_grad():
+    """torch copies here; writing into the copy is allowed (writing into a view of the leaf is not)."""
+    def rank(mesh):
+        x = sbp.distribute(torch.arange(24.0).view(2, 3, 4), mesh, "S(0)", requires_grad=True)
+        y = x.transpose(0, 1).contiguous()
+        y.add_(1.0)
+        y.sum().backward()
+        return x.grad.full()
+
+    for grad in sbp.testing.spmd(rank, (2,)):
+        assert torch.equal(grad, torch.ones(2, 3, 4))

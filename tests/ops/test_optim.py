@@ -1,0 +1,115 @@
+"""torch.optim on global-tensor parameters (SGD with momentum, Adam, AdamW; foreach on and off) makes the
+same updates as on single-device tensors; `_foreach_*` ops with mismatched or Partial placements fall
+back to per-index pointwise rules."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sbp
+import sbp.testing
+from sbp import B, Partial, S
+from tests.support.ops_kit import make_global, randn
+
+TOL = 1e-10
+SHAPES = {"w1": (6, 4), "w2": (5,), "w3": (3, 5)}
+LAYOUTS = {
+    (3,): {"w1": (S(0),), "w2": (B,), "w3": (S(1),)},
+    (2, 2): {"w1": (S(0), S(1)), "w2": (S(0), B), "w3": (B, S(0))},
+}
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                        foreach=foreach),
+    "adam_amsgrad": lambda ps, foreach: torch.optim.Adam(ps, lr=0.05, amsgrad=True, foreach=foreach),
+    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, foreach=foreach),
+}
+
+
+def _loss(ps: dict) -> torch.Tensor:
+    return (ps["w1"].sin() * 2).sum() + (ps["w2"] ** 3).sum() + (ps["w3"] @ ps["w3"].t()).sum() * 0.1
+
+
+def _train(params: dict, make_opt, steps: int = 3) -> None:
+    opt = make_opt(list(params.values()))
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(params).backward()
+        opt.step()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", sorted(LAYOUTS))
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_steps_match_single_device(name, foreach, mesh_shape):
+    fulls = {k: randn(s, i) for i, (k, s) in enumerate(SHAPES.items())}
+    ref = {k: nn.Parameter(v.clone()) for k, v in fulls.items()}
+    _train(ref, lambda ps: OPTIMIZERS[name](ps, foreach))
+
+    def fn(mesh):
+        with sbp.strict():
+            params = {k: nn.Parameter(make_global(v, mesh, LAYOUTS[mesh_shape][k])) for k, v in fulls.items()}
+            _train(params, lambda ps: OPTIMIZERS[name](ps, foreach))
+            for k, p in params.items():
+                assert p.placements == LAYOUTS[mesh_shape][k]
+            return {k: p.full() for k, p in params.items()}
+
+    for got in sbp.testing.spmd(fn, mesh_shape):
+        for k in SHAPES:
+            assert torch.allclose(got[k], ref[k].detach(), atol=TOL, rtol=0), k
+
+
+def test_foreach_with_mismatched_placements_runs_per_index():
+    a, b, c = randn((4, 3)), randn((4, 3), 1), randn((5,), 2)
+
+    def fn(mesh):
+        with sbp.strict(), torch.no_grad():
+            xs = [make_global(a, mesh, (S(0),)), make_global(c, mesh, (Partial("sum"),))]
+            ys = [make_global(b, mesh, (S(1),)), make_global(c, mesh, (B,))]
+            torch._foreach_add_(xs, ys, alpha=2)
+            torch._foreach_addcdiv_(xs, ys, [y.abs() + 1 for y in ys], [0.5, -1.0])
+            torch._foreach_lerp_(xs, ys, 0.25)
+            roots = torch._foreach_sqrt([x.abs() for x in xs])
+            torch._foreach_maximum_(xs, ys)
+            return [x.placements for x in xs], [x.full() for x in xs], [r.full() for r in roots]
+
+    ref = [a.clone(), c.clone()]
+    ys = [b, c]
+    for x, y in zip(ref, ys):
+        x.add_(y, alpha=2)
+    for x, y, s in zip(ref, ys, [0.5, -1.0]):
+        x.addcdiv_(y, y.abs() + 1, value=s)
+    for x, y in zip(ref, ys):
+        x.lerp_(y, 0.25)
+    roots = [x.abs().sqrt() for x in ref]
+    for x, y in zip(ref, ys):
+        torch.maximum(x, y, out=x)
+    for pls, got, got_roots in sbp.testing.spmd(fn, (2,)):
+        assert pls == [(S(0),), (Partial("sum"),)]   # in-place ops keep each tensor's layout
+        for g, e in zip(got + got_roots, ref + roots):
+            assert torch.allclose(g, e, atol=TOL), (g, e)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_clip_grad_norm_foreach_matches_single_device(mesh_shape):
+    """``clip_grad_norm_(foreach=True)`` runs ``_foreach_norm``, a reduction per tensor (not pointwise)."""
+    w, b, gw, gb = randn((5, 3)), randn((3,), 1), randn((5, 3), 2), randn((3,), 3)
+    ref = [nn.Parameter(w.clone()), nn.Parameter(b.clone())]
+    ref[0].grad, ref[1].grad = gw.clone(), gb.clone()
+    total_ref = nn.utils.clip_grad_norm_(ref, 0.5, foreach=True)
+    pls = {(2,): ((S(0),), (B,)), (2, 2): ((S(0), S(1)), (B, S(0)))}[mesh_shape]
+
+    def fn(mesh):
+        with sbp.strict():
+            ps = [nn.Parameter(make_global(w, mesh, pls[0])), nn.Parameter(make_global(b, mesh, pls[1]))]
+            ps[0].grad, ps[1].grad = make_global(gw, mesh, pls[0]), make_global(gb, mesh, pls[1])
+            norms = torch._foreach_norm([p.grad for p in ps])
+            total = nn.utils.clip_grad_norm_(ps, 0.5, foreach=True)
+            return [tuple(n.shape) for n in norms], total.full(), [p.grad.full() for p in ps]
+
+    for shapes, total, grads in sbp.testing.spmd(fn, mesh_shape):
+        assert shapes == [(), ()]
+        torch.testing.assert_close(total, total_ref)
+        for got, want in zip(grads, ref):
+            torch.testing.assert_close(got, want.grad)

@@ -1,0 +1,1 @@
+"""Tests of sbp.planning: the planner's search, costs and bounds, exchange schedules, cross-mesh plans."""

@@ -1,0 +1,228 @@
+"""torch.compile of global tensors on gloo: redistributions, conversions and ops with rules compile with
+fullgraph=True, match eager, and the compiled graph holds exactly the eager plan's collectives as torch's
+functional collectives (`sbp.runtime.traced`).
+
+Worker functions are module-level (they travel pickled to the shared gloo pool).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import sbp
+import sbp.testing
+
+spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=300)
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
+# eager call log name -> the functional collective that carries it in a graph
+EAGER_TO_FUNCOL = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                   "all_reduce": "all_reduce", "all_to_all": "all_to_all_single", "send_recv": "all_to_all_single"}
+
+PLACEMENTS_1D = ["S(0)", "S(1)", "B", "P(sum)", "P(max)"]
+PAIRS_1D = [(s, d) for s, d in itertools.product(PLACEMENTS_1D, repeat=2) if s != d]
+PAIRS_2D = [("S(0), S(1)", "S(1), S(0)"), ("S(0), S(0)", "S(1), S(1)"), ("S(0), S(0)", "B, S(0)"),
+            ("S(0), B", "B, S(0)"), ("P(sum), P(sum)", "B, B"), ("P(sum), P(sum)", "S(0), S(1)"),
+            ("S(0), S(1)", "B, B"), ("B, B", "S(0), S(0)"), ("P(sum), S(0)", "S(1), P(sum)"),
+            ("S(1), P(sum)", "B, S(0)"), ("S(0), S(0)", "P(sum), P(sum)"), ("B, S(1)", "S(1), S(1)"),
+            ("P(sum), S(0)", "S(0), B"), ("B, S(0)", "B, S(1)"), ("S(1), B", "S(0), B"),
+            ("P(max), B", "S(0), S(1)")]
+
+
+class GraphRecorder:
+    """An aot_eager-like backend that keeps the forward and backward graphs it is handed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.backend = aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+
+    def _keep(self, gm: torch.fx.GraphModule, _inputs):
+        self.graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def collectives(self, which: int | None = None) -> collections.Counter:
+        """Functional-collective nodes by name (wait_tensor included) in one graph, or in all of them."""
+        graphs = self.graphs if which is None else [self.graphs[which]]
+        return collections.Counter(
+            str(n.target).split(".")[1] for gm in graphs for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("_c10d_functional."))
+
+
+def _global_value(shape: tuple[int, ...]) -> torch.Tensor:
+    return (torch.arange(float(torch.Size(shape).numel()), dtype=torch.float64) % 7 - 3).reshape(shape)
+
+
+def _start(mesh, shape, src):
+    """A global tensor laid out as `src` whose value is `_global_value` (Partial: split into parts)."""
+    x = sbp.distribute(_global_value(shape), mesh, src.replace("P(sum)", "B").replace("P(max)", "B"))
+    return x.redistribute(src)
+
+
+def run_redistributions(pairs, shape, backend, mesh):
+    """Per pair: (compiled == eager, graph collectives, eager collectives) on this rank."""
+    out = []
+    counters = mesh.binding.counters
+    for src, dst in pairs:
+        x = _start(mesh, shape, src)
+        counters.reset()
+        eager = x.redistribute(dst)
+        calls = collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in counters.calls)
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        f = torch.compile(lambda t: t.redistribute(dst), backend=rec.backend if backend == "record" else backend,
+                          fullgraph=True)
+        got = f(x)
+        same = (isinstance(got, sbp.GlobalTensor) and got.placements == eager.placements
+                and torch.equal(got.to_local(), eager.to_local()))
+        graph = rec.collectives() if backend == "record" else None
+        if graph is not None:
+            waits = graph.pop("wait_tensor", 0)
+            graph = (dict(graph), waits)
+        out.append((same, graph, dict(calls)))
+    return out
+
+
+def _check_redistributions(pairs, results) -> None:
+    for (src, dst), per_rank in zip(pairs, zip(*results)):
+        for rank, (same, graph, calls) in enumerate(per_rank):
+            assert same, f"{src} -> {dst}: compiled differs from eager on rank {rank}"
+            if graph is not None:
+                counts, waits = graph
+                assert counts == calls, f"{src} -> {dst} rank {rank}: graph {counts}, eager plan {calls}"
+                assert waits == sum(counts.values())
+
+
+def test_redistribute_1d_graph_holds_the_plans_collectives() -> None:
+    shape = (5, 3)   # uneven on 4 ranks: 2,1,1,1 rows and 1,1,1,0 columns (padded and exact pieces)
+    _check_redistributions(PAIRS_1D, spmd(functools.partial(run_redistributions, PAIRS_1D, shape, "record"), (4,)))
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (5, 7)], ids=["even", "uneven"])
+def test_redistribute_2d_graph_holds_the_plans_collectives(shape) -> None:
+    _check_redistributions(PAIRS_2D, spmd(functools.partial(run_redistributions, PAIRS_2D, shape, "record"),
+                                          (2, 2)))
+
+
+def test_redistribute_2_ranks_eager_and_inductor_backends() -> None:
+    pairs = [("S(0)", "B"), ("P(sum)", "S(1)"), ("S(0)", "S(1)")]
+    for backend in ("eager", "inductor"):
+        _check_redistributions(pairs, spmd(functools.partial(run_redistributions, pairs, (5, 3), backend), (2,)))
+
+
+def run_conversions(backend, mesh):
+    """from_local / to_local / full / a rowwise matmul (P(sum) -> B): forward and backward, compiled vs eager."""
+    x0, w0 = _global_value((6, 4)), _global_value((4, 3)) + 0.5
+
+    def step(x, w):
+        y = sbp.from_local(x.to_local() * 2, mesh, "S(0)", global_shape=(6, 4))
+        out = (y.redistribute("S(1)") @ w.redistribute("S(0)")).redistribute("B")   # rowwise: P(sum) -> B
+        return (out.full() ** 2).sum()
+
+    results = []
+    for fn in (step, torch.compile(step, backend=backend, fullgraph=True)):
+        x = sbp.distribute(x0, mesh, "S(0)", requires_grad=True)
+        w = sbp.distribute(w0, mesh, "B", requires_grad=True)
+        loss = fn(x, w)
+        loss.backward()
+        results.append((loss.detach(), x.grad.full(), w.grad.full()))
+    (le, xe, we), (lc, xc, wc) = results
+    return [torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in ((le, lc), (xe, xc), (we, wc))]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_conversions_and_rowwise_matmul_forward_backward(backend) -> None:
+    for per_rank in spmd(functools.partial(run_conversions, backend), (2,)):
+        assert per_rank == [True, True, True]
+
+
+def run_from_local_without_shape(mesh):
+    f = torch.compile(lambda t: sbp.from_local(t, mesh, "S(0)"), backend="aot_eager", fullgraph=True)
+    try:
+        f(torch.ones(2, 2, dtype=torch.float64))
+    except Exception as e:  # dynamo wraps the error raised while tracing
+        return type(e).__name__, "global_shape=" in str(e)
+    return None
+
+
+def test_from_local_in_a_compiled_function_needs_the_global_shape() -> None:
+    for name, names_the_fix in spmd(run_from_local_without_shape, (2,)):
+        assert names_the_fix, name
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm MLP block (Megatron layout under parallelize: fc1 colwise, fc2 rowwise)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 4 * dim)
+        self.fc2 = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+def run_parallel_mlp_training(backend, steps, mesh):
+    """Eager and compiled training of the same parallelized two-block model: losses and final weights per
+    run, the graphs compiled, and the functional collectives in the recorded graphs."""
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(8), _Block(8)).double()
+    runs = []
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rec = GraphRecorder()
+    for compiled in (False, True):
+        m = sbp.nn.parallelize(copy.deepcopy(model), mesh, {"*.fc1": "colwise", "*.fc2": "rowwise"})
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def loss_of(x):
+            return m(x).full().pow(2).mean()
+        f = torch.compile(loss_of, backend=rec.backend if backend == "record" else backend,
+                          fullgraph=True) if compiled else loss_of
+        losses = []
+        for i in range(steps):
+            x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+            loss = f(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((torch.stack(losses), [p.full().detach() for p in m.parameters()]))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return runs, graphs, dict(rec.collectives()) if backend == "record" else None
+
+
+@pytest.mark.parametrize("backend", ["record", "inductor"])
+def test_parallelized_mlp_training_compiles_to_one_graph_and_matches_eager(backend) -> None:
+    tol = 1e-10 if backend == "record" else 1e-5
+    for (eager, compiled), graphs, collectives in spmd(functools.partial(run_parallel_mlp_training, backend, 3),
+                                                        (2,)):
+        assert torch.allclose(eager[0], compiled[0], rtol=0, atol=tol)
+        for a, b in zip(eager[1], compiled[1]):
+            assert torch.allclose(a, b, rtol=0, atol=tol)
+        assert graphs == 1   # no recompile after the first step (fixed shapes)
+        if collectives is not None:
+            # forward: one all_reduce per rowwise fc2 (P(sum) -> B) and the loss's full(); backward: one
+            # all_reduce per colwise input boundary; every collective waited on
+            assert collectives["all_reduce"] >= 4
+            assert collectives["wait_tensor"] == sum(v for k, v in collectives.items() if k != "wait_tensor")
+
+
+def run_threads_compile(mesh):
+    x = sbp.distribute(torch.ones(4, 2), mesh, "S(0)")
+    try:
+        torch.compile(lambda t: t.redistribute("B"), backend="aot_eager", fullgraph=True)(x)
+    except Exception as e:
+        return "threads" in str(e) and "gloo" in str(e)
+    return False
+
+
+def test_threads_backend_refuses_compiled_collectives_clearly() -> None:
+    assert sbp.testing.spmd(run_threads_compile, (2,)) == [True, True]

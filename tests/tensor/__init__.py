@@ -1,0 +1,1 @@
+"""Tests of sbp.tensor: GlobalTensor, autograd, distribute/from_local, factories, setitem."""

@@ -1,0 +1,226 @@
+"""Autograd through redistribute / full / to_local / from_local: gradients equal the single-device ones, leaf
+gradients keep the leaf's placements, and backward passes run exactly the planned collectives."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sbp
+import sbp.testing
+from sbp.tensor.global_tensor import GlobalTensor, grad_placements, redistribute_raw
+from sbp.testing.strategies import layouts, placements
+from sbp.values.placement import Partial
+
+spmd = functools.partial(sbp.testing.spmd, timeout=30)
+
+
+def values(shape, offset=1) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + offset
+
+
+def _full_loss_grads(shape, leaf_pls, chain, mesh):
+    t, w = values(shape), values(shape, offset=-3)
+    leaf = sbp.distribute(t, mesh, leaf_pls, requires_grad=True)
+    y = leaf
+    for pls in chain:
+        y = y.redistribute(pls)
+    (y.full() * w).sum().backward()                        # single device: d/dt sum(t * w) = w
+    g = leaf.grad
+    return type(g) is GlobalTensor, g.placements == leaf.placements, torch.equal(g.full(), w)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(case=layouts(partial=False, max_side=6), data=st.data())
+def test_chain_then_full_gives_single_device_grad(case, data):
+    mesh_shape, shape, leaf_pls = case
+    chain = data.draw(st.lists(placements(len(mesh_shape), len(shape)), min_size=1, max_size=3))
+    for r in spmd(functools.partial(_full_loss_grads, shape, leaf_pls, chain), mesh_shape):
+        assert r == (True, True, True), (mesh_shape, shape, leaf_pls, chain, r)
+
+
+def _local_loss_grads(shape, leaf_pls, chain, mesh):
+    t, w = values(shape), values(shape, offset=-3)
+    leaf = sbp.distribute(t, mesh, leaf_pls, requires_grad=True)
+    y = leaf
+    for pls in chain:
+        y = y.redistribute(pls)
+    # each rank's loss covers its own block; Broadcast replicas count once (their grads are not summed)
+    w_local = w[sbp.local_slices(shape, mesh, y.placements, mesh.coord)]
+    (y.to_local() * w_local).sum().backward()
+    return leaf.grad.placements == leaf.placements, torch.equal(leaf.grad.full(), w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=layouts(partial=False, max_side=6), data=st.data())
+def test_chain_then_to_local_gives_single_device_grad(case, data):
+    mesh_shape, shape, leaf_pls = case
+    chain = data.draw(st.lists(placements(len(mesh_shape), len(shape)), min_size=0, max_size=2))
+    chain.append(data.draw(placements(len(mesh_shape), len(shape), partial=False)))
+    for r in spmd(functools.partial(_local_loss_grads, shape, leaf_pls, chain), mesh_shape):
+        assert r == (True, True), (mesh_shape, shape, leaf_pls, chain, r)
+
+
+def test_to_local_of_partial_grads_are_parts():
+    def fn(mesh):
+        w = values((3,))
+        x = sbp.distribute(values((3,)), mesh, "B", requires_grad=True)
+        (x.redistribute("P").to_local() * w).sum().backward()      # local grads taken as P(sum) parts
+        as_parts = x.grad.full()
+        x.grad = None
+        local = x.redistribute("P").to_local(grad_placements="B")  # ... or as one Broadcast value
+        (local * w).sum().backward()
+        return torch.equal(as_parts, 2 * w), torch.equal(x.grad.full(), w)
+
+    assert spmd(fn, (2,)) == [(True, True)] * 2
+
+
+def test_from_local_partial_leaf_gets_broadcast_grad():
+    def fn(mesh):
+        local = torch.full((2, 2), float(mesh.rank), dtype=torch.float64, requires_grad=True)
+        x = sbp.from_local(local, mesh, "P(sum), S(1)")
+        w = values((2, 4))
+        (x.full() * w).sum().backward()
+        return torch.equal(local.grad, w[sbp.local_slices((2, 4), mesh, "B, S(1)", mesh.coord)])
+
+    assert all(spmd(fn, (2, 2)))
+
+
+def test_grads_accumulate_and_optimizer_steps_shard_local():
+    def fn(mesh):
+        t = values((4, 6))
+        p = torch.nn.Parameter(sbp.distribute(t, mesh, "S(1), B"))
+        opt = torch.optim.SGD([p], lr=0.5, foreach=False)
+        loss = p.redistribute("B, S(0)").full().sum() + (p.full() * 2).sum()    # p used twice
+        loss.backward()
+        grad_ok = p.grad.placements == p.placements and torch.equal(p.grad.full(), torch.full((4, 6), 3.0,
+                                                                                           dtype=torch.float64))
+        counters = mesh.binding.counters
+        counters.reset()
+        opt.step()                                                     # add_(grad, alpha=-lr): local, no comm
+        return grad_ok, len(counters.calls), torch.equal(p.full(), t - 1.5)
+
+    assert spmd(fn, (2, 2)) == [(True, 0, True)] * 4
+
+
+class _PartialGrad(torch.autograd.Function):
+    """Identity whose backward hands back the gradient as P(sum) (as a data-parallel batch would)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return GlobalTensor(x._local, x._mesh, x._placements, tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return redistribute_raw(grad, (Partial("sum"),) * grad.mesh.ndim)
+
+
+def test_leaf_rule_reduces_partial_grads_to_leaf_placements():
+    def fn(mesh):
+        t = values((3, 2))
+        p = torch.nn.Parameter(sbp.distribute(t, mesh, "B"))
+        (_PartialGrad.apply(p).full() * t).sum().backward()
+        return p.grad.placements, torch.equal(p.grad.full(), t)
+
+    assert spmd(fn, (2,)) == [((sbp.B,), True)] * 2
+
+
+def test_grads_in_different_layouts_add_without_fallback():
+    def fn(mesh):
+        t = values((4, 2))
+        p = sbp.distribute(t, mesh, "S(0)", requires_grad=True)
+        loss = (_PartialGrad.apply(p).full() * t).sum() + (p.full() * t).sum()   # P(sum) and S(0) grads meet
+        loss.backward()
+        return p.grad.placements, torch.equal(p.grad.full(), 2 * t)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sbp.FallbackWarning)         # global: applies inside the rank threads
+        assert spmd(fn, (2,)) == [((sbp.S(0),), True)] * 2
+
+
+# ---- the backward runs the planned collectives (counted by the communicator) -------------------------
+
+# an exchange step runs as one all_to_all or as messages (send_recv), whichever its layout favours
+KIND = {"transfer": "exchange", "all_to_all": "exchange", "send_recv": "exchange"}
+CASES = [((4,), (8, 12), "S(0)", "S(1)"), ((4,), (8, 12), "B", "S(0)"), ((4,), (8, 12), "S(0)", "P(sum)"),
+         ((4,), (10, 3), "S(0)", "B"), ((2, 2), (8, 12), "S(0), S(1)", "S(1), S(0)"),
+         ((2, 2), (8, 12), "S(0), B", "P(max), S(1)"), ((2, 2), (9, 6), "B, S(1)", "S(0), S(0)"),
+         ((2, 2, 2), (8, 8), "S(0), S(1), B", "B, S(0), S(1)")]
+
+
+@pytest.mark.parametrize("mesh_shape,shape,src,dst", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_backward_collectives_are_the_planned_ones(mesh_shape, shape, src, dst):
+    def fn(mesh):
+        leaf = sbp.distribute(values(shape), mesh, src, requires_grad=True)
+        y = leaf.redistribute(dst).full()
+        mesh.binding.counters.reset()
+        y.sum().backward()                      # full's backward is a local slice: only the planned move talks
+        calls = mesh.binding.counters.calls
+        return [(KIND.get(c.collective, c.collective), c.axes) for c in calls], mesh.binding.counters.received
+
+    src_pls = sbp.placements(src)
+    grad_src = grad_placements(sbp.placements(dst))
+    plan = sbp.plan(shape, mesh_shape, grad_src, grad_placements(src_pls), itemsize=8)
+    expected = [(KIND.get(s.kind, s.kind), s.axes) for s in plan.steps if s.is_collective]
+    out = spmd(fn, mesh_shape)
+    for calls, _ in out:
+        assert calls == expected, plan.explain()
+    assert max(received for _, received in out) == plan.bytes_per_rank
+
+
+def test_cross_mesh_redistribute_is_differentiable():
+    def fn(world):
+        a = world.binding.bind(sbp.DeviceMesh((2,), ranks=(0, 1)))
+        b = world.binding.bind(sbp.DeviceMesh((2, 1), ranks=(3, 2)))
+        t = values((4, 2))
+        x = sbp.distribute(t, a, "S(0)", requires_grad=True)
+        y = x.redistribute("S(1), P", mesh=b)
+        f = y.full()                                      # empty on ranks 0 and 1 (outside mesh b)
+        (f * (t if b.coord is not None else f)).sum().backward()
+        return y.mesh == b, x.grad.placements, (torch.equal(x.grad.full(), t) if a.coord is not None else None)
+
+    assert spmd(fn, (4,)) == [(True, (sbp.S(0),), True)] * 2 + [(True, (sbp.S(0),), None)] * 2
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute", "zeros_like", "new_zeros", "detached_clone"])
+def test_every_way_of_making_a_leaf_gets_the_leaf_rule(how):
+    """torch sets requires_grad in C++ for ``x.requires_grad = True`` and factories with
+    ``requires_grad=True``; such a leaf gets the leaf rule at its first op, so its .grad has its placements."""
+    x0, w0 = torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def fn(mesh):
+        x = sbp.distribute(x0, mesh, "S(0), B")
+        w = sbp.distribute(w0, mesh, "B, S(1)")
+        if how == "requires_grad_":
+            w.requires_grad_()
+        elif how == "attribute":
+            w.requires_grad = True
+        elif how == "zeros_like":
+            w = torch.zeros_like(w, requires_grad=True)
+        elif how == "new_zeros":
+            w = w.new_zeros(w.shape, requires_grad=True)
+        else:
+            w = w.clone().detach()
+            w.requires_grad = True
+        (x @ w).sum().backward()
+        return w.placements, w.grad.placements, w.grad.full()
+
+    for pls, grad_pls, grad in sbp.testing.spmd(fn, (2, 2)):
+        assert grad_pls == pls
+        torch.testing.assert_close(grad, x0.sum(0)[:, None].expand(4, 3))
+
+
+def test_distribute_keeps_requires_grad_of_its_input():
+    """``distribute`` of a tensor that requires grad gives a leaf that requires grad (also with src=)."""
+    def fn(mesh):
+        t = torch.ones(4, requires_grad=True)
+        a = sbp.distribute(t, mesh, "S(0)")
+        b = sbp.distribute(t if mesh.coord == (0,) else None, mesh, "S(0)", src=0)
+        c = sbp.distribute(t, mesh, "S(0)", requires_grad=False)
+        return a.requires_grad and a.is_leaf, b.requires_grad and b.is_leaf, c.requires_grad
+
+    assert sbp.testing.spmd(fn, (2,)) == [(True, True, False)] * 2

@@ -1,0 +1,306 @@
+"""GlobalTensor: metadata, repr, nn.Parameter / state_dict, distribute / from_local / redistribute / full,
+default dispatch (layout-preserving ops, fallback) and visualize. In-process SPMD (threads)."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import sbp
+import sbp.testing
+from sbp.tensor.global_tensor import GlobalTensor, set_op_handler
+from sbp.testing.strategies import layouts, placements
+from sbp.values.placement import Partial
+from tests.support.cases import SMALL_MESHES
+
+spmd = functools.partial(sbp.testing.spmd, timeout=30)
+
+
+def reference(shape, dtype=torch.float64) -> torch.Tensor:
+    """A tensor whose every element is distinct (exact in float64 under sums of zeros)."""
+    return torch.arange(torch.Size(shape).numel(), dtype=dtype).reshape(shape) + 1
+
+
+# ---- metadata and repr (pure: the constructor needs no processes) -------------------------------------
+
+def test_repr_and_metadata():
+    mesh = sbp.DeviceMesh((2, 2))
+    x = GlobalTensor(torch.zeros(4, 12), mesh, (sbp.S(0), sbp.B), (8, 12))
+    assert repr(x) == "GlobalTensor(shape=(8, 12), placements=(S(0), B), mesh=(2, 2))"
+    assert str(x) == repr(x)
+    assert x.shape == (8, 12) and x.local_shape == (4, 12) and x.stride() == (12, 1)
+    assert x.placements == (sbp.S(0), sbp.B) and x.mesh == mesh and x.dtype == torch.float32
+    y = GlobalTensor(torch.zeros(3, dtype=torch.float64), sbp.DeviceMesh((1,)), (sbp.B,), (3,))
+    assert repr(y) == "GlobalTensor(shape=(3,), placements=(B,), mesh=(1,), dtype=torch.float64)"
+    assert repr(y.requires_grad_()).endswith("dtype=torch.float64, requires_grad=True)")
+
+
+def test_parameter_state_dict_deepcopy():
+    def fn(mesh):
+        t = reference((6, 4))
+        p = torch.nn.Parameter(sbp.distribute(t, mesh, "S(0), B"))
+        assert isinstance(p, torch.nn.Parameter) and type(p) is GlobalTensor and p.requires_grad
+        module = torch.nn.Module()
+        module.w = p
+        state = module.state_dict()
+        twin = copy.deepcopy(module)
+        with torch.no_grad():
+            p.copy_(t * 2)                       # a plain source is the full value (Broadcast)
+        assert twin.w.mesh.binding is mesh.binding  # the mesh is shared, the data copied
+        twin.load_state_dict({"w": sbp.distribute(t * 3, mesh, "B, S(1)")})  # copy_ across layouts
+        return (repr(state["w"]), type(twin.w).__name__, twin.w.requires_grad,
+                torch.equal(state["w"].full(), 2 * t), torch.equal(twin.w.full(), 3 * t))
+
+    for r in spmd(fn, (2, 2)):
+        assert r == ("GlobalTensor(shape=(6, 4), placements=(S(0), B), mesh=(2, 2), dtype=torch.float64)",
+                     "GlobalTensor", True, True, True)
+
+
+# ---- distribute / redistribute / full round trips ---------------------------------------------------------
+
+def _chain(t: torch.Tensor, chain: list, mesh) -> list:
+    x = sbp.distribute(t, mesh, chain[0])
+    out = []
+    for pls in chain[1:] + [chain[0]]:
+        x = x.redistribute(pls)
+        ok = x.placements == sbp.placements(pls) and tuple(x.shape) == tuple(t.shape)
+        if not any(isinstance(p, Partial) for p in x.placements):  # S/B locals are determined: exact blocks
+            ok = ok and torch.equal(x.to_local(), t[sbp.local_slices(t.shape, mesh, x.placements, mesh.coord)])
+        out.append(ok)
+    out.append(torch.equal(x.full(), t))
+    return out
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(case=layouts(max_side=7), data=st.data())
+def test_round_trip_chains(case, data):
+    mesh_shape, shape, first = case
+    chain = [first] + data.draw(st.lists(placements(len(mesh_shape), len(shape)), min_size=1, max_size=3))
+    for r in spmd(functools.partial(_chain, reference(shape), chain), mesh_shape):
+        assert all(r), (mesh_shape, shape, chain, r)
+
+
+@settings(max_examples=5, deadline=None)
+@given(case=layouts(mesh_shape=(2, 2, 2), max_side=5), data=st.data())
+def test_round_trip_chains_3d_mesh(case, data):
+    mesh_shape, shape, first = case
+    chain = [first] + data.draw(st.lists(placements(3, len(shape)), min_size=1, max_size=2))
+    for r in spmd(functools.partial(_chain, reference(shape), chain), mesh_shape):
+        assert all(r), (shape, chain, r)
+
+
+def test_distribute_partial_locals():
+    def fn(mesh):
+        t = reference((4, 2))
+        s = sbp.distribute(t, mesh, "S(0), P(sum)").to_local()
+        m = sbp.distribute(t, mesh, "P(max), B").to_local()
+        return s.tolist(), torch.equal(m, t)
+
+    out = spmd(fn, (2, 2))
+    assert [r[0] for r in out] == [[[1, 2], [3, 4]], [[0, 0], [0, 0]], [[5, 6], [7, 8]], [[0, 0], [0, 0]]]
+    assert all(r[1] for r in out)
+
+
+@pytest.mark.parametrize("pls", ["S(0), S(1)", "P(sum), S(0)", "B, P(max)", "S(1), S(1)"])
+def test_distribute_from_src_rank_sends_only_blocks(pls):
+    shape = (5, 3)
+
+    def fn(mesh):
+        t = reference(shape)
+        x = sbp.distribute(t if mesh.rank == 2 else None, mesh, pls, src=2)
+        calls = [(c.collective, c.received) for c in mesh.binding.counters.calls]
+        return torch.equal(x.full(), t), x.dtype, calls[-1]
+
+    out = spmd(fn, (2, 2))
+    for rank, (ok, dtype, (kind, received)) in enumerate(out):
+        assert ok and dtype == torch.float64 and kind == "all_to_all"
+        block = sbp.local_shape(shape, (2, 2), pls, divmod(rank, 2))
+        holds = sbp.tensor.global_tensor.sum_holds_value(sbp.DeviceMesh((2, 2)), sbp.placements(pls), divmod(rank, 2))
+        expect = 0 if rank == 2 or not holds else torch.Size(block).numel() * 8
+        assert received == expect, (rank, received, expect)   # exactly its block, nothing more
+
+
+def test_distribute_errors():
+    def fn(mesh):
+        errors = []
+        for call in (lambda: sbp.distribute(torch.ones(2), mesh, "S(1)"),
+                     lambda: sbp.distribute(torch.ones(2), mesh, "S(0), B"),
+                     lambda: sbp.distribute(torch.ones(2), mesh, "B", src=7)):
+            try:
+                call()
+            except sbp.SbpError as e:
+                errors.append(str(e))
+        return errors
+
+    errors = spmd(fn, (2,))[0]
+    assert "S(1) is out of range for a 1-d tensor (valid: -1..0)" in errors[0]
+    assert "one placement per mesh axis" in errors[1]
+    assert "src=7 must be a world rank of the mesh" in errors[2]
+    with pytest.raises(sbp.MeshError, match="pure value"):
+        sbp.distribute(torch.ones(2), sbp.DeviceMesh((2,)), "B")
+
+
+# ---- from_local ----------------------------------------------------------------------------------------------
+
+def test_from_local_infers_uneven_global_shape():
+    def fn(mesh):
+        # 10 rows over a 2x2 mesh, nested (S(0), S(0)): 3, 2, 3, 2 rows; then 3 columns split 2, 1
+        t = reference((10, 3))
+        local = t[sbp.local_slices((10, 3), mesh, "S(0), S(0)", mesh.coord)]
+        x = sbp.from_local(local, mesh, "S(0), S(0)")
+        y = sbp.from_local(t[sbp.local_slices((10, 3), mesh, "B, S(1)", mesh.coord)], mesh, "B, S(1)", check=True)
+        return tuple(x.shape), torch.equal(x.full(), t), tuple(y.shape), torch.equal(y.full(), t)
+
+    for r in spmd(fn, (2, 2)):
+        assert r == ((10, 3), True, (10, 3), True)
+
+
+def test_from_local_refuses_chunk_style_shards():
+    def fn(mesh):
+        local = torch.zeros((3, 3, 3, 1)[mesh.coord[0]], 2)    # torch.chunk sizes, not balanced ones
+        return sbp.from_local(local, mesh, "S(0)")
+
+    with pytest.raises(sbp.SbpError, match=r"rank 2 has \(3, 2\), expected \(2, 2\); rank 3 has \(1, 2\)"):
+        spmd(fn, (4,))
+
+
+@pytest.mark.parametrize("what,expect", [
+    ("dtype", r"disagree on dtype: ranks \[0, 1, 2\] vs ranks \[3\]"),
+    ("value", r"disagree on Broadcast values \(axes \(1,\)\): ranks \[2\] vs ranks \[3\]"),
+    ("placements", r"disagree on placements: ranks \[0, 1, 2\] vs ranks \[3\]"),
+])
+def test_from_local_check_names_ranks(what, expect):
+    def fn(mesh):
+        local = torch.ones(2, 2)
+        pls = "S(0), B"
+        if mesh.rank == 3:
+            local = local.double() if what == "dtype" else local + (what == "value")
+            pls = "S(0), P" if what == "placements" else pls
+        return sbp.from_local(local, mesh, pls, check=True)
+
+    with pytest.raises(sbp.SbpError, match=expect):
+        spmd(fn, (2, 2))
+
+
+def test_from_local_is_differentiable():
+    def fn(mesh):
+        local = torch.full((2,), float(mesh.rank + 1), requires_grad=True)
+        x = sbp.from_local(local, mesh, "S(0)")
+        (x.full() * torch.arange(4.)).sum().backward()
+        return local.grad.tolist()
+
+    assert spmd(fn, (2,)) == [[0.0, 1.0], [2.0, 3.0]]
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------------
+
+def test_ops_without_the_operator_rules_installed_raise():
+    """`__torch_dispatch__` has one path, the plugged-in handler; without one an op names the fix."""
+    previous = set_op_handler(None)
+    try:
+        x = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,))
+        with pytest.raises(sbp.SbpError, match=r"operator rules are not installed.*sbp\.ops\.install\(\)"):
+            x.detach()
+    finally:
+        set_op_handler(previous)
+
+
+def test_op_handler_plugs_in():
+    seen = []
+
+    def handler(func, args, kwargs):
+        seen.append(str(func))
+        return previous(func, args, kwargs)        # the rule table does the work
+
+    previous = set_op_handler(handler)
+    try:
+        y = spmd(lambda mesh: sbp.distribute(torch.ones(2), mesh, "B").detach(), (1,))[0]
+    finally:
+        set_op_handler(previous)
+    assert "aten.detach.default" in seen and type(y) is GlobalTensor
+
+
+def test_rank_outside_the_mesh_holds_an_empty_local():
+    def fn(world):
+        pair = world.binding.bind(sbp.DeviceMesh((2,), ranks=(2, 3)))
+        x = sbp.distribute(reference((4, 2)), pair, "S(0)")
+        return tuple(x.shape), tuple(x.local_shape), x.redistribute("B").local_shape.numel()
+
+    assert spmd(fn, (4,)) == [((4, 2), (0, 0), 0), ((4, 2), (0, 0), 0), ((4, 2), (2, 2), 8), ((4, 2), (2, 2), 8)]
+
+
+# ---- visualize -------------------------------------------------------------------------------------------------------
+
+def test_visualize():
+    def fn(mesh):
+        return sbp.visualize(sbp.zeros((8, 12), mesh, "S(0), B"))
+
+    text = spmd(fn, (2, 2), names=("dp", "tp"))[0]
+    assert text == ("shape=(8, 12) placements=(S(0), B) mesh=(2, 2)\n"
+                    "          tp=0                 tp=1\n"
+                    "dp=0      rank 0: [0:4, 0:12]  rank 1: [0:4, 0:12]\n"
+                    "dp=1      rank 2: [4:8, 0:12]  rank 3: [4:8, 0:12]")
+    one = sbp.visualize(global_shape=(10,), mesh=sbp.DeviceMesh((4,)), placements="P(max)")
+    assert one.splitlines()[-1].split("  ")[0] == "rank 0: [0:10] P(max) part"
+
+
+# ---- the same calls on real process groups (gloo; the 4-process pool is shared with other gloo tests) ----
+
+def _gloo_calls(mesh):
+    t = reference((5, 3))
+    x = sbp.distribute(t if mesh.rank == 3 else None, mesh, "S(0), P(sum)", src=3)
+    local = t[sbp.local_slices((5, 3), mesh, "S(1), B", mesh.coord)]
+    y = sbp.from_local(local, mesh, "S(1), B", check=True)
+    leaf = sbp.distribute(t, mesh, "B, S(0)", requires_grad=True)
+    (leaf.redistribute("S(1), P(max)").full() * t).sum().backward()
+    try:
+        sbp.from_local(local + mesh.rank, mesh, "S(1), B", check=True)
+        mismatch = None
+    except sbp.RankMismatchError as e:
+        mismatch = str(e)
+    return (torch.equal(x.full(), t), tuple(y.shape), torch.equal(y.full(), t), torch.equal(leaf.grad.full(), t),
+            leaf.grad.placements, mismatch)
+
+
+@pytest.mark.gloo
+def test_gloo_distribute_from_local_and_grads():
+    for r in sbp.testing.spmd(_gloo_calls, (2, 2), backend="gloo", timeout=60):
+        assert r[:5] == (True, (5, 3), True, True, (sbp.B, sbp.S(0)))
+        assert r[5] == ("from_local(check=True): ranks disagree on Broadcast values (axes (1,)): "
+                        "ranks [0] vs ranks [1]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", SMALL_MESHES)
+def test_redistribute_never_aliases_its_source(mesh):
+    """A plan that only slices or keeps (B -> S(0), (S(0), B) -> (S(0), S(0)), B -> P) returns a new tensor:
+    writing into the result leaves the source alone (it changed the source on some ranks only), and the
+    source's gradient stays right."""
+    import itertools
+
+    kinds = ["S(0)", "S(1)", "B", "P", "P(max)"] if len(mesh) == 1 else ["S(0)", "S(1)", "B", "P"]
+    pairs = [(", ".join(a), ", ".join(b)) for a, b in itertools.product(itertools.product(kinds, repeat=len(mesh)),
+                                                                          repeat=2) if a != b]
+
+    def rank(mesh_):
+        changed = []
+        for src, dst in pairs:
+            for shape in [(8, 12), (7, 5)]:
+                x = sbp.distribute(torch.arange(float(shape[0] * shape[1])).view(shape), mesh_, src)
+                before = x.to_local().clone()
+                x.redistribute(dst).to_local().add_(1000)
+                if not torch.equal(x.to_local(), before):
+                    changed.append((src, dst, shape))
+        w = sbp.distribute(torch.full((6,), 2.0), mesh_, ("B",) * len(mesh), requires_grad=True)
+        a = (w * w).sum()
+        w.redistribute(("S(0)",) + ("B",) * (len(mesh) - 1)).mul_(0)
+        a.backward()
+        return changed, w.grad.full()
+
+    for changed, grad in sbp.testing.spmd(rank, mesh):
+        assert changed == []
+        assert torch.equal(grad, torch.full((6,), 4.0))

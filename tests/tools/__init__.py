@@ -1,0 +1,1 @@
+"""Tests of sbp.tools: the command line."""

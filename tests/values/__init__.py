@@ -1,0 +1,1 @@
+"""Tests of sbp.values: placements, meshes, layout maths (pure tier)."""
