@@ -169,7 +169,13 @@ class Costing:
 
     def step(self, kind: str, axes: tuple[int, ...], s: State, t: State, dims: tuple[int, ...] = (),
              op: Optional[str] = None) -> Step:
-        """A priced step."""
+        """The step of a move of `kind` from `s` to `t` on `axes`, priced: the bytes the busiest rank
+        receives and its peak memory (the per-kind formulas `sbp.planning.moves.MOVES` lists).
+
+        >>> from sbp import S, B
+        >>> Costing((8, 8), (4,), 4).step("all_to_all", (0,), (S(0),), (S(1),), dims=(0, 1)).bytes
+        48
+        """
         _, ins, max_in, _ = self._state(s)
         _, outs, max_out, _ = self._state(t)
         match kind:
