@@ -212,10 +212,12 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     shape = tuple(int(n) for n in args.mesh.split("x"))
     names = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else None
-    mesh = sbp.init_mesh(shape, names, device_type="cpu")
+    mesh = sbp.init_mesh(shape, names, device_type=args.device)  # cuda: NCCL, each rank on GPU LOCAL_RANK
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     data, vocab = encode()
+    data = data.to(device)
     cfg = Config(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, block=args.block)
-    model = build(cfg, args.seed)
+    model = build(cfg, args.seed).to(device)
     sbp.nn.parallelize(model, mesh, tp_plan(args.sequence_parallel))
     rank0 = mesh.rank == 0
     if rank0:
@@ -227,7 +229,7 @@ def worker(args) -> None:
         print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: "
               f"{len(mesh.binding.counters.calls)}", flush=True)
     if args.check:
-        params = {name: p.full() for name, p in model.named_parameters()}  # every rank takes part
+        params = {name: p.full().cpu() for name, p in model.named_parameters()}  # every rank takes part
         if rank0:
             ref = build(cfg, args.seed)
             ref_losses = train(ref, data, args)
@@ -282,6 +284,8 @@ def parse(argv=None):
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--lr", type=float, default=None, help="default: 0.5 for sgd, 3e-3 for adamw")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--check", action="store_true", help="also train on one process and compare")
     p.add_argument("--tol", type=float, default=1e-5)

@@ -210,7 +210,7 @@ run env SBP_CHECK_DEVICE="$device" SBP_CHECK_DIR="$work/ckpt" "$py" -m torch.dis
 if (( nproc >= 2 )); then
     step "3. examples/train_tp.py --check on $nproc ranks"
     if [[ "$device" == cuda ]]; then
-        run "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/train_tp.py --mesh "$nproc" --check
+        run "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" examples/train_tp.py --mesh "$nproc" --check --device "$device"
     else
         run "$py" examples/train_tp.py --mesh "$nproc" --check --steps 3
     fi

@@ -9,6 +9,7 @@ call checks (see `sbp.debug`).
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from ..runtime.traced import CompileError, is_tracing
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, normalize
+from ..values.placement import Broadcast, Partial, Split, normalize
 from .autograd import from_local_autograd
 from .global_tensor import (
     GlobalTensor,
@@ -139,19 +140,41 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
                    device=mesh.device_type)
     shape = tuple(shapes[src_index])
     device = torch.device(mesh.device_type)
-    holds = [sum_holds_value(mesh, pls, c) for c in mesh.coords()]
-    blocks = [local_shape(shape, mesh.shape, pls, c) for c in mesh.coords()]
+    # Each distinct block leaves src once: to the first rank (coord 0) along the axes that repeat the value
+    # (B and P(min|max)), which passes it on along those axes; src never holds more than the tensor itself.
+    # (src itself leads its own group; other groups are led by their coord 0 along those axes)
+    repeat = tuple(a for a, p in enumerate(pls) if not isinstance(p, Split) and p != Partial("sum"))
+    coords = mesh.coords()
+    src_coord = coords[src_index]
+    lead = [src_coord if all(c[a] == src_coord[a] for a in range(mesh.ndim) if a not in repeat)
+            else tuple(0 if a in repeat else k for a, k in enumerate(c)) for c in coords]
+    holds = [sum_holds_value(mesh, pls, c) for c in coords]
+    first = [h and c == ld for c, h, ld in zip(coords, holds, lead)]
+    blocks = [local_shape(shape, mesh.shape, pls, c) for c in coords]
     empty = torch.empty(0, dtype=dtype, device=device)
     if me == src:
-        send = [tensor[local_slices(shape, mesh.shape, pls, c)].contiguous() if h else empty
-                for c, h in zip(mesh.coords(), holds)]
+        send = [tensor[local_slices(shape, mesh.shape, pls, c)].contiguous() if f else empty
+                for c, f in zip(coords, first)]
     else:
         send = [empty] * mesh.size()
     mine = mesh.index_of(coord)
     recv_shapes = [(0,)] * mesh.size()
-    if holds[mine]:
+    if first[mine]:
         recv_shapes[src_index] = blocks[mine]
     got = comm.all_to_all(send, recv_shapes, axes)[src_index]
+    if repeat:   # every member of the group along `repeat` calls; its first member (index 0) sends
+        sends: list = []
+        recvs: list = []
+        if holds[mine] and not first[mine]:
+            got = torch.empty(blocks[mine], dtype=dtype, device=device)
+        if holds[mine] and math.prod(blocks[mine]):
+            group = comm.members(repeat)
+            leader = group.index(mesh.ranks[mesh.index_of(lead[mine])])
+            if first[mine]:
+                sends = [(i, got) for i in range(len(group)) if i != leader]
+            else:
+                recvs = [(leader, got)]
+        comm.send_recv(sends, recvs, repeat)
     local = got if holds[mine] else torch.zeros(blocks[mine], dtype=dtype, device=device)
     return local, pls, shape, bool(grad)
 

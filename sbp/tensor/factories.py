@@ -4,6 +4,8 @@
 a single process (``mesh=None``), so a parallel model initialises like the single-device one. The
 flattened global tensor is cut into fixed chunks of `CHUNK` elements; chunk k is drawn by its own
 `torch.Generator` seeded from ``(seed, k)``, and a rank draws only the chunks that overlap its block.
+Chunks are drawn on the mesh's device (a CUDA mesh draws with CUDA generators, nothing is drawn on the
+host and copied): like torch's own draws, the values depend on the device type, never on the layout.
 
 With ``mesh=None`` every factory returns a plain `torch.Tensor` holding the whole logical tensor.
 `P(sum)` placements hold the value at coord 0 of the axis and zeros elsewhere; `P(min|max)` hold it
@@ -177,17 +179,17 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
 
     def fill(index: tuple[slice, ...], block: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-        flat = _flat_indices(shape, index)                  # (local numel,) ascending global flat indices
-        out = torch.empty(flat.numel(), dtype=dtype)
+        flat = _flat_indices(shape, index, device)          # (local numel,) ascending global flat indices
+        out = torch.empty(flat.numel(), dtype=dtype, device=device)
         if flat.numel():
             chunk_of = flat // CHUNK
             ids, counts = torch.unique_consecutive(chunk_of, return_counts=True)
             start = 0
             for k, count in zip(ids.tolist(), counts.tolist()):
-                values = _chunk(draw, seed, k, min(CHUNK, total - k * CHUNK), dtype)
+                values = _chunk(draw, seed, k, min(CHUNK, total - k * CHUNK), dtype, device)
                 out[start:start + count] = values[flat[start:start + count] - k * CHUNK]
                 start += count
-        return out.view(block).to(device)   # drawn on the host: the values are CPU generator values everywhere
+        return out.view(block)   # drawn on the device itself: no host draw, no copy
 
     return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
 
@@ -247,9 +249,10 @@ def _check_fill(value, dtype: torch.dtype) -> None:
             raise refuse(f"beyond its largest finite value {finfo.max}")
 
 
-def _chunk(draw, seed: int, k: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(_mix(seed, k))
-    return draw(size, generator=generator, dtype=dtype)
+def _chunk(draw, seed: int, k: int, size: int, dtype: torch.dtype,
+           device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(_mix(seed, k))
+    return draw(size, generator=generator, dtype=dtype, device=device)
 
 
 def _mix(seed: int, k: int) -> int:
@@ -261,16 +264,16 @@ def _mix(seed: int, k: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def _flat_indices(shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+def _flat_indices(shape: tuple[int, ...], index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
     """Row-major flat indices into `shape` of the elements of the block `index`, in the block's order."""
-    flat = torch.zeros((), dtype=torch.int64)
+    flat = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     strides = []
     for n in reversed(shape):
         strides.append(stride)
         stride *= n
     for s, st in zip(index, reversed(strides)):
-        flat = flat.unsqueeze(-1) + torch.arange(s.start, s.stop, dtype=torch.int64) * st
+        flat = flat.unsqueeze(-1) + torch.arange(s.start, s.stop, dtype=torch.int64, device=device) * st
     return flat.reshape(-1)
 
 

@@ -48,9 +48,6 @@ def _factory_calls_without_device() -> list[str]:
 
 # host-side work that never meets a collective: (file, torch factory) -> why it may stay on the CPU
 HOST_SIDE = {
-    ("sbp/tensor/factories.py", "torch.empty"): "random chunks are drawn on the host (CPU generator values)",
-    ("sbp/tensor/factories.py", "torch.zeros"): "flat indices of a block, host-side layout maths",
-    ("sbp/tensor/factories.py", "torch.arange"): "flat indices of a block, host-side layout maths",
     ("sbp/runtime/simulate.py", "*"): "the one-process reference simulation: host only, no collective",
     ("sbp/io/interop.py", "torch.tensor"): "DTensor's mesh of ranks, which torch keeps on the CPU",
 }
@@ -210,6 +207,72 @@ def test_the_agreed_seed_is_drawn_on_the_generators_device(monkeypatch):
     g = torch.Generator().manual_seed(3)
     seeds = sbp.testing.spmd(lambda mesh: factories.agreed_seed(mesh, g if mesh.rank == 0 else None), (2,))
     assert seeds[0] == seeds[1] and seen and all(d == torch.device("cpu") for d in seen)
+
+
+def test_random_chunks_are_drawn_on_the_mesh_device(monkeypatch):
+    """Every chunk of `sbp.rand` / `sbp.randn` is drawn by a generator on the mesh's device, never drawn on
+    the host and copied (on a CUDA mesh that was a CPU draw and a host-to-device copy per block)."""
+    from sbp.tensor import factories
+    made = []
+    real = torch.Generator
+
+    def generator(*args, **kw):
+        made.append(kw.get("device", args[0] if args else None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(factories.torch, "Generator", generator)
+
+    def fn(mesh):
+        return sbp.randn((70_000, 2), mesh, "S(0)", seed=5).to_local(), sbp.rand((3, 4), mesh, "B", seed=1).to_local()
+
+    out = sbp.testing.spmd(fn, (2,))
+    assert made and all(d is not None and torch.device(d) == torch.device("cpu") for d in made), made
+    assert torch.equal(torch.cat([o[0] for o in out]), sbp.randn((70_000, 2), seed=5))
+
+
+def _sent_by_src(mesh, full, placements):
+    """`distribute(src=1)`: (elements rank 1 hands to all_to_all, whether the locals equal those of
+    distributing the full tensor everywhere)."""
+    comm, sent = mesh.binding, [0]
+    a2a = comm.all_to_all
+
+    def all_to_all(send, recv_shapes, axes):
+        sent[0] += sum(t.numel() for t in send)
+        return a2a(send, recv_shapes, axes)
+
+    comm.all_to_all = all_to_all
+    try:
+        x = sbp.distribute(full if mesh.rank == 1 else None, mesh, placements, src=1)
+    finally:
+        del comm.all_to_all
+    same = torch.equal(x.to_local(), sbp.distribute(full, mesh, placements).to_local())
+    return sent[0] if mesh.rank == 1 else None, same
+
+
+@pytest.mark.parametrize("mesh_shape, placements", [((4,), "B"), ((4,), "P(max)"), ((4,), "P(min)"),
+                                                    ((2, 2), "B, S(0)"), ((2, 2), "P(max), B"),
+                                                    ((2, 2), "P(sum), B")])
+def test_distribute_from_one_rank_holds_each_block_once_on_the_root(mesh_shape, placements):
+    """Broadcast and P(min|max) targets: the root used to stage one copy per rank holding the value
+    (world x the tensor); now each distinct block leaves it once, and the first rank along the repeating
+    axes passes it on there (one message per member)."""
+    full = torch.arange(24.).view(6, 4) - 7
+    out = sbp.testing.spmd(lambda mesh: _sent_by_src(mesh, full, placements), mesh_shape)
+    assert all(same for _, same in out)
+    assert out[1][0] == full.numel()    # before: one block per rank holding the value
+
+
+def distribute_from_rank_1(mesh):
+    """`distribute(src=1)` to repeating targets on gloo: every local equals the one slicing gives."""
+    full = torch.arange(35.).view(7, 5) - 9
+    targets = ("B, S(1)", "P(max), S(0)", "S(0), P(min)", "P(sum), B", "B, B")
+    return [torch.equal(sbp.distribute(full if mesh.rank == 1 else None, mesh, t, src=1).to_local(),
+                        sbp.distribute(full, mesh, t).to_local()) for t in targets]
+
+
+@pytest.mark.gloo
+def test_distribute_from_one_rank_passes_blocks_on_over_gloo():
+    assert all(all(r) for r in sbp.testing.spmd(distribute_from_rank_1, (2, 2), backend="gloo"))
 
 
 # ---- the gloo tier: what each rank hands torch.distributed ---------------------------------------------
