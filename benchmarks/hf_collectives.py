@@ -11,8 +11,8 @@ one with its tensor). Bytes are what the busiest rank receives, ring formulas fo
 the difference between a 4-layer and a 2-layer model, halved; "rest" is embedding, head and loss.
 Needs the hf extra (transformers).
 
-    python benchmarks/hf_collectives.py                # eager attention (transformers' default on CPU: sdpa)
-    python benchmarks/hf_collectives.py --attn sdpa
+    python benchmarks/hf_collectives.py                # eager attention (the model's matmul / softmax code)
+    python benchmarks/hf_collectives.py --attn sdpa    # sdpa (transformers' default), grouped-query kv heads
 """
 from __future__ import annotations
 

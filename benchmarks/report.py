@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-BENCHMARKS = ("plan_speed.py", "redistribute.py", "dispatch.py", "tp_step.py")
+BENCHMARKS = ("plan_speed.py", "redistribute.py", "dispatch.py", "tp_step.py", "dynamic_shapes.py")
 # ratio columns: header text -> True when the value is DTensor / sbp (inverted for the chart)
 RATIO_COLUMNS = {"mem ratio": False, "ratio": False, "sbp/DT": False, "sbp/DTensor": False, "greedy/sbp": True,
                  "graph/sbp": True, "DT/sbp": True, "DTensor/sbp": True}

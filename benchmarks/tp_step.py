@@ -18,12 +18,22 @@ Per case it prints:
   for both frameworks. Read it to about a MiB;
 - ``loss diff``: |sbp loss - DTensor loss| at the first step (both start from the same weights).
 
+With ``--compile`` (the default; ``--no-compile`` skips it) the same processes also hold a second copy of
+each model whose forward and loss run as one ``torch.compile(..., fullgraph=True)`` graph (inductor;
+backward and optimizer step as usual, for both frameworks alike), and a second table prints:
+
+- ``sbp eager`` / ``sbp comp`` / ``DT eager`` / ``DT comp``: the four step times, measured as above;
+- ``comp/DT``: sbp compiled / DTensor compiled; ``comp/eager``: sbp compiled / sbp eager;
+- ``1st step s``: the first compiled step of sbp / DTensor (tracing and inductor's compile, on a cold or
+  warm on-disk cache), slowest rank;
+- ``comp diff``: |compiled loss - eager loss| at the first step (sbp, DTensor).
+
 Times come from one set of 4 processes holding both models, their steps alternating (sbp, DTensor, sbp,
 ...), so a burst of load on the machine hits both alike. Memory comes from two more sets of processes,
 one per framework, so one's cached memory does not hide the other's. Timings on a shared 2-core
 machine are still noisy; compare ratios within one run.
 
-    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64]
+    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64] [--no-compile]
 """
 from __future__ import annotations
 
@@ -83,17 +93,11 @@ def dtensor_plan(layers: int) -> dict:
     return plan
 
 
-def loss_value(loss) -> torch.Tensor:
-    for attr in ("full", "full_tensor"):
-        if hasattr(loss, attr):
-            return getattr(loss, attr)()
-    return loss
-
-
-def build(framework: str, ex, dim: int, args):
-    """The example's model, sharded by `framework`; returns (step function, parameters per rank)."""
+def build(framework: str, ex, dim: int, args, compiled: bool = False):
+    """The example's model, sharded by `framework`; returns (step function, parameters per rank). With
+    `compiled`, forward and loss run as one compiled graph (``fullgraph=True``)."""
     data, vocab = ex.encode()
-    cfg = ex.Config(vocab=vocab, dim=dim, heads=dim // 64, layers=args.layers, block=args.block)
+    cfg = ex.Config(vocab=vocab, dim=dim, heads=max(WORLD, dim // 64), layers=args.layers, block=args.block)
     model = ex.build(cfg, seed=0)
     if framework == "sbp":
         import sbp
@@ -107,11 +111,17 @@ def build(framework: str, ex, dim: int, args):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     idx, targets = next(ex.batches(data, args.batch, cfg.block, 1, seed=0))
 
-    def step() -> float:
+    def forward_loss(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = model(idx)
-        if hasattr(logits, "to_local") and not hasattr(logits, "full"):  # a DTensor output stays Replicate
+        if framework == "dtensor" and hasattr(logits, "to_local"):  # a DTensor output stays Replicate
             logits = logits.to_local()
-        loss = loss_value(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return loss.full() if framework == "sbp" else loss
+
+    loss_of = torch.compile(forward_loss, fullgraph=True) if compiled else forward_loss
+
+    def step() -> float:
+        loss = loss_of(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -128,9 +138,18 @@ def timed(step) -> float:
 
 
 def time_case(ex, dim: int, args) -> dict:
-    """Both models in the same processes, their steps alternating, so load on the machine hits both alike."""
-    steps = {fw: build(fw, ex, dim, args)[0] for fw in ("sbp", "dtensor")}
-    losses = {fw: step() for fw, step in steps.items()}
+    """Both models in the same processes, their steps alternating, so load on the machine hits both alike
+    (and, with ``--compile``, a compiled copy of each)."""
+    built = {fw: build(fw, ex, dim, args) for fw in ("sbp", "dtensor")}
+    steps, params = {fw: step for fw, (step, _) in built.items()}, built["sbp"][1]
+    if args.compile:
+        steps |= {f"{fw}-comp": build(fw, ex, dim, args, compiled=True)[0] for fw in ("sbp", "dtensor")}
+    losses, first = {}, {}
+    for fw, step in steps.items():
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses[fw] = step()
+        first[fw] = time.perf_counter() - t0
     for _ in range(args.warmup - 1):
         for step in steps.values():
             step()
@@ -138,7 +157,7 @@ def time_case(ex, dim: int, args) -> dict:
     for _ in range(args.steps):
         for fw, step in steps.items():
             times[fw].append(timed(step))
-    return {"times": times, "loss": losses}
+    return {"times": times, "loss": losses, "first": first, "params": params}
 
 
 def memory_case(framework: str, ex, dim: int, args) -> dict:
@@ -215,23 +234,42 @@ def main(argv=None) -> None:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="timed steps per framework (default 8)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure peak memory in two more sets of processes (MiB columns); default on")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time compiled copies of both models (torch.compile, inductor); default on")
     args = p.parse_args(argv)
     args.dims = [int(d) for d in args.dims.split(",")]
     if any(d % 64 or d < 64 for d in args.dims):
         p.error("--dims must be multiples of 64 (heads of 64 features)")
     timing = measure("time", args)
-    memory = {fw: measure(fw, args) for fw in ("sbp", "dtensor")}
+    memory = {fw: measure(fw, args) if args.memory else {} for fw in ("sbp", "dtensor")}
     print(f"torch {torch.__version__}, {WORLD} gloo ranks (TP=4), fp32, {args.layers} layers, batch {args.batch} x "
           f"{args.block} tokens, median of {args.steps} steps after {args.warmup} warm-up\n")
     print(f"{'case':<14} {'sbp ms':>8} {'DT ms':>8} {'ratio':>6} {'sbp MiB':>8} {'DT MiB':>8} {'mem ratio':>9} "
           f"{'params/rank':>11} {'loss diff':>9}")
     for dim in args.dims:
-        t, sm, dm = timing[dim], memory["sbp"][dim], memory["dtensor"][dim]
+        t, sm, dm = timing[dim], memory["sbp"].get(dim), memory["dtensor"].get(dim)
         s_ms, d_ms = slowest_median(t, "sbp"), slowest_median(t, "dtensor")
-        s_mib, d_mib = max(r["peak_kib"] for r in sm) / 1024, max(r["peak_kib"] for r in dm) / 1024
+        if sm is None:   # --no-memory
+            sm = [{"params": t[0]["params"]}]
+        s_mib = max(r["peak_kib"] for r in sm) / 1024 if dm else float("nan")
+        d_mib = max(r["peak_kib"] for r in dm) / 1024 if dm else float("nan")
         loss_diff = abs(t[0]["loss"]["sbp"] - t[0]["loss"]["dtensor"])
         print(f"{f'gpt-d{dim}':<14} {s_ms:8.1f} {d_ms:8.1f} {s_ms / d_ms:6.2f} {s_mib:8.1f} {d_mib:8.1f} "
               f"{s_mib / d_mib if d_mib else float('nan'):9.2f} {sm[0]['params']:11,d} {loss_diff:9.1e}")
+    if args.compile:
+        print("\ncompiled (torch.compile(forward + loss, fullgraph=True), inductor; backward and SGD eager)\n")
+        print(f"{'case':<14} {'sbp eager':>9} {'sbp comp':>9} {'DT eager':>9} {'DT comp':>8} {'comp/DT':>7} "
+              f"{'comp/eager':>10} {'1st step s':>11} {'comp diff':>17}")
+        for dim in args.dims:
+            t = timing[dim]
+            ms = {fw: slowest_median(t, fw) for fw in ("sbp", "sbp-comp", "dtensor", "dtensor-comp")}
+            first = "/".join(f"{max(r['first'][fw] for r in t):.0f}" for fw in ("sbp-comp", "dtensor-comp"))
+            diffs = "/".join(f"{abs(t[0]['loss'][f'{fw}-comp'] - t[0]['loss'][fw]):.1e}" for fw in ("sbp", "dtensor"))
+            print(f"{f'gpt-d{dim}':<14} {ms['sbp']:9.1f} {ms['sbp-comp']:9.1f} {ms['dtensor']:9.1f} "
+                  f"{ms['dtensor-comp']:8.1f} {ms['sbp-comp'] / ms['dtensor-comp']:7.2f} "
+                  f"{ms['sbp-comp'] / ms['sbp']:10.2f} {first:>11} {diffs:>17}")
     if not all(r["peak_reset"] for fw in memory.values() for rs in fw.values() for r in rs):
         print("\n(note: /proc/self/clear_refs was not writable: MiB columns are whole-process peaks)")
 

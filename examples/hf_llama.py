@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import time
 
 import torch
@@ -79,28 +77,7 @@ def worker(args) -> None:
         params = {name: p.full() for name, p in model.named_parameters()}  # every rank takes part
         if rank0:
             ref = build(vocab, args)
-            ref_losses = train(ref, data, args)
-            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            param_diff, worst = max(((params[n] - p.detach()).abs().max().item(), n) for n, p in ref.named_parameters())
-            ok = loss_diff <= args.tol and param_diff <= args.tol
-            print(f"check against one process: max |loss diff| {loss_diff:.3e}, max |param diff| {param_diff:.3e} "
-                  f"({worst}) after {args.steps} steps -> {'OK' if ok else 'MISMATCH'} (tolerance {args.tol:g})",
-                  flush=True)
-            if not ok:
-                sys.exit(1)
-
-
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    try:
-        worker(args)
-    except BaseException:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    train_tp.finish()
+            train_tp.check_against_one_process(losses, params, train(ref, data, args), ref, args)
 
 
 def parse(argv=None):
@@ -135,16 +112,7 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     args = parse(argv)
-    world = math.prod(int(n) for n in args.mesh.lower().split("x"))
-    if "RANK" in os.environ:  # torchrun (or another launcher) started us
-        worker(args)
-        train_tp.finish()
-        return
-    import torch.multiprocessing as mp
-    try:
-        mp.start_processes(_spawned, args=(world, train_tp.free_port(), args), nprocs=world, start_method="spawn")
-    except mp.ProcessExitedException as e:  # a rank failed (or --check found a mismatch): its output says why
-        sys.exit(e.exit_code or 1)
+    train_tp.launch(worker, args, math.prod(int(n) for n in args.mesh.lower().split("x")))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ character by character.
     python examples/train_tp.py --mesh 2x2           # DP x TP: batch S(0) on dp, TP on the last axis
     python examples/train_tp.py --check              # also train on one process and compare
     python examples/train_tp.py --sequence-parallel  # layer norms on S(1): all_gather + reduce_scatter
+    python examples/train_tp.py --compile            # forward + loss as one torch.compile graph (inductor)
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py
+    torchrun --standalone --nproc-per-node 4 --max-restarts 1 examples/train_tp.py --checkpoint ckpt --resume
+                                                     # a checkpoint every 5 steps; a restarted job resumes
 
 Without torchrun's environment the script launches itself: it picks a free port at run time and
 spawns one process per rank. Rank 0 prints the loss per step with a text progress bar.
@@ -181,19 +184,81 @@ def scalar(loss: torch.Tensor) -> torch.Tensor:
     return loss.full() if hasattr(loss, "placements") else loss
 
 
-def train(model: nn.Module, data: torch.Tensor, args, *, on_step=None) -> list[float]:
+def loss_fn(model: nn.Module, backend: str | None):
+    """The step's loss as a plain tensor; with a torch.compile `backend`, forward and loss run as one graph
+    (``fullgraph=True``: the planner's collectives are in it; backward and optimizer step stay eager)."""
+    if backend is None:
+        return lambda idx, targets: scalar(model(idx, targets))
+    return torch.compile(lambda idx, targets: model(idx, targets).full(), backend=backend, fullgraph=True)
+
+
+def train(model: nn.Module, data: torch.Tensor, args, *, on_step=None, mesh=None) -> list[float]:
+    """Train for `args.steps` steps; with a `mesh` and ``--checkpoint DIR``, save every ``--save-every`` steps
+    and at the end, and (``--resume``) start from the checkpoint in DIR if there is one."""
     opt = make_optimizer(model, args.optimizer, args.lr)
-    losses = []
+    losses, start = [], 0
+    saving = mesh is not None and args.checkpoint is not None
+    if saving and args.resume:
+        start, losses = resume(model, opt, args.checkpoint, mesh)
+    forward = loss_fn(model, getattr(args, "compile", None) if mesh is not None else None)  # --check's model: eager
     for step, (idx, targets) in enumerate(batches(data, args.batch, model.cfg.block, args.steps, args.seed)):
+        if step < start:
+            continue   # a step taken before the restart: its batch is drawn again, so the data stream continues
         t0 = time.perf_counter()
-        loss = scalar(model(idx, targets))
+        loss = forward(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1], time.perf_counter() - t0)
+        if saving and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            save_checkpoint(model, opt, args.checkpoint, step + 1, losses)
     return losses
+
+
+def join_restarted_job(device: str) -> None:
+    """A job torchrun restarted (``--max-restarts``) makes its default group over a store prefix of its own:
+    torchrun's store keeps the failed attempt's keys, whose gloo addresses are dead (connectFullMesh would
+    time out on them). The first attempt leaves it to `sbp.init_mesh`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or dist.is_initialized():
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                          timeout=timedelta(minutes=5))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=rank, world_size=world)
+
+
+def save_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, path: str, step: int, losses: list[float]) -> None:
+    """`sbp.save` of the model, the optimizer, the step and the loss curve so far (crash-safe: a job killed
+    while saving leaves the previous checkpoint)."""
+    import sbp
+    sbp.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "losses": losses}, path)
+
+
+def resume(model: nn.Module, opt: torch.optim.Optimizer, path: str, mesh) -> tuple[int, list[float]]:
+    """Load the checkpoint at `path` into `model` and `opt` if there is one; (steps done, their losses)."""
+    import sbp
+    if not os.path.exists(os.path.join(path, "metadata.json")):
+        return 0, []
+    for p in model.parameters():   # sbp.load fills the entries a state dict has: a zero step makes the optimizer's
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0, "losses": []}
+    sbp.load(path, state)          # parameters in place; the zero step's changes are overwritten
+    opt.load_state_dict(state["optim"])
+    if mesh.rank == 0:
+        print(f"resumed from step {state['step']} ({path})", flush=True)
+    return state["step"], state["losses"]
 
 
 def progress(total: int):
@@ -212,6 +277,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     shape = tuple(int(n) for n in args.mesh.split("x"))
     names = ("dp", "tp")[-len(shape):] if len(shape) <= 2 else None
+    join_restarted_job(args.device)
     mesh = sbp.init_mesh(shape, names, device_type=args.device)  # cuda: NCCL, each rank on GPU LOCAL_RANK
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     data, vocab = encode()
@@ -224,7 +290,7 @@ def worker(args) -> None:
         print(f"sbp TP: mesh {shape} {names}, {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{args.steps} steps of batch {args.batch} x {cfg.block} chars", flush=True)
     t0 = time.perf_counter()
-    losses = train(model, data, args, on_step=progress(args.steps) if rank0 else None)
+    losses = train(model, data, args, on_step=progress(args.steps) if rank0 else None, mesh=mesh)
     if rank0:
         print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: "
               f"{len(mesh.binding.counters.calls)}", flush=True)
@@ -232,15 +298,20 @@ def worker(args) -> None:
         params = {name: p.full().cpu() for name, p in model.named_parameters()}  # every rank takes part
         if rank0:
             ref = build(cfg, args.seed)
-            ref_losses = train(ref, data, args)
-            loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-            param_diff, worst = max(((params[n] - p.detach()).abs().max().item(), n) for n, p in ref.named_parameters())
-            ok = loss_diff <= args.tol and param_diff <= args.tol
-            print(f"check against one process: max |loss diff| {loss_diff:.3e}, max |param diff| {param_diff:.3e} "
-                  f"({worst}) after {args.steps} steps -> {'OK' if ok else 'MISMATCH'} (tolerance {args.tol:g})",
-                  flush=True)
-            if not ok:
-                sys.exit(1)
+            check_against_one_process(losses, params, train(ref, data, args), ref, args)
+
+
+def check_against_one_process(losses: list[float], params: dict, ref_losses: list[float], ref: nn.Module,
+                              args) -> None:
+    """Rank 0 of `--check`: the parallel run's losses and full parameters against the one-process run's; prints
+    the largest differences and exits with status 1 beyond `args.tol`."""
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    param_diff, worst = max(((params[n] - p.detach()).abs().max().item(), n) for n, p in ref.named_parameters())
+    ok = loss_diff <= args.tol and param_diff <= args.tol
+    print(f"check against one process: max |loss diff| {loss_diff:.3e}, max |param diff| {param_diff:.3e} "
+          f"({worst}) after {args.steps} steps -> {'OK' if ok else 'MISMATCH'} (tolerance {args.tol:g})", flush=True)
+    if not ok:
+        sys.exit(1)
 
 
 # ---- launching ---------------------------------------------------------------------------------------------
@@ -251,7 +322,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
+def launch(worker, args, world: int) -> None:
+    """Run `worker(args)` on `world` ranks: under torchrun (RANK set) this process is one of them; otherwise start
+    `world` processes on this machine (gloo on 127.0.0.1, a free port). A failing rank's exit status is ours."""
+    if "RANK" in os.environ:  # torchrun (or another launcher) started us
+        worker(args)
+        finish()
+        return
+    import torch.multiprocessing as mp
+    try:
+        mp.start_processes(_spawned, args=(world, free_port(), worker, args), nprocs=world, start_method="spawn")
+    except mp.ProcessExitedException as e:  # a rank failed (or --check found a mismatch): its output says why
+        sys.exit(e.exit_code or 1)
+
+
+def _spawned(rank: int, world: int, port: int, worker, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
@@ -288,8 +373,19 @@ def parse(argv=None):
                    help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--check", action="store_true", help="also train on one process and compare")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="forward and loss as one torch.compile(fullgraph=True) graph; backend default inductor")
     p.add_argument("--tol", type=float, default=1e-5)
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save model, optimizer and step to DIR every --save-every steps and at the end")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the checkpoint in --checkpoint DIR if there is one (for torchrun --max-restarts)")
+    p.add_argument("--save-every", type=int, default=5, metavar="K", help="steps between checkpoints; default 5")
     args = p.parse_args(argv)
+    if args.resume and args.checkpoint is None:
+        p.error("--resume needs --checkpoint DIR (the checkpoint to resume from)")
+    if args.save_every < 1:
+        p.error(f"--save-every {args.save_every}: the number of steps between checkpoints must be at least 1")
     try:
         shape = [int(n) for n in args.mesh.lower().split("x")]
         assert shape and all(n > 0 for n in shape)
@@ -300,16 +396,7 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     args = parse(argv)
-    world = math.prod(int(n) for n in args.mesh.lower().split("x"))
-    if "RANK" in os.environ:  # torchrun (or another launcher) started us
-        worker(args)
-        finish()
-        return
-    import torch.multiprocessing as mp
-    try:
-        mp.start_processes(_spawned, args=(world, free_port(), args), nprocs=world, start_method="spawn")
-    except mp.ProcessExitedException as e:  # a rank failed (or --check found a mismatch): its output says why
-        sys.exit(e.exit_code or 1)
+    launch(worker, args, math.prod(int(n) for n in args.mesh.lower().split("x")))
 
 
 if __name__ == "__main__":

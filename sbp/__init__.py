@@ -36,13 +36,14 @@ from .values.layout import global_offset, local_shape, local_slices
 from .values.mesh import DeviceMesh
 from .values.placement import B, Broadcast, Partial, PartialMax, PartialMin, PartialSum, Placement, S, Split, placements
 from .values.steps import Plan, Step
+from .values.topology import Topology
 
 __version__ = "0.1.0"
 
 # public name -> the module of the torch layers that defines it
 _TORCH_NAMES = {
     "init_mesh": "sbp.runtime.backends.dist", "init_device_mesh": "sbp.runtime.backends.dist",
-    "debug": "sbp.runtime.agreement",
+    "debug": "sbp.runtime.agreement", "calibrate": "sbp.runtime.calibrate",
     "GlobalTensor": "sbp.tensor.global_tensor", "FallbackWarning": "sbp.tensor.global_tensor",
     "distribute": "sbp.tensor.construct", "from_local": "sbp.tensor.construct",
     "empty": "sbp.tensor.factories", "full": "sbp.tensor.factories", "ones": "sbp.tensor.factories",
@@ -59,7 +60,7 @@ __all__ = sorted([
     "CheckpointError", "CommError", "DTypeError", "MeshError", "PlacementError", "PlanError",
     "RankMismatchError", "SbpError", "ShapeError", "UnsupportedOpError", "global_offset", "local_shape",
     "local_slices", "DeviceMesh", "B", "Broadcast", "Partial", "PartialMax", "PartialMin", "PartialSum",
-    "Placement", "S", "Split", "placements", "Plan", "Step", "lower_bound_bytes", "plan", "CrossMeshPlan",
+    "Placement", "S", "Split", "placements", "Plan", "Step", "Topology", "lower_bound_bytes", "plan", "CrossMeshPlan",
     "plan_cross_mesh", "nn", "testing", *_TORCH_NAMES])
 
 

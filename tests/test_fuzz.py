@@ -125,6 +125,8 @@ def checkpoint():
     root = tempfile.mkdtemp(prefix="sbp-fuzz-")
     path = os.path.join(root, "ok")
     sbp.testing.spmd(lambda mesh: _save(mesh, path), (2,))
+    missing = [f for f in RANK_FILES if not os.path.exists(os.path.join(path, f))]
+    assert not missing, f"the mutations below target files a save no longer writes: {missing}"
     yield path
     shutil.rmtree(root, ignore_errors=True)
 
@@ -162,12 +164,14 @@ def _edit_json(meta, choices: list[int], value, delete: bool):
     return meta
 
 
+# what a two-rank save leaves: the switch file and the rank files of its generation directory
+RANK_FILES = ["metadata.json", "gen-00000001/rank00000.pt", "gen-00000001/rank00001.pt"]
 MUTATION = st.one_of(
-    st.tuples(st.just("truncate"), st.sampled_from(["metadata.json", "rank00000.pt", "rank00001.pt"]),
+    st.tuples(st.just("truncate"), st.sampled_from(RANK_FILES),
               st.floats(0, 1)),
-    st.tuples(st.just("flip"), st.sampled_from(["metadata.json", "rank00000.pt", "rank00001.pt"]),
+    st.tuples(st.just("flip"), st.sampled_from(RANK_FILES),
               st.floats(0, 1), st.integers(0, 255)),
-    st.tuples(st.just("delete"), st.sampled_from(["metadata.json", "rank00000.pt", "rank00001.pt"])),
+    st.tuples(st.just("delete"), st.sampled_from(RANK_FILES)),
     st.tuples(st.just("edit"), st.lists(st.integers(0, 50), min_size=1, max_size=7), JSON, st.booleans()),
 )
 

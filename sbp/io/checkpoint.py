@@ -1,94 +1,81 @@
 """Sharded checkpoints: `save` writes each rank's blocks, `load` reshards them onto any mesh and placements.
 
-A checkpoint is a directory: one file per writing rank (``rank00003.pt``: a `torch.save`d dict of plain
-tensors, nothing else, read back with ``torch.load(weights_only=True)``) and ``metadata.json``, which
-says, per tensor, the global shape, dtype, mesh shape, placements and which file holds which block
-(half-open global index ranges per dim), plus each file's size and SHA-256. Every size and block comes
-from layout maths (`sbp.values.layout.block`): every rank knows every other rank's block without talking.
+A checkpoint is a directory: ``metadata.json``, the commit point, names one data directory
+(``gen-00000003/``) holding one file per writing rank (``rank00003.pt``: a `torch.save`d dict of plain
+tensors, nothing else, read back with ``torch.load(weights_only=True)``). The metadata says, per tensor,
+the global shape, dtype, mesh shape, placements and which file holds which block (half-open global
+index ranges per dim), plus each file's size and SHA-256. Every size and block comes from layout maths
+(`sbp.values.layout.block`): every rank knows every other rank's block without talking.
+
+Crash safety: a save writes a new data directory next to the committed one, then coord 0 replaces
+``metadata.json`` with one atomic rename, and only then removes the previous data directory. A job killed
+at any moment leaves either the old checkpoint or the new one, both complete; `load` reads whichever
+``metadata.json`` names (checkpoints of version 1, with the files beside the metadata, still load).
 
 Saving: a Broadcast block is written once (by the first coord holding it, row-major); a `Partial`
 tensor is first reduced (redistributed with each `P(op)` replaced by `B`): the checkpoint holds the
 logical value, never partial parts. Plain tensors are written once, by the mesh's coord 0.
 Loading: each rank intersects its target block with the saved blocks and opens only the files whose
 blocks it needs. A shared filesystem is assumed (every rank sees the directory).
+``format="dcp"`` and ``format="safetensors"`` write the ecosystem's formats instead (`sbp.io.dcp`,
+`sbp.io.safetensors`); `load` recognises all three.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Optional
+import re
+import shutil
+from typing import Any, Optional
 
 import torch
 
 from ..runtime.backends.base import comm_device
-from ..tensor.global_tensor import GlobalTensor, redistribute_raw, sum_holds_value
+from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import CheckpointError, SbpError
 from ..values.layout import Block, block, block_numel, block_shape, intersect, relative
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, normalize, placements as parse_placements
+from ..values.placement import normalize, placements as parse_placements
+from . import dcp, safetensors
+from .state import (
+    agree_max,
+    as_path,
+    check_tuple_slot,
+    common_mesh,
+    dtype_name,
+    fsync_dir,
+    host_barrier,
+    host_copy,
+    json_value,
+    leaves,
+    like,
+    reduced,
+    target_block,
+    writers,
+)
 
 FORMAT = "sbp-checkpoint"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)           # version 1: the rank files beside metadata.json, no data directory
 METADATA = "metadata.json"
-Leaf = Any  # a tensor, or a JSON value (int, float, str, bool, None, lists and dicts of them)
-
-
-# ---- flattening nested state dicts ---------------------------------------------------------------------
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
-    return False
-
-
-def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
-    """(key, leaf, container, index): nested dicts and lists that hold tensors are walked, keys joined by
-    '.'; anything holding no tensor is one JSON leaf (e.g. an optimizer's param_groups entry)."""
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-    for k, v in items:
-        key = f"{prefix}{k}"
-        if isinstance(v, (dict, list, tuple)) and _has_tensor(v):
-            yield from _flatten(v, key + ".")
-        else:
-            yield key, v, obj, k
-
-
-def _leaves(state_dict: Any) -> dict[str, tuple[Any, Any, Any]]:
-    if not isinstance(state_dict, dict):
-        raise CheckpointError(f"a state_dict must be a dict, got {type(state_dict).__name__}")
-    out: dict[str, tuple[Any, Any, Any]] = {}
-    for key, leaf, container, index in _flatten(state_dict):
-        if key in out:
-            raise CheckpointError(f"two entries of the state_dict flatten to the key {key!r}; rename one")
-        out[key] = (leaf, container, index)
-    return out
-
-
-def _common_mesh(leaves: dict[str, tuple[Any, Any, Any]], mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:
-    for key, (leaf, _, _) in leaves.items():
-        if isinstance(leaf, GlobalTensor):
-            if mesh is None:
-                mesh = leaf.mesh
-            elif leaf.mesh != mesh:
-                raise CheckpointError(f"tensor {key!r} lives on mesh {leaf.mesh!r}, other tensors on {mesh!r}; "
-                                      f"save one mesh's tensors per checkpoint")
-    return mesh
+FORMATS = ("sbp", "dcp", "safetensors")
+GENERATION = re.compile(r"gen-(\d{8})")
+OWN_FILE = re.compile(r"rank\d{5}\.pt(\.tmp)?|\.metadata\.json\.tmp")   # what a save may remove
 
 
 # ---- save ----------------------------------------------------------------------------------------------
 
-def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMesh] = None) -> None:
+def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMesh] = None,
+         format: str = "sbp") -> None:
     """Write `state_dict` (global and plain tensors, nested dicts/lists, JSON values) to the directory `path`.
 
     An SPMD call: every rank of the tensors' mesh calls it with its own state_dict (same keys, same
     layouts). Pass `mesh` when the state_dict holds no global tensor. Each rank writes only its own
-    blocks; the mesh's coord 0 writes the plain tensors and ``metadata.json``. Returns when the whole
-    checkpoint is on disk.
+    blocks; the mesh's coord 0 commits ``metadata.json``. Returns when the whole checkpoint is on disk.
+    Saving over an existing checkpoint is crash-safe: until the new one is committed, the old one stays
+    loadable. ``format="dcp"`` writes a `torch.distributed.checkpoint` directory, ``"safetensors"`` one
+    ``model.safetensors`` file.
 
     >>> import os, shutil, tempfile, torch, sbp, sbp.testing
     >>> path = tempfile.mkdtemp()
@@ -96,15 +83,22 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     ...     x = sbp.distribute(torch.arange(12.).view(6, 2), mesh, "S(0)")
     ...     sbp.save({"x": x, "step": 3}, path)
     >>> _ = sbp.testing.spmd(fn, (4,))
-    >>> sorted(os.listdir(path))
-    ['metadata.json', 'rank00000.pt', 'rank00001.pt', 'rank00002.pt', 'rank00003.pt']
+    >>> _ = sbp.testing.spmd(fn, (4,))                  # again: a new generation replaces the first
+    >>> sorted(os.listdir(path)), sorted(os.listdir(os.path.join(path, "gen-00000002")))
+    (['gen-00000002', 'metadata.json'], ['rank00000.pt', 'rank00001.pt', 'rank00002.pt', 'rank00003.pt'])
     >>> shutil.rmtree(path)
     """
-    path = _path("save", path)
+    path = as_path("save", path)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise SbpError(f"save: mesh must be an sbp.DeviceMesh or None, got {type(mesh).__name__}")
-    leaves = _leaves(state_dict)
-    mesh = _common_mesh(leaves, mesh)
+    if format not in FORMATS:
+        raise CheckpointError(f"save: format {format!r} is not known (valid: {', '.join(map(repr, FORMATS))})")
+    if format == "dcp":
+        return dcp.save_dcp(state_dict, path, mesh=mesh)
+    if format == "safetensors":
+        return safetensors.save_safetensors(state_dict, path, mesh=mesh)
+    found = leaves(state_dict)
+    mesh = common_mesh(found, mesh)
     coord = None if mesh is None else mesh.coord
     if mesh is not None and coord is None:
         return  # outside the mesh: holds nothing, takes part in nothing
@@ -113,98 +107,86 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     shard: dict[str, torch.Tensor] = {}
     tensors: dict[str, dict] = {}
     values: dict[str, Any] = {}
-    for key, (leaf, _, _) in leaves.items():
+    for key, (leaf, _, _) in found.items():
         if isinstance(leaf, GlobalTensor):
-            x = _reduced(leaf)
+            x = reduced(leaf)
             entry, mine = _describe_global(x, leaf.placements)
             if mine is not None:
-                shard[_entry_name(key, mine)] = _host_copy(x._local)
+                shard[_entry_name(key, mine)] = host_copy(x._local)
         elif isinstance(leaf, torch.Tensor):
             entry = _describe_plain(leaf, me if mesh is None else mesh.ranks[0])
             if first:
-                shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = _host_copy(leaf)
+                shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = host_copy(leaf)
         else:
-            try:
-                back = json.loads(json.dumps(leaf))
-            except (TypeError, ValueError):
-                raise CheckpointError(f"entry {key!r} is a {type(leaf).__name__}, which a checkpoint cannot hold "
-                                      f"(valid: tensors, and JSON values: numbers, strings, lists, dicts)") from None
-            if not _same_json(leaf, back):
-                raise CheckpointError(f"entry {key!r} would not come back as it is from JSON ({leaf!r} reads back "
-                                      f"as {back!r}): dict keys must be strings")
-            values[key] = leaf
+            values[key] = json_value(key, leaf)
             continue
         tensors[key] = entry
+    # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
+    data = f"gen-{agree_max(mesh, _last_generation(path)) + 1:08d}"
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(os.path.join(path, data), exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"save: cannot create the checkpoint directory {path!r}: {e}") from e
-    digest = _write(shard, os.path.join(path, _file_name(me))) if shard else None
+    digest = _write(shard, os.path.join(path, data, _file_name(me))) if shard else None
     files = _gather_digests(digest, mesh)
     if first:
-        meta = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, "files": files,
+        meta = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, "data": data, "files": files,
                 "tensors": tensors, "values": values}
-        tmp = os.path.join(path, f".{METADATA}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, os.path.join(path, METADATA))
+        _commit(path, meta)
+        _remove_stale(path, keep=data)
     if mesh is not None:  # nobody returns before metadata.json is there
         host_barrier(mesh)
 
 
-def host_barrier(mesh: DeviceMesh) -> None:
-    """Return only once every rank of `mesh` has reached this call: an all_reduce on the mesh's device whose
-    result is read on the host (on NCCL a collective returns once queued; reading it waits for it).
-
-    >>> import sbp, sbp.testing
-    >>> sbp.testing.spmd(host_barrier, (2,))
-    [None, None]
-    """
-    comm = mesh.binding
-    done = comm.all_reduce(torch.ones(1, device=comm_device(mesh)), tuple(range(mesh.ndim)), "sum")
-    if int(done.item()) != mesh.size():
-        raise CheckpointError(f"save: the closing barrier counted {int(done.item())} ranks, not the mesh's "
-                              f"{mesh.size()}")
+def _last_generation(path: str) -> int:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    return max((int(m.group(1)) for m in map(GENERATION.fullmatch, names) if m), default=0)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A compact CPU copy of `t` for `torch.save` (which would write a view's whole storage): a device tensor
-    is copied straight to the host, never cloned on the device first.
+def _commit(path: str, meta: dict) -> None:
+    """The switch: the data directory is durable, then one atomic rename makes `meta` the checkpoint."""
+    fsync_dir(os.path.join(path, meta["data"]))
+    tmp = os.path.join(path, f".{METADATA}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, METADATA))
+    fsync_dir(path)
 
-    >>> base = torch.arange(6.)
-    >>> _host_copy(base[2:4]).untyped_storage().nbytes()
-    8
-    """
-    t = t.detach()
-    return t.to("cpu", copy=True).contiguous() if t.device.type == "cpu" else t.contiguous().to("cpu")
 
-
-def _reduced(x: GlobalTensor) -> GlobalTensor:
-    """`x` without Partial axes: the checkpoint holds reduced values."""
-    if not any(isinstance(p, Partial) for p in x.placements):
-        return x
-    return redistribute_raw(x, tuple(Broadcast() if isinstance(p, Partial) else p for p in x.placements))
+def _remove_stale(path: str, keep: str) -> None:
+    """After the switch: the data of earlier saves (older generations, abandoned ones, version-1 rank files).
+    Only names a save writes are touched; anything else in the directory is left alone."""
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name != keep and GENERATION.fullmatch(name) and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif OWN_FILE.fullmatch(name) and os.path.isfile(full):
+            try:
+                os.remove(full)
+            except OSError:
+                pass
 
 
 def _describe_global(x: GlobalTensor, original) -> tuple[dict, Optional[Block]]:
     """The metadata entry of `x` and this rank's block when this rank writes it (first holder, row-major)."""
     mesh, shape, pls = x.mesh, tuple(x.shape), x.placements
-    writers: dict[Block, tuple[int, ...]] = {}
-    for c in mesh.coords():
-        b = block(shape, mesh.shape, pls, c)
-        if block_numel(b) and b not in writers:
-            writers[b] = c
-    blocks = [{"file": _file_name(mesh.rank_of(c)), "block": [list(r) for r in b]} for b, c in writers.items()]
+    written = writers(x)
+    blocks = [{"file": _file_name(mesh.rank_of(c)), "block": [list(r) for r in b]} for b, c in written.items()]
     mine = block(shape, mesh.shape, pls, mesh.coord)
-    entry = {"global_shape": list(shape), "dtype": _dtype_name(x.dtype), "mesh_shape": list(mesh.shape),
+    entry = {"global_shape": list(shape), "dtype": dtype_name(x.dtype), "mesh_shape": list(mesh.shape),
              "placements": repr(tuple(original)), "saved_placements": repr(tuple(pls)), "blocks": blocks}
-    return entry, (mine if writers.get(mine) == mesh.coord else None)
+    return entry, (mine if written.get(mine) == mesh.coord else None)
 
 
 def _describe_plain(t: torch.Tensor, writer: int) -> dict:
     shape = tuple(t.shape)
     blocks = [{"file": _file_name(writer), "block": [[0, n] for n in shape]}] if t.numel() else []
-    return {"global_shape": list(shape), "dtype": _dtype_name(t.dtype), "mesh_shape": None, "placements": None,
+    return {"global_shape": list(shape), "dtype": dtype_name(t.dtype), "mesh_shape": None, "placements": None,
             "saved_placements": None, "blocks": blocks}
 
 
@@ -223,7 +205,10 @@ def _file_name(rank: int) -> str:
 
 def _write(shard: dict[str, torch.Tensor], file: str) -> tuple[str, int]:
     tmp = file + ".tmp"
-    torch.save(shard, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(shard, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, file)
     return _sha256(file), os.path.getsize(file)
 
@@ -254,22 +239,28 @@ def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh
     return out
 
 
-def _path(call: str, path: Any) -> str:
-    """`path` as a str; anything but a non-empty str or `os.PathLike` of one is refused.
+def checkpoint_format(path: str) -> str:
+    """Which format the checkpoint at `path` has: "sbp" (``metadata.json``), "dcp" (``.metadata``) or
+    "safetensors" (a ``.safetensors`` file, or a directory with ``model.safetensors`` or its index).
 
-    >>> _path("save", 5)
+    >>> import tempfile
+    >>> checkpoint_format(tempfile.mkdtemp())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    sbp.values.errors.CheckpointError: save: path must be a str or os.PathLike naming the checkpoint directory, got int (5)
+    sbp.values.errors.CheckpointError: checkpoint '...' has no metadata.json, .metadata (DCP) or model.safetensors; write one with sbp.save
     """
-    if isinstance(path, (str, os.PathLike)):
-        found = os.fspath(path)
-        if isinstance(found, str) and found:
-            return found
-        what = repr(found)
-    else:
-        what = f"{type(path).__name__} ({path!r:.60})"
-    raise CheckpointError(f"{call}: path must be a str or os.PathLike naming the checkpoint directory, got {what}")
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return "safetensors"
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return "sbp"
+    if os.path.isfile(os.path.join(path, dcp.METADATA)):
+        return "dcp"
+    if any(os.path.isfile(os.path.join(path, name)) for name in safetensors.NAMES):
+        return "safetensors"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is not a directory; write one with sbp.save")
+    raise CheckpointError(f"checkpoint {path!r} has no {METADATA}, {dcp.METADATA} (DCP) or {safetensors.NAMES[0]}; "
+                          f"write one with sbp.save")
 
 
 # ---- load ----------------------------------------------------------------------------------------------
@@ -281,7 +272,9 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     updates the model's parameters); JSON values are replaced. The checkpoint may come from another
     mesh shape, another number of ranks or other placements. With `strict` (default) the keys must be
     the same; otherwise only the common keys are loaded. Any mismatch or damage raises
-    `sbp.CheckpointError` naming the tensor and what differs. Returns `state_dict`.
+    `sbp.CheckpointError` naming the tensor and what differs. Returns `state_dict`. `path` may also be a
+    DCP directory (``.metadata``: `sbp.io.dcp`) or a safetensors file, a directory holding
+    ``model.safetensors`` or a transformers index (`sbp.io.safetensors`).
 
     Saved on 4 ranks as ``(S(0),)``, loaded on a 2x2 mesh as ``(S(1), S(0))``:
 
@@ -298,28 +291,32 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     (torch.Size([3, 1]), [10.0, 11.0], 3)
     >>> shutil.rmtree(path)
     """
-    path = _path("load", path)
+    path = as_path("load", path)
     if not isinstance(strict, bool):
         raise SbpError(f"load: strict must be True or False, got {strict!r}")
+    kind = checkpoint_format(path)
+    if kind == "dcp":
+        return dcp.load_dcp(path, state_dict, strict=strict)
+    if kind == "safetensors":
+        return safetensors.load_safetensors(path, state_dict, strict=strict)
     meta = _read_metadata(path)
-    leaves = _leaves(state_dict)
+    found = leaves(state_dict)
     saved = set(meta["tensors"]) | set(meta["values"])
-    missing, extra = sorted(set(leaves) - saved), sorted(saved - set(leaves))
+    missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
     if strict and (missing or extra):
         parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                 ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
         raise CheckpointError(f"checkpoint {path!r} and the state_dict have different keys: " + "; ".join(parts))
-    for key, (leaf, container, index) in leaves.items():   # every refusal before anything is written
+    for key, (leaf, container, index) in found.items():   # every refusal before anything is written
         if key in meta["values"] and isinstance(leaf, torch.Tensor):
             raise CheckpointError(f"entry {key!r} is a value in the checkpoint ({meta['values'][key]!r}) but a "
                                   f"tensor in the state_dict")
-        if key in meta["values"] and isinstance(container, tuple):
-            raise CheckpointError(f"entry {key!r} sits in a tuple of the state_dict, which load cannot fill in "
-                                  f"place; make that container a list")
-    files = _Files(path, meta)
-    for key, (leaf, container, index) in leaves.items():
         if key in meta["values"]:
-            container[index] = _like(meta["values"][key], leaf)
+            check_tuple_slot(key, container)
+    files = _Files(os.path.join(path, meta["data"]), meta)
+    for key, (leaf, container, index) in found.items():
+        if key in meta["values"]:
+            container[index] = like(meta["values"][key], leaf)
         elif key in meta["tensors"]:
             if not isinstance(leaf, torch.Tensor):
                 raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "
@@ -328,50 +325,17 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     return state_dict
 
 
-def _same_json(value: Any, back: Any) -> bool:
-    """Whether `back` (read from JSON) is `value`, tuples read as lists (`_like` restores them) and nan
-    equal to itself; dict keys must be the same strings."""
-    if isinstance(value, dict):
-        return isinstance(back, dict) and list(value) == list(back) and all(
-            _same_json(v, back[k]) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return isinstance(back, list) and len(back) == len(value) and all(map(_same_json, value, back))
-    if isinstance(value, float) and value != value:
-        return isinstance(back, float) and back != back
-    return type(value) is type(back) and value == back
-
-
-def _like(value: Any, template: Any) -> Any:
-    """A JSON value read back, with the tuples of the state_dict entry it replaces restored (an optimizer's
-    ``betas=(0.9, 0.999)`` stays a tuple)."""
-    if isinstance(value, list) and isinstance(template, (list, tuple)):
-        items = [_like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
-        return tuple(items) if isinstance(template, tuple) else items
-    if isinstance(value, dict) and isinstance(template, dict):
-        return {k: _like(v, template.get(k)) for k, v in value.items()}
-    return value
-
-
 def _load_tensor(key: str, entry: dict, target: torch.Tensor, files: "_Files") -> None:
     shape = tuple(entry["global_shape"])
     if tuple(target.shape) != shape:
         raise CheckpointError(f"tensor {key!r}: global shape {shape} in the checkpoint, {tuple(target.shape)} in "
                               f"the state_dict")
-    if _dtype_name(target.dtype) != entry["dtype"]:
+    if dtype_name(target.dtype) != entry["dtype"]:
         raise CheckpointError(f"tensor {key!r}: dtype {entry['dtype']} in the checkpoint, "
-                              f"{_dtype_name(target.dtype)} in the state_dict")
-    if isinstance(target, GlobalTensor):
-        mesh, coord = target.mesh, target.mesh.coord
-        if coord is None:
-            return
-        local = target._local
-        want = block(shape, mesh.shape, target.placements, coord)
-        if not sum_holds_value(mesh, target.placements, coord):  # P(sum) holds the value at coord 0 only
-            with torch.no_grad():
-                local.zero_()
-            return
-    else:
-        local, want = target, tuple((0, n) for n in shape)
+                              f"{dtype_name(target.dtype)} in the state_dict")
+    local, want = target_block(target)
+    if local is None:
+        return
     with torch.no_grad():
         for saved in entry["blocks"]:
             b = tuple(tuple(r) for r in saved["block"])
@@ -425,8 +389,8 @@ class _Files:
         if t is None:
             raise CheckpointError(f"tensor {key!r}: file {name!r} should hold its block {b} but does not; the "
                                   f"metadata is altered or the file belongs to another checkpoint")
-        if tuple(t.shape) != block_shape(b) or _dtype_name(t.dtype) != dtype:
-            raise CheckpointError(f"tensor {key!r}: file {name!r} holds shape {tuple(t.shape)} {_dtype_name(t.dtype)}, "
+        if tuple(t.shape) != block_shape(b) or dtype_name(t.dtype) != dtype:
+            raise CheckpointError(f"tensor {key!r}: file {name!r} holds shape {tuple(t.shape)} {dtype_name(t.dtype)}, "
                                   f"metadata.json says block {b} (shape {block_shape(b)}) of {dtype}")
         return t
 
@@ -445,8 +409,14 @@ def _read_metadata(path: str) -> dict:
         raise CheckpointError(f"{file!r} is not valid JSON ({e}); the checkpoint is corrupt") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file!r} is not an sbp checkpoint (format {FORMAT!r} expected)")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{file!r} has checkpoint version {meta.get('version')!r}; this sbp reads {VERSION}")
+    if meta.get("version") not in READS:
+        raise CheckpointError(f"{file!r} has checkpoint version {meta.get('version')!r}; this sbp reads "
+                              f"{' and '.join(map(str, READS))}")
+    if meta["version"] == 1:
+        meta["data"] = ""   # the files sit beside metadata.json
+    elif not isinstance(meta.get("data"), str) or not GENERATION.fullmatch(meta["data"]):
+        raise CheckpointError(f"{file!r}: field 'data' is {meta.get('data')!r:.80}, not a data directory name "
+                              f"like 'gen-00000001'; the metadata is corrupt or altered")
     for field, kind in (("files", dict), ("tensors", dict), ("values", dict)):
         if not isinstance(meta.get(field), kind):
             raise CheckpointError(f"{file!r}: field {field!r} is missing or not a {kind.__name__}")
@@ -516,5 +486,3 @@ def _check_entry(file: str, key: str, entry: Any) -> None:
         raise bad(f"its blocks do not tile the global shape {tuple(shape)} exactly")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

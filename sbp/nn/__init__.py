@@ -6,8 +6,9 @@
 (S(-1), B)
 """
 from . import hf
+from .fsdp import fully_shard
 from .parallelize import parallelize
-from .styles import AllReduce, Colwise, Embedding, Replicated, Rowwise, SequenceParallel, Style
+from .styles import AllReduce, Colwise, Embedding, Packed, Replicated, Rowwise, SequenceParallel, Style
 
-__all__ = ["parallelize", "Colwise", "Rowwise", "Embedding", "SequenceParallel", "Replicated", "AllReduce", "Style",
-           "hf"]
+__all__ = ["parallelize", "fully_shard", "Colwise", "Rowwise", "Embedding", "SequenceParallel", "Replicated",
+           "AllReduce", "Packed", "Style", "hf"]

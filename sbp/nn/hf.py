@@ -8,7 +8,9 @@ and `auto_plan` reads only attributes every `PreTrainedModel` has (`_tp_plan`, `
 Where transformers hands the next module a *local* tensor (`use_local_output=True`: its model code runs on
 each rank's shard of the heads), sbp hands it the *global* tensor: the unchanged model code runs on logical
 shapes, so uneven head counts (GQA with fewer kv heads than ranks) stay exact. The placements of weight,
-bias, input and output are transformers'; the values every op sees are the single-device values.
+bias, input and output are transformers'; the values every op sees are the single-device values. The
+exception is `packed_colwise` (`sbp.nn.Packed`): its output is local, as in transformers, because each
+rank's slice of every packed part is no Split of the fused output; the parameter is held unfolded.
 
 >>> import sbp
 >>> sbp.nn.hf.style_for("colwise_gather_output", "lm_head")
@@ -22,7 +24,7 @@ from torch import nn
 
 from ..values.errors import SbpError
 from ..values.placement import Broadcast
-from .styles import STYLES, AllReduce, Colwise, Embedding, Replicated, Rowwise, SequenceParallel, Style
+from .styles import STYLES, AllReduce, Colwise, Embedding, Packed, Replicated, Rowwise, SequenceParallel, Style
 
 # transformers style string -> the sbp style with the same placements (transformers 5.x,
 # `transformers/distributed/tensor_parallel.py`, ALL_PARALLEL_STYLES)
@@ -30,9 +32,11 @@ TRANSFORMERS_STYLES: dict[str, Style] = {
     "colwise": Colwise(),                                      # W S(0), b S(0), in B -> out S(-1)
     "colwise_rep": Colwise(output_placement=Broadcast()),      # ... out gathered to B
     "colwise_gather_output": Colwise(output_placement=Broadcast()),
-    "rowwise": Rowwise(),                                      # W S(1), b B, in S(-1) -> out P(sum) -> B
-    "rowwise_rep": Rowwise(),                                  # a full (B) input is sliced to S(-1): no
-    "rowwise_split_input": Rowwise(),                          # collective, the same style in sbp
+    "rowwise": Rowwise(),                                      # W S(1), b B, in S(-1) -> out P(sum) -> B; a
+    "rowwise_rep": Rowwise(),                                  # plain input: the full value, or this rank's
+    "rowwise_split_input": Rowwise(),                          # slice of the features (told by its length)
+    "packed_colwise": Packed(along="colwise", parts=2),        # [gate; up] W (2, out/2, in) S(1): local output
+    "packed_rowwise": Packed(along="rowwise", parts=2),        # W (out, 2, in/2) S(2): local input -> out B
     "embedding_rowwise": Embedding(),                          # vocab S(0), ids B -> out P(sum) -> B
     "embedding_colwise": Embedding(shard_dim=1),               # vectors S(1), ids B -> out S(-1) -> B
     "sequence_parallel": SequenceParallel(),                   # params B, in S(1) -> out S(1)
@@ -44,16 +48,12 @@ TRANSFORMERS_STYLES: dict[str, Style] = {
 }
 
 # transformers style strings sbp refuses, and why
+_MOE = ("the MoE experts' module runs on local shards of its packed expert weights and all_reduces its output in "
+        "transformers; sbp builds packed nn.Linear modules ('packed_colwise' / 'packed_rowwise') but not the experts' "
+        "local routing: leave the experts out of the plan (they run replicated, exactly) or shard the dense layers "
+        "only")
 REFUSED: dict[str, str] = {
-    "packed_colwise": "a fused weight packed along its output dim is split per part (transformers' "
-                      "_StridedShard): sbp has no strided placement, so each rank cannot hold its slice of every "
-                      "part as one Split; give the unfused layers 'colwise', or the fused one "
-                      "'colwise_gather_output' (exact, gathers the output)",
-    "packed_rowwise": "a fused weight packed along its input dim needs a strided placement sbp does not have; "
-                      "use 'rowwise' on unfused weights",
-    "moe_tp_experts": "MoE experts run on local shards of packed (strided) expert weights in transformers; sbp "
-                      "has no strided placement and no MoE support yet: leave the experts out of the plan "
-                      "(replicated, exact) or shard dense layers only",
+    "moe_tp_experts": _MOE,
     "moe_identity_expert": "it only pairs with 'moe_tp_experts', which sbp does not support",
     "grouped_gemm": "expert parallelism (experts split over ranks) is not supported by sbp",
     "ep_dispatch_experts": "expert parallelism (experts split over ranks) is not supported by sbp",
@@ -93,7 +93,7 @@ def style_for(value: "str | Style", pattern: str) -> Style:
                            f"{REFUSED[value]}")
     raise SbpError(f"plan entry {pattern!r}: {value!r} is not a style; valid: {valid_names()}, or an sbp.nn style "
                    f"object (Colwise(...), Rowwise(...), Embedding(...), SequenceParallel(...), Replicated(), "
-                   f"AllReduce())")
+                   f"AllReduce(), Packed(...))")
 
 
 def auto_plan(model: nn.Module) -> dict[str, Any]:

@@ -29,13 +29,17 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from ..ops.matmul import SplitBatchMatmul
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
 from ..values.errors import SbpError
+from ..values.layout import split_range
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
+from . import packed
+from .buckets import bucket_gradients
 from .hf import auto_plan, style_for
-from .styles import AllReduce, Colwise, Embedding, Rowwise, Style
+from .styles import AllReduce, Colwise, Embedding, Packed, Rowwise, Style
 
 
 @dataclass
@@ -85,14 +89,16 @@ class _Context:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | Style] | str", *,
-                tp_axis: "int | str" = -1) -> nn.Module:
+                tp_axis: "int | str" = -1, dp_bucket_bytes: Optional[int] = None) -> nn.Module:
     """Shard `module` in place for tensor parallelism on `mesh`'s `tp_axis` (data parallel on the others).
 
     `plan` maps module paths (glob patterns allowed: ``"blocks.*.mlp.fc1"``) to a style name
     (``"colwise"``, ``"rowwise"``, ``"embedding"``, ``"sequence"``) or a style object with options
     (`Colwise(output_placement="B")`, `Rowwise(output_placement="S(1)")`, ...) or a transformers style
     string (``"colwise_gather_output"``, ``"embedding_rowwise"``, ... see `sbp.nn.hf`); ``plan="auto"``
-    applies a `transformers` model's own plan. Returns `module`.
+    applies a `transformers` model's own plan. Returns `module`. With `dp_bucket_bytes`, the gradients of
+    parameters replicated on the data-parallel axes are reduced in buckets of about that many bytes, one
+    all_reduce each, instead of one per parameter (`sbp.nn.buckets`; not together with `fully_shard`).
 
     Megatron's MLP on a 1-d tp mesh of 2 ranks (every rank starts from the same full weights):
 
@@ -127,18 +133,55 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
             if f"{path}.{name}".lstrip(".") in params:   # laid out by its own plan entry
                 continue
             pls = tuple(style.param_placement(name) if a == ctx.tp_axis else Broadcast() for a in range(mesh.ndim))
+            if isinstance(style, Packed):   # held unfolded, (parts, length // parts): sbp.nn.packed
+                sub._parameters[name] = _shard_packed(param, style, name, f"{path}.{name}".lstrip("."), mesh, pls,
+                                                      converted)
+                continue
             sub._parameters[name] = _shard(param, mesh, pls, f"{path}.{name}".lstrip("."), converted)
-        _hook(sub, style, ctx)
+        if isinstance(style, Packed):
+            packed.install(sub, style, ctx, _from_full)
+        else:
+            _hook(sub, style, ctx)
     replicated = tuple(Broadcast() for _ in range(mesh.ndim))
     for owner_path, owner in module.named_modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
+    if dp_bucket_bytes is not None and ctx.dp_axes:   # one all_reduce per bucket of dp gradients (sbp.nn.buckets)
+        bucket_gradients(module, mesh, ctx.dp_axes, dp_bucket_bytes)
     module.register_forward_pre_hook(ctx.forget, prepend=True)   # before any conversion of this pass
+    matmuls = _MatmulMode()   # batched matmuls keep a split batch dim (heads): sbp.ops.matmul.SplitBatchMatmul
+    module.register_forward_pre_hook(matmuls.enter, prepend=True)
+    module.register_forward_hook(matmuls.exit, always_call=True)
     if ctx.dp_axes and "" not in matched:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
     return module
+
+
+class _MatmulMode:
+    """`SplitBatchMatmul` on from the root module's forward-pre hook to its forward hook (also when the forward
+    raises); nested calls of the root share one mode; off under torch.compile (the decomposed ops are traced)."""
+
+    def __init__(self) -> None:
+        self.mode: Optional[SplitBatchMatmul] = None
+        self.depth = 0
+
+    def enter(self, *_: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        if self.depth == 0:
+            self.mode = SplitBatchMatmul()
+            self.mode.__enter__()
+        self.depth += 1
+
+    def exit(self, *_: Any) -> None:
+        if self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth == 0 and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
 
 
 # ---- matching --------------------------------------------------------------------------------------
@@ -191,11 +234,30 @@ def _param_entry(style: Style, name: str, ndim: int) -> Placement:
             return Broadcast() if name == "bias" else Split(max(ndim - 1, 0))
         case Embedding(shard_dim=dim):
             return Split(min(dim, max(ndim - 1, 0)))
+        case Packed():
+            raise SbpError(f"a packed parameter entry ({name!r}) is the expert weights of a 'moe_tp_experts' "
+                           f"module in transformers' plans, which sbp does not support; valid: 'packed_colwise' / "
+                           f"'packed_rowwise' on a fused nn.Linear module")
         case _:
             return Broadcast()
 
 
 # ---- parameters ------------------------------------------------------------------------------------
+
+def _shard_packed(param: nn.Parameter, style: Packed, name: str, path: str, mesh: DeviceMesh,
+                  pls: tuple[Placement, ...],
+                  converted: dict[int, tuple[nn.Parameter, tuple[Placement, ...], str]]) -> nn.Parameter:
+    """The global parameter of a packed parameter, its packed dim unfolded into (parts, length // parts)."""
+    if id(param) in converted:
+        raise SbpError(f"packed parameter {path!r} is shared with {converted[id(param)][2]!r}; a tied parameter "
+                       f"cannot be packed (valid: give the fused module its own weight)")
+    full = packed.unfold(param, style, name, path)
+    if full is None:
+        return _shard(param, mesh, pls, path, converted)
+    out = nn.Parameter(distribute(full, mesh, pls), requires_grad=param.requires_grad)
+    converted[id(param)] = (out, pls, path)
+    return out
+
 
 def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], name: str,
            converted: dict[int, tuple[nn.Parameter, tuple[Placement, ...], str]]) -> nn.Parameter:
@@ -274,9 +336,20 @@ def _to_input(x: torch.Tensor, style: Style, module: nn.Module, ctx: _Context) -
             return ctx.shared(x, want, lambda t: t.redistribute(want))
         return ctx.shared(x, want, _ReduceGrad.apply) if _needs_boundary(x, tp) else x
     pls = normalize(ctx.input_placements(tp, x.ndim), x.ndim, ctx.mesh.ndim)
-    if style.local_input:
+    if style.local_input or _local_features(x, style, module, ctx):
         return from_local(x, ctx.mesh, pls, global_shape=_global_shape(x, pls, module, ctx))
     return ctx.shared(x, pls, lambda t: _from_full(t, ctx, pls))
+
+
+def _local_features(x: torch.Tensor, style: Style, module: nn.Module, ctx: _Context) -> bool:
+    """A plain input to a rowwise `nn.Linear` holding this rank's slice of the input features, not all of them
+    (transformers' ``rowwise`` takes a plain input as that slice, e.g. the local output of ``packed_colwise``):
+    told apart by its last dim, which is unambiguous on a tp axis of more than one rank."""
+    if not isinstance(style, Rowwise) or not isinstance(module, nn.Linear) or not x.ndim:
+        return False
+    n, c = ctx.mesh.shape[ctx.tp_axis], ctx.mesh.coord[ctx.tp_axis]
+    lo, hi = split_range(0, module.in_features, n, c)
+    return n > 1 and x.shape[-1] != module.in_features and x.shape[-1] == hi - lo
 
 
 def _needs_boundary(x: GlobalTensor, tp: Placement) -> bool:

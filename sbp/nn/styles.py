@@ -20,6 +20,10 @@ style                  weight      bias        input       output        collect
 `Embedding(shard_dim=1)` splits the embedding vectors instead of the vocabulary (weight `S(1)`, output
 gathered to `B` by one all_gather).
 
+`Packed(along="colwise" | "rowwise", parts=2)` is a fused `nn.Linear` (gate_up = ``[gate; up]``) split per
+part: the weight is held unfolded, ``(parts, out // parts, in)`` `S(1)`, and the module computes on local
+tensors (a local output, or a local input), as transformers' ``packed_colwise`` / ``packed_rowwise``.
+
 `nn.Linear` computes ``y = x @ W.T + b`` with W of shape (out, in): `Colwise` splits the *output*
 features (rows of W), `Rowwise` the *input* features (columns of W).
 """
@@ -234,6 +238,63 @@ class AllReduce(Style):
         if not isinstance(self.output_placement, (Broadcast, Split)):
             raise SbpError(f"AllReduce(output_placement={self.output_placement!r}): the reduced output is B or "
                            f"S(d) (valid: Broadcast or Split)")
+
+
+@dataclass(frozen=True, slots=True)
+class Packed(Style):
+    """A fused `nn.Linear` whose weight packs `parts` equal parts (gate_up = ``[gate; up]``), split *per part*:
+    every rank holds its slice of each part, and the module computes on local tensors (transformers'
+    ``packed_colwise`` / ``packed_rowwise``).
+
+    A Split is one contiguous block per rank, which "a slice of each part" is not; so the packed dim is held
+    *unfolded*: a colwise weight ``(out, in)`` is the parameter ``(parts, out // parts, in)`` laid out `S(1)`
+    (its bias ``(parts, out // parts)``, `S(1)`), a rowwise weight ``(out, parts, in // parts)``, `S(2)`
+    (bias `B`). The global parameter is exact (``p.full().flatten(0, 1)`` is the fused weight, as
+    transformers' ``_StridedShard(dim, split_factor=parts)`` describes); the module sees its local block
+    flattened back, ``[part_0 slice; part_1 slice; ...]``, exactly the local weight transformers computes on.
+
+    - ``along="colwise"``: input `B` (a global input is gathered on the tp axis, a plain one is the full
+      value), the output is this rank's *local* ``[part_0 slice, part_1 slice, ...]`` on the last dim (a plain
+      tensor, as transformers' ``use_local_output``): the model's own ``chunk(parts, -1)`` then splits it
+      locally, and the next ``rowwise`` module takes the plain tensor as its local input.
+    - ``along="rowwise"``: the input is a plain local tensor, this rank's slice of each part (what a
+      packed colwise module returns); the partial output is all_reduced to `B`.
+
+    >>> Packed(parts=2).unfolded_dim("weight"), Packed(along="rowwise").unfolded_dim("weight")
+    (0, 1)
+    """
+
+    input_placement: PlacementLike = Broadcast()
+    output_placement: PlacementLike = None  # type: ignore[assignment]  # colwise: a local output; rowwise: B
+    along: str = "colwise"
+    parts: int = 2
+
+    kind: ClassVar[str] = "packed"
+    modules: ClassVar[tuple[type, ...]] = (nn.Linear,)
+
+    def __post_init__(self) -> None:
+        if self.along not in ("colwise", "rowwise"):
+            raise SbpError(f"Packed(along={self.along!r}): a fused weight is packed along its output features "
+                           f"('colwise') or its input features ('rowwise'); valid: 'colwise', 'rowwise'")
+        if not isinstance(self.parts, int) or isinstance(self.parts, bool) or self.parts < 1:
+            raise SbpError(f"Packed(parts={self.parts!r}): the number of packed parts is an int >= 1")
+        object.__setattr__(self, "input_placement", Broadcast() if self.along == "colwise" else Split(-1))
+        object.__setattr__(self, "output_placement", None if self.along == "colwise" else Broadcast())
+        for flag in ("use_local_output", "local_input"):
+            if getattr(self, flag):
+                raise SbpError(f"Packed({flag}=True) is not an option: a packed colwise module always returns its "
+                               f"local output and a packed rowwise one always takes a local input")
+
+    def unfolded_dim(self, name: str) -> "int | None":
+        """The dim of parameter `name` (weight or bias of the `nn.Linear`) that holds the parts, or None."""
+        if self.along == "colwise":
+            return 0 if name in ("weight", "bias") else None
+        return 1 if name == "weight" else None
+
+    def param_placement(self, name: str) -> Placement:
+        """`S(unfolded dim + 1)`: the slice of each part (`B` for a rowwise bias)."""
+        dim = self.unfolded_dim(name)
+        return Broadcast() if dim is None else Split(dim + 1)
 
 
 STYLES: dict[str, type[Style]] = {"colwise": Colwise, "rowwise": Rowwise, "embedding": Embedding,

@@ -3,10 +3,12 @@
 `SPEC_TOKENS` gives every global tensor spec (placements, global shape, dtype, mesh shape) one token
 object, so a call's cache key hashes and compares tokens by identity instead of placement dataclasses.
 `DECISIONS` maps a call's key (op, tokens, non-tensor arguments; see `sbp.ops.dispatch`) to the decision
-made for it (`sbp.ops.decide.decide`). Both are bounded: a full table is cleared and refilled, which only
-costs recomputation -- a token is never reused for another spec, and a decision is a pure function of
-its key. `clear()` empties them (`sbp.ops.register` clears the decisions, since a new rule may decide
-otherwise); `info()` reports their size.
+made for it (`sbp.ops.decide.decide`), and, beside it, a call's shape *class* (its sizes as symbols, see
+`sbp.ops.dispatch.class_key`) to a `sbp.ops.decide.DecisionClass`, so a new sequence length of a known
+class re-uses the class's decision instead of deciding anew. Both are bounded: a full table is cleared
+and refilled, which only costs recomputation -- a token is never reused for another spec, and a decision
+is a pure function of its key. `clear()` empties them (`sbp.ops.register` clears the decisions and
+classes, since a new rule may decide otherwise); `info()` reports their size.
 """
 from __future__ import annotations
 
@@ -79,10 +81,11 @@ class DecisionCache:
     True
     """
 
-    __slots__ = ("_decisions", "_deciding", "get", "capacity", "made")
+    __slots__ = ("_decisions", "_classes", "_deciding", "get", "capacity", "made")
 
     def __init__(self, capacity: int = CACHE_SIZE) -> None:
         self._decisions: dict[Any, Any] = {}
+        self._classes: dict[Any, Any] = {}   # class key -> DecisionClass (read and written under _deciding)
         self._deciding = threading.RLock()   # guards misses only; hits read the dict without it
         self.get = self._decisions.get       # bound once: the same dict for the cache's lifetime
         self.capacity = capacity
@@ -102,13 +105,33 @@ class DecisionCache:
                     self._decisions[key] = found
             return found
 
+    def class_get(self, key: Any) -> Any:
+        """The record of a shape class (None when unknown); call it inside `decide_once`'s `make`.
+
+        >>> cache = DecisionCache(); cache.class_put("k", 1); cache.class_get("k"), cache.info()["classes"]
+        (1, 1)
+        """
+        return self._classes.get(key)
+
+    def class_put(self, key: Any, record: Any) -> None:
+        """Keep the record of a shape class (the table is cleared when full, like the decisions)."""
+        with self._deciding:
+            if len(self._classes) >= self.capacity:
+                self._classes.clear()
+            self._classes[key] = record
+
     def clear(self) -> None:
-        """Forget every decision (after a rule changes; tests use it to see fallback warnings again)."""
-        self._decisions.clear()
+        """Forget every decision and shape class (after a rule changes; tests use it to see fallback
+        warnings again)."""
+        with self._deciding:
+            self._decisions.clear()
+            self._classes.clear()
 
     def info(self) -> dict[str, int]:
-        """``{"size": decisions held, "capacity": ..., "made": decisions made since start}``."""
-        return {"size": len(self._decisions), "capacity": self.capacity, "made": self.made}
+        """``{"size": decisions held, "capacity": ..., "made": decisions made since start, "classes": shape
+        classes held}``."""
+        return {"size": len(self._decisions), "capacity": self.capacity, "made": self.made,
+                "classes": len(self._classes)}
 
 
 SPEC_TOKENS = SpecTokens()

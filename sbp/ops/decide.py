@@ -10,6 +10,7 @@ one fallback of sbp, also taken by a composite rule (``_foreach_*``, in-place vi
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Optional
 
 import torch
@@ -328,3 +329,104 @@ def _debt(spec: OpSpec, choice: Choice, aliases: dict[int, int]) -> int:
                 local = block_numel(block(meta.shape, spec.mesh_shape, pls, (0,) * len(pls)))
                 debt += (n - 1) * -(-local // n) * meta.itemsize
     return debt
+
+
+# ---- shape classes: one decision per class of calls ----------------------------------------------------------
+class DecisionClass:
+    """What a shape class of calls decided: the first decision, and how its output sizes follow the class's
+    symbols (`sbp.ops.dispatch.class_key` makes the key and the symbols' values).
+
+    A class is *generic* once a second call of the class, decided cold with other values, made the same
+    choice and the output sizes the formula predicts; from then on `instantiate` makes its decisions
+    without meta kernels or planning. Only decisions that cost nothing may become generic: either nothing
+    moves, or every move is local (no bytes, no collective, no new Partial to reduce). Such a choice is the
+    first free one in the rule's order, whatever the sizes: in a class every size is above the rank count,
+    so a change that needs communication needs it for every member. A choice that won on price depends
+    on sizes: its class becomes *priced* once the second call confirms the output sizes, and `instantiate`
+    then prices the rule's signatures anew for each call (`select`, plans by shape class) but skips the
+    meta kernels. Fallbacks, and classes whose output sizes are no symbols, stay `exact` (every call of
+    the class decided alone).
+
+    >>> import sbp
+    >>> x = GlobalTensor(torch.zeros(6, 8), sbp.DeviceMesh((2,)), (sbp.S(0),), (12, 8))
+    >>> d = decide(torch.ops.aten.neg.default, (x,), {}, [x], x.mesh)
+    >>> c = DecisionClass(d, [12, 8])       # symbols: 12 and 8 (sizes above the mesh's 2 ranks)
+    >>> c.formula, c.state
+    (((-1, -2),), 'candidate')
+    """
+
+    __slots__ = ("decision", "values", "formula", "state")
+
+    def __init__(self, decision: Decision, values: list[int]) -> None:
+        self.decision = decision
+        self.values = values
+        self.formula = _formula(decision, values)
+        self.state = "exact" if self.formula is None else "candidate" if _free(decision) else "priced?"
+
+    def confirm(self, decision: Decision, values: list[int]) -> None:
+        """Check the class's formula and choice against a second call's cold `decision`, of other values."""
+        if self.state == "candidate" and values != self.values:
+            same = (decision.choice == self.decision.choice and decision.run is self.decision.run
+                    and decision.fallback == self.decision.fallback
+                    and _sizes(self.formula, values) == _out_shapes(decision))
+            self.state = "generic" if same else "exact"
+        elif self.state == "priced?" and values != self.values:
+            same = not decision.fallback and _sizes(self.formula, values) == _out_shapes(decision)
+            self.state = "priced" if same else "exact"
+
+    def instantiate(self, func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh,
+                    values: list[int]) -> Decision:
+        """The class's decision for a call of the class (its symbols' `values`): its choice and run, the
+        output sizes from the formula; no meta kernels, no planning."""
+        spec = _bind(func, args, kwargs, tuple(mesh.shape), leaves)
+        first = self.decision.spec.outputs
+        spec.outputs = tuple(None if m is None else TensorMeta(shape, m.dtype)
+                             for m, shape in zip(first, _sizes(self.formula, values)))
+        made = self.decision
+        if self.state == "generic":
+            return Decision(spec, made.choice, made.run, _paths(args, kwargs), made.writes, fallback=made.fallback)
+        rule = rules.lookup(func)   # priced: the sizes decide, the output sizes are known
+        try:
+            choice = select(rule, spec, made.aliases)
+        except ShapeError as e:
+            raise ShapeError(f"{_on_inputs(spec)}: {e}") from e
+        if choice is None:
+            return _fallback(spec, _paths(args, kwargs), made.writes)
+        return Decision(spec, choice, rule.run, _paths(args, kwargs), made.writes)
+
+
+def _out_shapes(decision: Decision) -> tuple:
+    return tuple(None if m is None else tuple(m.shape) for m in decision.spec.outputs)
+
+
+def _formula(decision: Decision, values: list[int]) -> Optional[tuple]:
+    """Each output size as a symbol (``-1 - index`` into `values`) or a constant; None when the decision
+    may not be shared (a fallback, or an output size > the mesh's rank count is no symbol)."""
+    spec = decision.spec
+    if decision.fallback:
+        return None
+    where = {v: -1 - i for i, v in enumerate(values)}
+    small = math.prod(spec.mesh_shape)
+    out = []
+    for shape in _out_shapes(decision):
+        if shape is None:
+            out.append(None)
+            continue
+        dims = tuple(n if n <= small else where.get(n) for n in shape)
+        if None in dims:
+            return None
+        out.append(dims)
+    return tuple(out)
+
+
+def _free(decision: Decision) -> bool:
+    """Whether the decision's choice costs nothing: nothing moves, or only by local moves (no bytes, no
+    collective, no new Partial to reduce); otherwise it won on price, and sizes decide."""
+    spec, choice = decision.spec, decision.choice
+    if not (_changed(spec, choice) or _writes_back(spec, choice, decision.aliases)):
+        return True
+    return _price(spec, choice, decision.aliases) == (0, 0)
+
+
+def _sizes(formula: tuple, values: list[int]) -> tuple:
+    return tuple(None if dims is None else tuple(values[-1 - n] if n < 0 else n for n in dims) for dims in formula)

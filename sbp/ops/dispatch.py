@@ -16,6 +16,8 @@ made (factories leave their outputs' keys unmade for this).
 """
 from __future__ import annotations
 
+import math
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -25,7 +27,7 @@ from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_
 from . import table as rules
 from .apply import refuse_mixed_meshes
 from .cache import DECISIONS, SPEC_TOKENS, SpecToken
-from .decide import decide
+from .decide import Decision, DecisionClass, decide
 from .spec import FLOAT, B
 
 PLAIN_GRAD_HOOKED = WeakIdKeyDictionary()   # plain tensor -> True once it has the plain-gradient hook
@@ -85,6 +87,96 @@ def float_key(value: float) -> Any:
     return FLOAT if value - value == 0 else value
 
 
+# ---- shape classes -----------------------------------------------------------------------------------------
+SIZE_ARGS = frozenset({"size"})
+"""Int arguments that are sizes (``view(x, size)``, ``expand``, ``new_zeros``): symbols in a class key. Other
+ints (dims, indices, slice bounds) stay exact."""
+
+
+def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> tuple[tuple, list[int]]:
+    """A call's shape-class key and its symbols' values: every size above the mesh's rank count `m` (of a
+    tensor, or in a size argument) becomes a symbol, numbered by first appearance and kept with its
+    remainder mod `m` (which splits divide it evenly); equal sizes share a symbol, smaller sizes stay.
+    Raises TypeError for an unhashable argument (like the exact key).
+
+    >>> import sbp
+    >>> x = GlobalTensor(torch.zeros(8, 50, 64), sbp.DeviceMesh((2,)), (sbp.B,), (8, 50, 64))
+    >>> key, values = class_key(torch.ops.aten.view.default, (x, [400, 64]), {}, (2,))
+    >>> key[2][2], key[3], values
+    (((0, 0), (1, 0), (2, 0)), ((3, 0), (2, 0)), [8, 50, 64, 400])
+    """
+    m = math.prod(mesh_shape)
+    symbols: dict[int, int] = {}
+    values: list[int] = []
+
+    def size(n: int) -> Any:
+        if n <= m:
+            return n
+        i = symbols.get(n)
+        if i is None:
+            i = symbols[n] = len(values)
+            values.append(n)
+        return i, n % m
+
+    def pattern(a: Any, sizes: bool) -> Any:
+        if isinstance(a, torch.Tensor):
+            shape = tuple(map(size, a.shape))
+            return (a._placements, a.dtype, shape) if isinstance(a, GlobalTensor) else (a.dtype, shape)
+        t = type(a)
+        if t is int and sizes:
+            return size(a)
+        if t is float:
+            return float_key(a)
+        if t is bool:
+            return _TRUE if a else _FALSE
+        if t is list or t is tuple:
+            return tuple([pattern(x, sizes) for x in a])
+        return a
+
+    sized = _size_positions(func)
+    key = [func, tuple(mesh_shape)]
+    key += [pattern(a, i in sized) for i, a in enumerate(args)]
+    key += [(k, pattern(v, k in SIZE_ARGS)) for k, v in kwargs.items()]
+    out = tuple(key)
+    hash(out)
+    return out, values
+
+
+@lru_cache(maxsize=1024)
+def _size_positions(func) -> frozenset[int]:
+    """Positions of `func`'s size arguments (`SIZE_ARGS`) in its schema."""
+    return frozenset(i for i, arg in enumerate(func._schema.arguments) if arg.name in SIZE_ARGS)
+
+
+def decide_by_class(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Decision:
+    """`decide`, through the call's shape class (`class_key`): a generic class (`DecisionClass`) makes the
+    decision from its first one; otherwise decide cold, and remember or confirm the class with it.
+
+    >>> import sbp
+    >>> mesh = sbp.DeviceMesh((2,))
+    >>> def neg(n):
+    ...     x = GlobalTensor(torch.zeros(n // 2, 8), mesh, (sbp.S(0),), (n, 8))
+    ...     return decide_by_class(torch.ops.aten.neg.default, (x,), {}, [x], mesh)
+    >>> DECISIONS.clear(); _ = neg(10), neg(12)              # 10 and 12: two cold decisions, class confirmed
+    >>> d = neg(14)                                          # made from the class: no meta kernel
+    >>> d.spec.outputs[0].shape, d.choice.outputs
+    ((14, 8), ((S(0),),))
+    """
+    try:
+        key, values = class_key(func, args, kwargs, tuple(mesh.shape))
+    except TypeError:
+        return decide(func, args, kwargs, leaves, mesh)
+    record = DECISIONS.class_get(key)
+    if record is not None and record.state in ("generic", "priced"):
+        return record.instantiate(func, args, kwargs, leaves, mesh, values)
+    decision = decide(func, args, kwargs, leaves, mesh)
+    if record is None:
+        DECISIONS.class_put(key, DecisionClass(decision, values))
+    else:
+        record.confirm(decision, values)
+    return decision
+
+
 def _plain_grad_hook(t: torch.Tensor) -> None:
     """A plain tensor mixed into an op is Broadcast, so its gradient is the full gradient, as a plain
     tensor equal on every rank (DESIGN: Autograd): convert the global gradient the rules produce."""
@@ -142,5 +234,5 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
         if isinstance(t, GlobalTensor) and t._mesh is not mesh and t._mesh != mesh:
             refuse_mixed_meshes(func, mesh, t)
     # thread-ranks of one process share decisions: one decides, the others reuse it
-    decision = DECISIONS.decide_once(key, decide, func, args, kwargs, leaves, mesh)   # no closure: no cells per call
+    decision = DECISIONS.decide_once(key, decide_by_class, func, args, kwargs, leaves, mesh)  # no closure: no cells
     return decision.execute(func, args, kwargs, leaves)

@@ -15,12 +15,25 @@ all B                                       B             B
 So `mm`: ``S(0)xB->S(0)``, ``BxS(1)->S(1)``, ``S(1)xS(0)->P(sum)``, ``P(sum)xB->P(sum)``,
 ``BxP(sum)->P(sum)``; `bmm`: also ``S(0)xS(0)->S(0)`` (batch). A contracted dim split on both operands
 uses the same balanced blocks (same length, same axes), so uneven shards line up.
+
+`torch.matmul` of batched operands never reaches these rules whole: torch decomposes it before dispatch,
+reshaping the batch dims into one, ``(b, H, T, d) -> (b*H, T, d)``, then `bmm`. A split on a batch dim
+after the first (attention's heads, ``S(1)``) does not survive that merge (rank c's rows
+``{i*H + its heads}`` are no contiguous block, which is what a Split is), so the operands would be
+redistributed. `SplitBatchMatmul`, a torch-function mode, rewrites such a call before the decomposition:
+the split batch dims are moved to the front, where the merge keeps the split (``(H, b, T, d) -> (H*b, T, d)``
+is `S(0)`), and the result is permuted back. Same values, no communication; `sbp.nn.parallelize` turns
+the mode on while a parallelized model runs its forward.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..tensor.global_tensor import GlobalTensor
 from ..values.placement import Split
 from .spec import PSUM, B, OpSpec, Rule, Sig
 
@@ -80,3 +93,59 @@ BADDBMM = Contraction((("batch1", "bmk"), ("batch2", "bkn")), "bmn", bias="self"
 DOT = Contraction((("self", "k"), ("tensor", "k")), "")
 MV = Contraction((("self", "mk"), ("vec", "k")), "m")
 ADDMV = Contraction((("mat", "mk"), ("vec", "k")), "m", bias="self")
+
+
+# ---- torch.matmul with a split batch dim ---------------------------------------------------------------------------
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+def split_batch_first(a: Any, b: Any) -> Optional[tuple[int, ...]]:
+    """The permutation that moves the split batch dims of ``matmul(a, b)`` to the front, or None when
+    there is nothing to move (no global operand, unequal batch shapes, or the split dims already lead).
+
+    Batch dims are all but the last two, equal in both operands (no broadcasting); a batch dim is split
+    when either operand splits it on some mesh axis.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     q = sbp.distribute(torch.ones(2, 4, 3, 5), mesh, "S(1)")     # (batch, heads, tokens, dim)
+    ...     return split_batch_first(q, q.transpose(-2, -1)), split_batch_first(q.full(), q.full())
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    ((1, 0, 2, 3), None)
+    """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.ndim != b.ndim or a.ndim < 3:
+        return None
+    nb = a.ndim - 2
+    if a.shape[:nb] != b.shape[:nb]:
+        return None
+    split = sorted({p.dim % t.ndim for t in (a, b) if isinstance(t, GlobalTensor)
+                    for p in t.placements if isinstance(p, Split) and p.dim % t.ndim < nb})
+    perm = tuple(split + [d for d in range(a.ndim) if d not in split])
+    return None if perm == tuple(range(a.ndim)) else perm
+
+
+class SplitBatchMatmul(TorchFunctionMode):
+    """While active, ``torch.matmul(a, b)`` / ``a @ b`` of batched global operands whose split batch dims do
+    not lead is computed with those dims moved to the front (see the module docstring): torch's reshape to
+    `bmm` then keeps the split, and the result, permuted back, has the same values with no collective.
+
+    >>> import sbp, sbp.testing
+    >>> x = torch.randn(2, 4, 3, 5, dtype=torch.float64)
+    >>> def fn(mesh):
+    ...     q = sbp.distribute(x, mesh, "S(1)")
+    ...     mesh.binding.counters.reset()
+    ...     with SplitBatchMatmul():
+    ...         s = q @ q.transpose(-2, -1)
+    ...     return s.placements, len(mesh.binding.counters.calls), torch.equal(s.full(), x @ x.transpose(-2, -1))
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    ((S(1),), 0, True)
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS and len(args) == 2 and not kwargs:
+            perm = split_batch_first(*args)
+            if perm is not None:
+                back = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+                return torch.matmul(args[0].permute(perm), args[1].permute(perm)).permute(back)
+        return func(*args, **kwargs)

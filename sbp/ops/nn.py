@@ -21,7 +21,9 @@ nll_loss_forward                 self S(0), target S(0), weight B               
 nll_loss_backward                grad B, self S(0), target S(0), total B          S(0)
                                  grad P(sum), self B, target B, total B           P(sum)
 scaled dot-product attention     q, k, v (mask) S(batch or head dim)              S(same dim)
-(CPU flash kernel, + backward)   backward: grad P(sum), the rest B                P(sum)
+(CPU flash kernel, + backward)   (grouped kv heads: each rank's q heads are the
+                                 groups of its kv heads)
+                                 backward: grad P(sum), the rest B                P(sum)
 ===============================  ==============================================  =========================
 
 The batch-split `mean` NLL divides the local sum by the *global* total weight (one all_reduce of a
@@ -29,14 +31,16 @@ scalar), so uneven batch shards give the exact mean. Every op also accepts all-B
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import torch
 
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
+from ..values.layout import block
 from ..values.placement import Split
-from .spec import ANY, PSUM, B, Call, OpSpec, Rule, Sig, splits
+from .spec import ANY, PSUM, B, Call, Choice, OpSpec, Rule, Sig, splits
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2   # ATen reduction codes
@@ -198,16 +202,27 @@ NLL_LOSS_BACKWARD = Rule(_nll_backward_sigs, doc="batch S(0)->S(0); grad P(sum)-
 
 
 # ---- scaled dot-product attention (the fused CPU kernel) -----------------------------------------------------------
+_Q_HEADS = ("query", "grad_out", "out", "logsumexp")   # tensors with the query's heads (backward: all of them)
+_KV_HEADS = ("key", "value")
+
+
 def _sdpa_sigs(spec: OpSpec, axis: int) -> list[Sig]:
-    """Split a batch dim (batch or heads) of q, k, v alike; the mask follows where it has that dim."""
+    """Split a batch dim (batch or heads) of q, k, v alike; the mask follows where it has that dim.
+
+    Grouped-query attention (``Hq = g * Hkv`` query heads, query head h reads kv head ``h // g``) splits the
+    heads of q and of k, v too: exact when every rank's query heads are the `g` groups of its kv heads,
+    which `_sdpa_check` verifies per coord (so whenever the kv heads divide evenly over the splitting axes).
+    """
     q, mask = spec.tensor("query"), spec.tensor("attn_mask")
     nout = len(spec.outputs)
     backward = spec.tensor("grad_out") is not None
-    names = ["query", "key", "value"] + (["grad_out", "out", "logsumexp"] if backward else [])
+    names = [n for n in _Q_HEADS + _KV_HEADS if spec.tensor(n) is not None]
     sigs = []
     for d in range(q.ndim - 2):
-        if any(spec.tensor(n).shape[d] != q.shape[d] for n in names):
-            continue   # e.g. grouped-query heads: not split alike
+        kv = spec.tensor("key").shape[d]
+        grouped = d == q.ndim - 3 and 0 < kv < q.shape[d] and q.shape[d] % kv == 0   # GQA: heads split alike
+        if not grouped and any(spec.tensor(n).shape[d] != q.shape[d] for n in names):
+            continue
         placed = {n: Split(d) for n in names}
         if mask is not None:
             k = d - (q.ndim - mask.ndim)
@@ -219,6 +234,24 @@ def _sdpa_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     return sigs
 
 
+def _sdpa_check(spec: OpSpec, choice: Choice) -> bool:
+    """Grouped heads split: on every coord the query's head block is `g` times the kv heads' block."""
+    q, k = spec.tensor("query"), spec.tensor("key")
+    d = q.ndim - 3
+    if d < 0 or q.shape[d] == k.shape[d] or k.shape[d] == 0:
+        return True
+    qi, ki = spec.index("query"), spec.index("key")
+    if not (splits(choice.inputs[qi], d) or splits(choice.inputs[ki], d)):
+        return True
+    g = q.shape[d] // k.shape[d]
+    for coord in itertools.product(*(range(n) for n in spec.mesh_shape)):
+        (qlo, qhi), (klo, khi) = (block(t.shape, spec.mesh_shape, choice.inputs[i], coord)[d]
+                                  for t, i in ((q, qi), (k, ki)))
+        if (qlo, qhi) != (klo * g, khi * g):
+            return False
+    return True
+
+
 def _run_sdpa(call: Call) -> Any:
     """The CPU kernel divides by zero on empty shards (SIGFPE): an empty block gives empty results."""
     if any(call.args[i].numel() == 0 for i in range(3)):
@@ -227,8 +260,9 @@ def _run_sdpa(call: Call) -> Any:
     return call.default()
 
 
-SDPA = Rule(_sdpa_sigs, run=_run_sdpa,
-            doc="q, k, v (and grads) S(batch or head dim) -> S; backward: grad P(sum) -> P(sum); B")
+SDPA = Rule(_sdpa_sigs, run=_run_sdpa, check=_sdpa_check,
+            doc="q, k, v (and grads) S(batch or head dim) -> S (grouped kv heads: when each rank's q heads are its "
+                "kv heads' groups); backward: grad P(sum) -> P(sum); B")
 
 
 # ---- mean squared error -------------------------------------------------------------------------------------------

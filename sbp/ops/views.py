@@ -139,8 +139,8 @@ def _run_view(call: Call) -> Any:
     local, shape = call.args[0], list(call.out_shape(0))
     try:
         return call.func(local, shape)
-    except RuntimeError:  # a non-contiguous local block (e.g. after a transpose): copy, as reshape would
-        return local.reshape(shape)
+    except (RuntimeError, ValueError):  # a non-contiguous local block (e.g. after a transpose): copy, as
+        return local.reshape(shape)     # reshape would (fake tensors, under torch.compile, raise ValueError)
 
 
 VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,

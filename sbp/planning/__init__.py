@@ -2,8 +2,9 @@
 
 Modules, each importing only those before it: `states` (placements tuples and their int codes),
 `exchange` (exact point-to-point schedules), `cost` (step prices), `bounds` (lower bounds), `moves` (the
-move table), `search` (A* over states), `crossmesh` (plans between meshes), `api` (`plan`,
-`lower_bound_bytes`, and `clear_caches` / `cache_info` for every planning memo).
+move table), `search` (A* over states), `classes` (shape classes: one search per class of shapes),
+`crossmesh` (plans between meshes), `api` (`plan`, `lower_bound_bytes`, and `clear_caches` /
+`cache_info` for every planning memo).
 
 >>> import sbp.planning
 >>> sbp.planning.plan((8, 8), (2,), "S(0)", "B").bytes_per_rank

@@ -1,8 +1,9 @@
 """The planning entry points: `sbp.plan`, `sbp.lower_bound_bytes`, and the planning caches' one clear.
 
-Checks and normalises the arguments, then calls the search (`sbp.planning.search`) or, for a plan to
-another mesh, `sbp.planning.crossmesh`. Every memo of planning is listed in `CACHES`, bounded, and
-cleared by `clear_caches` (`cache_info` reports their sizes).
+Checks and normalises the arguments, then calls the shape-class memo (`sbp.planning.classes`, in front
+of the search `sbp.planning.search`) or, for a plan to another mesh, `sbp.planning.crossmesh`. Every
+memo of planning is listed in `CACHES`, bounded, and cleared by `clear_caches` (`cache_info` reports
+their sizes).
 """
 from __future__ import annotations
 
@@ -13,26 +14,30 @@ from ..values.layout import block, check_global_shape
 from ..values.mesh import DeviceMesh, as_mesh_shape
 from ..values.placement import normalize
 from ..values.steps import Plan
-from . import crossmesh, exchange, moves, search, states
+from ..values.topology import Topology
+from . import classes, crossmesh, exchange, moves, search, states
 from .bounds import Bounds
 from .cost import Costing
 from .crossmesh import CrossMeshPlan, plan_cross_mesh
 
 CACHES: tuple[tuple[str, Callable], ...] = (
-    *search.CACHES, *crossmesh.CACHES, *exchange.CACHES, *moves.CACHES, *states.CACHES,
+    *classes.CACHES, *search.CACHES, *crossmesh.CACHES, *exchange.CACHES, *moves.CACHES, *states.CACHES,
     ("values.layout.block", block),  # the layout memo the schedules and cross-mesh plans are built from
 )
 """Every memo planning keeps, by name: each an `lru_cache` with a bound."""
 
 
 def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", src, dst, itemsize: int = 4,
-         *, latency_bytes: int = 0, dst_mesh: "DeviceMesh | None" = None) -> "Plan | CrossMeshPlan":
+         *, latency_bytes: int = 0, topology: "Topology | None" = None,
+         dst_mesh: "DeviceMesh | None" = None) -> "Plan | CrossMeshPlan":
     """Plan the redistribution of a tensor of `global_shape` on a mesh from `src` to `dst` placements.
 
     `latency_bytes` prices each collective as that many received bytes (0: bytes first, collectives as
-    the tie-breaker). Pure and cached: every rank computes the same plan without talking. With
-    `dst_mesh` (another `DeviceMesh`: other ranks and/or shape) it returns `sbp.plan_cross_mesh`'s
-    `CrossMeshPlan` for moving from `mesh_shape` (then a `DeviceMesh`, or a shape over ranks 0..n-1).
+    the tie-breaker). With a `topology` (an `sbp.Topology` with one entry per mesh axis) the plan
+    minimises the busiest rank's modeled time instead, bytes breaking ties (`Plan.time_us`). Pure and
+    cached: every rank computes the same plan without talking. With `dst_mesh` (another `DeviceMesh`:
+    other ranks and/or shape) it returns `sbp.plan_cross_mesh`'s `CrossMeshPlan` for moving from
+    `mesh_shape` (then a `DeviceMesh`, or a shape over ranks 0..n-1).
 
     >>> import sbp
     >>> p = sbp.plan((1024, 1024), (2, 2), "S(0), S(1)", "S(1), S(0)")
@@ -49,7 +54,12 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
     shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
     if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
         raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
-    return search.plan_cached(shape, mshape, s, d, itemsize, latency_bytes)
+    if topology is not None:
+        if not isinstance(topology, Topology):
+            raise PlanError(f"topology must be an sbp.Topology (or None), got {type(topology).__name__}: "
+                            f"{topology!r}")
+        topology.check(mshape)
+    return classes.plan_cached(shape, mshape, s, d, itemsize, latency_bytes, topology)  # shape classes first
 
 
 def lower_bound_bytes(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", src, dst,
@@ -98,7 +108,7 @@ def cache_info() -> dict[str, tuple[int, int, int, int]]:
 
     >>> import sbp
     >>> clear_caches(); _ = [sbp.plan((8, 8), (2,), "S(0)", "B") for _ in range(2)]
-    >>> info = cache_info()["search.plan_cached"]
+    >>> info = cache_info()["classes.plan_cached"]
     >>> info.hits, info.misses, info.maxsize
     (1, 1, 4096)
     """

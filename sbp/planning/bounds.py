@@ -81,9 +81,9 @@ class Bounds:
             # Partial targets (new or kept axes): contributions may be re-split, ranks may hold zeros
             traffic, per_rank = total_elems * (q - 1), 0
         else:
-            numels = costing.numels(d)
-            traffic, per_rank = total_elems * (q - 2) + sum(numels), max(numels)
-        floor = -(-traffic // len(costing.coords))
+            traffic = total_elems * (q - 2) + costing.total_numel(d)
+            per_rank = costing.max_local_bytes(d) // costing.itemsize
+        floor = -(-traffic // costing.size)
         return max(self.move(s, d), max(floor, per_rank) * costing.itemsize)
 
     def heuristic(self, s: State, d: State) -> int:

@@ -11,6 +11,9 @@ Pure: the planner uses both for exact byte counts and the executor for buffer si
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator
@@ -18,7 +21,7 @@ from typing import Iterator
 from ..values.errors import PlanError
 from ..values.layout import Block, block, block_numel, intersect, split_range
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Placement
+from ..values.placement import Broadcast, Partial, Placement, Split
 from .states import BROADCAST_CODE, split_code
 
 
@@ -82,6 +85,99 @@ def exchange(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tu
             send[peer].append((i, piece))
     order = lambda pairs: tuple(sorted(pairs, key=lambda pb: pb[0]))
     return Exchange(tuple(members), tuple(order(r) for r in recv), tuple(order(s) for s in send), tuple(keep))
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeAt:
+    """One member's part of `exchange`'s schedule: the group's size, the member's index `me`, what it
+    receives (`recv`) and sends (`send`) as ``(peer, block)`` pairs ordered by peer, and `keep`."""
+
+    size: int
+    me: int
+    recv: tuple[tuple[int, Block], ...]
+    send: tuple[tuple[int, Block], ...]
+    keep: Block | None
+
+
+@lru_cache(maxsize=65536)
+def exchange_at(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+                dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> ExchangeAt:
+    """`exchange`'s schedule seen from `coord` alone, equal to its entries for `coord`, with work that
+    grows with the member's peers, not with the group: the source tiles meeting its target block are
+    found per dim by walking the splits and dropping ranges that miss it, and a tile's holder is picked
+    by arithmetic on the member index (members are row-major over `axes`; the holders of a tile differ
+    on the group's Broadcast axes only).
+
+    >>> from sbp import S, B
+    >>> ex = exchange((8, 8), (2, 4), (S(0), S(1)), (S(1), S(0)), (0, 1), (1, 2))
+    >>> at = exchange_at((8, 8), (2, 4), (S(0), S(1)), (S(1), S(0)), (0, 1), (1, 2))
+    >>> (at.recv, at.send, at.keep) == (ex.recv[at.me], ex.send[at.me], ex.keep[at.me])
+    True
+    """
+    if not self_contained(src, dst, axes):
+        raise PlanError(f"an exchange on mesh axes {axes} cannot turn {src} into {dst}: the group does not "
+                        f"hold one contiguous block (a Partial axis in it, or an axis outside it splitting a "
+                        f"dim after one inside it)")
+    index = lambda c: _row_major(c, axes, mesh_shape)
+    me = index(coord)
+    have, want = block(global_shape, mesh_shape, src, coord), block(global_shape, mesh_shape, dst, coord)
+    free_src = [a for a in axes if not isinstance(src[a], Split)]
+    free_dst = [a for a in axes if not isinstance(dst[a], Split)]
+    n_src = math.prod(mesh_shape[a] for a in free_src)
+    recv = []
+    for digits, tile in _tiles_meeting(global_shape, mesh_shape, src, axes, coord, want):
+        if tile == have:
+            continue
+        peer = dict(digits)
+        k = me % n_src
+        for a in reversed(free_src):
+            k, peer[a] = divmod(k, mesh_shape[a])
+        recv.append((index(tuple(peer.get(a, c) for a, c in enumerate(coord))), intersect(tile, want)))
+    me_among = 0  # my place among my tile's holders
+    for a in free_src:
+        me_among = me_among * mesh_shape[a] + coord[a]
+    send = []
+    for digits, tile in _tiles_meeting(global_shape, mesh_shape, dst, axes, coord, have):
+        for rest in itertools.product(*(range(mesh_shape[a]) for a in free_dst)):
+            other = dict(digits)
+            other.update(zip(free_dst, rest))
+            c = tuple(other.get(a, x) for a, x in enumerate(coord))
+            j = index(c)
+            if j % n_src == me_among and block(global_shape, mesh_shape, src, c) != have:
+                send.append((j, intersect(have, tile)))
+    by_peer = lambda pairs: tuple(sorted(pairs, key=lambda pb: pb[0]))
+    return ExchangeAt(math.prod(mesh_shape[a] for a in axes), me, by_peer(recv), by_peer(send), intersect(have, want))
+
+
+def _row_major(coord: tuple[int, ...], axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
+    k = 0
+    for a in axes:
+        k = k * mesh_shape[a] + coord[a]
+    return k
+
+
+def _tiles_meeting(global_shape, mesh_shape, pls, axes, coord, target: Block):
+    """(digits on the group axes splitting a dim, block) of every block of `pls` held in the group through
+    `coord` that meets `target` (non-empty intersection), walking each dim's splits and pruning."""
+    if any(hi <= lo for lo, hi in target):
+        return
+    per_dim = []
+    for d, (tlo, thi) in enumerate(target):
+        options = [((), 0, global_shape[d])]   # (digits so far, lo, hi)
+        for a, p in enumerate(pls):
+            if not (isinstance(p, Split) and p.dim == d):
+                continue
+            n = mesh_shape[a]
+            grown = []
+            for digits, lo, hi in options:
+                for i in (range(n) if a in axes else (coord[a],)):
+                    clo, chi = split_range(lo, hi, n, i)
+                    if clo < chi and clo < thi and tlo < chi:
+                        grown.append((digits + ((a, i),) if a in axes else digits, clo, chi))
+            options = grown
+        per_dim.append([o for o in options if o[1] < o[2] and o[1] < thi and tlo < o[2]])
+    for combo in itertools.product(*per_dim):
+        yield tuple(x for digits, _, _ in combo for x in digits), tuple((lo, hi) for _, lo, hi in combo)
 
 
 Pairs = tuple[tuple[int, Block], ...]  # (peer, block) pairs, ordered by peer
@@ -202,39 +298,60 @@ def reduce_recv_elems(src_blocks: list[Block], dst_blocks: list[Block], contribu
     [2, 2, 2, 2]
     """
     recv = [0] * len(src_blocks)
+    per_tile: dict[int, list] = {}  # every member needing a tile receives all its slabs but those it owns
     for need, o, slab, source in _slab_owners(src_blocks, dst_blocks):
         k = block_numel(slab)
-        recv[o] += k * (contributions - (src_blocks[o] == source))
+        recv[o] += k * (contributions - (src_blocks[o] == source)) - k
+        total = per_tile.setdefault(id(need), [need, 0])
+        total[1] += k
+    for need, total in per_tile.values():
         for i in need:
-            if i != o:
-                recv[i] += k
+            recv[i] += total
     return recv
 
 
 def _slab_owners(src_blocks: list[Block], dst_blocks: list[Block]) -> Iterator[tuple[list[int], int, Block, Block]]:
     """(members needing it, owner, slab, the source tile holding it) for every slab:
     each destination tile is cut by the source tiles into pieces, and each piece into balanced slabs,
-    one per member that needs it and holds a contribution of it (or, when none does, that needs it)."""
+    one per member that needs it and holds a contribution of it (or, when none does, that needs it).
+
+    Distinct source tiles are disjoint and tile the group's block as a grid (per dim, a partition), so
+    the tiles a destination tile meets are found per dim by bisection, not by trying every tile."""
     sources = list(dict.fromkeys(src_blocks))
+    holders: dict[Block, set[int]] = {}
+    for i, b in enumerate(src_blocks):
+        holders.setdefault(b, set()).add(i)
+    ndim = len(sources[0]) if sources else 0
+    cuts = [sorted({b[d] for b in sources}) for d in range(ndim)]   # per dim, its distinct ranges, in order
+    his = [[hi for _, hi in c] for c in cuts]
+    order = {b: k for k, b in enumerate(sources)}
     needers: dict[Block, list[int]] = {}
     for i, b in enumerate(dst_blocks):
         needers.setdefault(b, []).append(i)
     for tile, need in needers.items():
-        for source in sources:
-            piece = []
-            for (alo, ahi), (blo, bhi) in zip(tile, source):  # `intersect`, inlined: the planner's hot loop
-                lo, hi = alo if alo > blo else blo, ahi if ahi < bhi else bhi
-                if hi <= lo:
-                    break
-                piece.append((lo, hi))
-            else:
-                owners = [i for i in need if src_blocks[i] == source] or need
-                if len(owners) == 1:
-                    yield need, owners[0], tuple(piece), source
-                    continue
-                for o, slab in zip(owners, _slabs(tuple(piece), len(owners))):
-                    if slab is not None:
-                        yield need, o, slab, source
+        per_dim = []
+        for d, (lo, hi) in enumerate(tile):
+            c = cuts[d]
+            k = bisect.bisect_right(his[d], lo)
+            met = []
+            while k < len(c) and c[k][0] < hi:
+                if c[k][1] > c[k][0] and c[k][1] > lo:
+                    met.append(c[k])
+                k += 1
+            per_dim.append(met)
+        hits = [src for src in itertools.product(*per_dim) if src in order] if ndim else list(sources)
+        for source in sorted(hits, key=order.__getitem__):  # (in the order of first appearance, as before)
+            piece = tuple((max(a, b), min(c, e)) for (a, c), (b, e) in zip(tile, source))
+            if any(hi <= lo for lo, hi in piece):
+                continue
+            held = holders[source]
+            owners = [i for i in need if i in held] or need
+            if len(owners) == 1:
+                yield need, owners[0], piece, source
+                continue
+            for o, slab in zip(owners, _slabs(piece, len(owners))):
+                if slab is not None:
+                    yield need, o, slab, source
 
 
 def reducible(src: tuple[Placement, ...], dst: tuple[Placement, ...], axes: tuple[int, ...]) -> bool:
@@ -302,7 +419,8 @@ def contained(src: tuple[int, ...], dst: tuple[int, ...], axes: tuple[int, ...])
     return True
 
 
-CACHES = (("exchange.exchange", exchange), ("exchange.reduce_exchange", reduce_exchange))
+CACHES = (("exchange.exchange", exchange), ("exchange.exchange_at", exchange_at),
+          ("exchange.reduce_exchange", reduce_exchange))
 """The memos of this module, by name (`sbp.planning.clear_caches` clears them)."""
 
 

@@ -1,24 +1,28 @@
 """The redistribution search: the cheapest sequence of moves from one placements tuple to another.
 
-Pure and deterministic: a function of (global_shape, mesh_shape, src, dst, itemsize, latency_bytes)
-only, cached (`plan_cached`; `sbp.plan` in `sbp.planning.api` checks the arguments and calls it). The
+Pure and deterministic: a function of (global_shape, mesh_shape, src, dst, itemsize, latency_bytes,
+topology) only, cached (`plan_cached`; `sbp.plan` in `sbp.planning.api` checks the arguments and calls it). The
 search is A* over placement states (canonical placements tuples); the moves out of a state are the
 rows of `sbp.planning.moves.MOVES`, priced by `sbp.planning.cost.Costing`, and the heuristic is
 `sbp.planning.bounds.Bounds`. The cost of a plan is lexicographic: (busiest rank's received bytes +
 latency per collective call, collective calls, point-to-point steps, peak bytes, steps, then the order
-moves are generated in).
+moves are generated in); with a topology the modeled time of the busiest rank comes first
+(`sbp.planning.cost.Pricing`).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
+from dataclasses import replace
 from functools import lru_cache
+from typing import Optional
 
 from ..values.errors import PlanError
 from ..values.steps import STEP_KINDS, Plan, Step
+from ..values.topology import Topology
 from .bounds import Bounds
-from .cost import Costing
+from .cost import Costing, Pricing
 from .moves import POINT_TO_POINT_KINDS, candidates
 from .states import State, pending
 
@@ -28,8 +32,11 @@ _CALLS = {kind: Step(kind, (), (), ()).calls for kind in STEP_KINDS}
 
 @lru_cache(maxsize=4096)
 def plan_cached(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: State, dst: State, itemsize: int,
-                latency_bytes: int) -> Plan:
+                latency_bytes: int, topology: Optional[Topology] = None) -> Plan:
     """The cheapest plan for checked, normalised arguments (as `sbp.plan` makes them), cached.
+
+    With a `topology` the objective is the modeled time (`sbp.planning.cost.Pricing`), bytes the
+    tie-breaker, and every step carries its modeled time.
 
     >>> from sbp import S, B
     >>> p = plan_cached((8, 8), (2,), (S(0),), (B,), 4, 0)
@@ -38,24 +45,26 @@ def plan_cached(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: State,
     """
     costing = Costing(shape, mesh_shape, itemsize)
     bounds = Bounds(costing)
+    pricing = Pricing(costing, latency_bytes, topology)
     cap = 2 * (costing.max_local_bytes(src) + costing.max_local_bytes(dst))
     bound = bounds.lower_bound(src, dst)
     capped: list[bool] = []
-    steps = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, capped=capped)
-    price = lambda plan: sum(s.bytes + latency_bytes * s.calls for s in plan)
+    steps = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, capped=capped, pricing=pricing)
     if steps is None or (capped and sum(s.bytes for s in steps) > bound):
         # the cap is a preference, bytes come first: a plan above the lower bound, found by a search the
         # cap pruned, is checked against the search without the cap (which still keeps the whole tensor
         # off the ranks) and loses to a plan receiving fewer bytes (a few Partial sources, whose local is
         # full-size already)
-        free = find_steps(costing, src, dst, latency_bytes, None, bounds=bounds)
-        if steps is None or (free is not None and price(free) < price(steps)):
+        free = find_steps(costing, src, dst, latency_bytes, None, bounds=bounds, pricing=pricing)
+        if steps is None or (free is not None and pricing.total(free) < pricing.total(steps)):
             steps = free
     if steps is None:  # nothing keeps the whole tensor off the ranks: allow it rather than fail
-        steps = find_steps(costing, src, dst, latency_bytes, None, bounds=bounds, whole_off=False)
+        steps = find_steps(costing, src, dst, latency_bytes, None, bounds=bounds, whole_off=False, pricing=pricing)
     if steps is None:  # pragma: no cover - every pair is reachable by construction
         raise PlanError(f"no plan from {src} to {dst} on mesh {mesh_shape}")
-    return Plan(shape, mesh_shape, src, dst, itemsize, tuple(steps), bound)
+    if topology is not None:
+        steps = [replace(s, time_ns=pricing.time_ns(s)) for s in steps]
+    return Plan(shape, mesh_shape, src, dst, itemsize, tuple(steps), bound, topology)
 
 
 CACHES = (("search.plan_cached", plan_cached),)
@@ -63,55 +72,64 @@ CACHES = (("search.plan_cached", plan_cached),)
 
 
 def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int | None, *,
-               bounds: Bounds | None = None, whole_off: bool = True, capped: list | None = None) -> list[Step] | None:
+               bounds: Bounds | None = None, whole_off: bool = True, capped: list | None = None,
+               pricing: Pricing | None = None) -> list[Step] | None:
     """The cheapest steps from `src` to `dst` (None when none is found): A* over states with
-    lexicographic cost (bytes + latency, collectives, transfers, peak, steps, then move order).
+    lexicographic cost (the objective's primary and secondary parts (`Pricing`), collectives,
+    transfers, peak, steps, then move order). Without a topology the primary part is bytes + latency
+    per call and the secondary is 0; with one, modeled time, then bytes + latency.
 
-    `latency` prices each collective call as that many bytes; steps whose peak exceeds `cap` bytes are
-    left out (None: no cap), and so, with `whole_off`, are states in the middle of a plan that hold
-    the whole tensor (unless an end point does); `capped` gets one entry when the cap left a step out.
-    `bounds` (of the same `costing`) may be shared between searches.
+    `latency` prices each collective call as that many bytes (`pricing`, when given, must use it);
+    steps whose peak exceeds `cap` bytes are left out (None: no cap), and so, with `whole_off`, are
+    states in the middle of a plan that hold the whole tensor (unless an end point does); `capped` gets
+    one entry when the cap left a step out. `bounds` (of the same `costing`) may be shared between searches.
 
     Among plans equal in bytes and collectives, ring collectives win over point-to-point transfers
     (NCCL and gloo run them as tuned rings), then the smaller peak memory, then fewer steps.
 
     The heuristic never overestimates: what ranks lack of their destination blocks
     (`Bounds.heuristic`), and for states still to be reduced `Bounds.reduction`, which holds
-    for any schedule. Work is deferred until an entry comes first in the queue: a move is queued
-    unpriced under what it costs at least (its collectives, nothing for its bytes) plus its parent's
-    heuristic, and a new state under its parent's heuristic less the move's cost (pathmax); most never
-    come first. Keys never exceed the cost of a completion, so once the smallest key reaches dst's
-    cost, the path found is optimal (among equal ones, the first found).
+    for any schedule (priced by `Pricing.estimate`: over the fastest link with a topology). Work is
+    deferred until an entry comes first in the queue: a move is queued unpriced under what it costs at
+    least (its collectives, nothing for its bytes) plus its parent's heuristic, and a new state under
+    its parent's heuristic less the move's cost (pathmax); most never come first. Keys never exceed the
+    cost of a completion, so once the smallest key reaches dst's cost, the path found is optimal (among
+    equal ones, the first found).
 
     >>> from sbp import S, B
     >>> [(s.kind, s.bytes) for s in find_steps(Costing((8, 8), (2,), 4), (S(0),), (B,), 0, None)]
     [('all_gather', 128)]
     """
     bounds = Bounds(costing) if bounds is None else bounds
+    pricing = Pricing(costing, latency) if pricing is None else pricing
+    estimate, least_of = pricing.estimate, pricing.least
 
-    def h(state: State) -> tuple[int, int]:
+    def h(state: State) -> tuple[int, int, int]:
         if pending(state, dst):
-            return bounds.reduction(state, dst) + latency, 1
+            return (*estimate(bounds.reduction(state, dst), 1), 1)
         lack = bounds.heuristic(state, dst)
-        return lack + latency * (lack > 0), int(lack > 0)
+        return (*estimate(lack, int(lack > 0)), int(lack > 0))
 
     def least(cost: tuple, kind: str) -> tuple:
         """The cost after a move of `kind` with no bytes and no more peak memory."""
         calls = _CALLS[kind]
+        lp, ls = least_of(calls)
         p2p = kind in POINT_TO_POINT_KINDS
-        return cost[0] + latency * calls, cost[1] + calls, cost[2] + p2p, cost[3], cost[4] + 1
+        return cost[0] + lp, cost[1] + ls, cost[2] + calls, cost[3] + p2p, cost[4], cost[5] + 1
 
     # never materialise the whole tensor on a rank in passing (unless an end point holds it already)
     whole = math.prod(costing.shape) * costing.itemsize
     whole_cap = max(costing.max_local_bytes(src), costing.max_local_bytes(dst), whole - 1)
-    start = (0, 0, 0, costing.max_local_bytes(src), 0)
+    # costs: (primary, secondary, calls, point-to-point steps, peak bytes, steps)
+    start = (0, 0, 0, 0, costing.max_local_bytes(src), 0)
     best: dict[State, tuple] = {src: start}
     back: dict[State, tuple[State, Step]] = {}
     # entries: (key, order, cost so far, state, its heuristic or None while only a bound is known,
     #           None or an unpriced move out of the state)
-    heap: list = [((0, 0, 0, start[3], 0), 0, start, src, None, None)]
+    heap: list = [(start, 0, start, src, None, None)]
     order = itertools.count(1)  # among equal keys the oldest entry first
     done = None  # best[dst] once reached
+    p2p_least = least_of(1)
     while heap:
         key, _, cost, state, est, move = heapq.heappop(heap)
         if best.get(state) != cost:  # reached more cheaply since (its moves are queued again)
@@ -135,20 +153,21 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
                     capped.append(True)   # the cap changed the search: its plan may not be the cheapest
                 continue
             coll = step.calls
-            new = (cost[0] + step.bytes + latency * coll, cost[1] + coll, cost[2] + (kind in POINT_TO_POINT_KINDS),
-                   max(cost[3], step.peak_bytes), cost[4] + 1)
+            sp, ss = pricing.price(step)
+            new = (cost[0] + sp, cost[1] + ss, cost[2] + coll, cost[3] + (kind in POINT_TO_POINT_KINDS),
+                   max(cost[4], step.peak_bytes), cost[5] + 1)
             if old is None or new < old:
                 best[t] = new
                 back[t] = (state, step)
                 if t == dst:
                     done = new
-                bound = (max(0, est[0] - step.bytes - latency * coll), max(0, est[1] - coll))
-                heapq.heappush(heap, ((new[0] + bound[0], new[1] + bound[1], *new[2:4], new[4] + (t != dst)),
+                heapq.heappush(heap, ((new[0] + max(0, est[0] - sp), new[1] + max(0, est[1] - ss),
+                                       new[2] + max(0, est[2] - coll), *new[3:5], new[5] + (t != dst)),
                                       next(order), new, t, None, None))
             continue
         if est is None:  # (never for a deferred family: its state was expanded already)
             est = h(state)
-            exact = (cost[0] + est[0], cost[1] + est[1], *cost[2:4], cost[4] + 1)  # not dst: one step more
+            exact = (cost[0] + est[0], cost[1] + est[1], cost[2] + est[2], *cost[3:5], cost[5] + 1)  # not dst
             if exact > key:  # queue it again under its own heuristic
                 heapq.heappush(heap, (exact, next(order), cost, state, est, None))
                 continue
@@ -157,12 +176,14 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
         else:
             family = candidates(costing, state, dst)
             # what any point-to-point move costs at least: one call, one transfer
-            key = (cost[0] + max(latency, est[0]), cost[1] + max(1, est[1]), cost[2] + 1, cost[3], cost[4] + 1)
+            key = (cost[0] + max(p2p_least[0], est[0]), cost[1] + max(p2p_least[1], est[1]),
+                   cost[2] + max(1, est[2]), cost[3] + 1, cost[4], cost[5] + 1)
             heapq.heappush(heap, (key, next(order), cost, state, est, _DEFERRED))
         for move in family:  # keyed by what they cost at least: their collectives, and the parent's heuristic
             kind = move[0]
             calls = _CALLS[kind]
-            key = (cost[0] + max(latency * calls, est[0]), cost[1] + max(calls, est[1]),
-                   cost[2] + (kind in POINT_TO_POINT_KINDS), cost[3], cost[4] + 1 + (move[2] != dst))
+            lp, ls = least_of(calls)
+            key = (cost[0] + max(lp, est[0]), cost[1] + max(ls, est[1]), cost[2] + max(calls, est[2]),
+                   cost[3] + (kind in POINT_TO_POINT_KINDS), cost[4], cost[5] + 1 + (move[2] != dst))
             heapq.heappush(heap, (key, next(order), cost, state, est, move))
     return None

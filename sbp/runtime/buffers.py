@@ -29,10 +29,11 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..planning.exchange import exchange
+from ..planning.cost import Costing
+from ..planning.exchange import exchange, exchange_at
 from ..values.errors import PlanError
 from ..values.layout import Block, block, block_numel, block_shape, relative
-from ..values.placement import Placement
+from ..values.placement import Placement, Split
 
 Run = tuple[int, int]  # half-open flat range [start, stop) of a contiguous tensor
 Place = tuple[tuple[slice, ...], tuple[int, ...], int]  # slices of a block, their shape, flat buffer offset
@@ -254,12 +255,12 @@ def exchange_layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], 
     >>> ex.recv_run, ex.send_run, ex.keep     # rows land in place; columns are packed, the kept one too
     ((0, 16), None, None)
     """
-    ex = exchange(global_shape, mesh_shape, src, dst, axes, coord)
-    me = ex.members.index(coord)
+    ex = exchange_at(global_shape, mesh_shape, src, dst, axes, coord)
+    me = ex.me
     have, want = block(global_shape, mesh_shape, src, coord), block(global_shape, mesh_shape, dst, coord)
-    moves = ex.max_recv_elems > 0
-    options = [_exchange_option(ex.send[me], ex.recv[me], len(ex.members), me, ex.keep[me], have, want, carry)
-               for carry in ((False, True) if moves and ex.keep[me] is not None else (False,))]
+    moves = group_moves(global_shape, mesh_shape, src, dst, axes, coord)
+    options = [_exchange_option(ex.send, ex.recv, ex.size, me, ex.keep, have, want, carry)
+               for carry in ((False, True) if moves and ex.keep is not None else (False,))]
     _, layout = min(options, key=lambda o: o[0])  # the first of equals: the kept part stays out
     return ExchangeLayout(block_shape(want), *layout, moves=moves)
 
@@ -268,19 +269,23 @@ def _exchange_option(send, recv, n: int, me: int, keep: Block | None, have: Bloc
     """(elements copied on the way of the collective, layout fields) with or without the kept part carried:
     packing and unpacking count, and the kept part only when carried (a local copy inside the call; left
     out, it is copied while the call is in flight)."""
-    def per_member(pairs) -> list[list[Block]]:
-        out: list[list[Block]] = [[] for _ in range(n)]
-        for peer, b in pairs:
-            out[peer].append(b)
+    def in_member_order(pairs) -> list[tuple[int, Block]]:
+        out = list(pairs)   # (sorted by peer already)
         if carry_keep:
-            out[me].append(keep)
+            out.append((me, keep))
+            out.sort(key=lambda pb: pb[0])   # stable: the kept part after anything else for this member
         return out
 
-    sending, receiving = per_member(send), per_member(recv)
-    in_splits = tuple(sum(map(block_numel, bs)) for bs in sending)
-    out_splits = tuple(sum(map(block_numel, bs)) for bs in receiving)
-    flat_send = [b for bs in sending for b in bs]
-    flat_recv = [b for bs in receiving for b in bs]
+    def splits(pairs) -> tuple[int, ...]:
+        out = [0] * n   # (the collective needs one count per member; only the peers' are filled in)
+        for peer, b in pairs:
+            out[peer] += block_numel(b)
+        return tuple(out)
+
+    sending, receiving = in_member_order(send), in_member_order(recv)
+    in_splits, out_splits = splits(sending), splits(receiving)
+    flat_send = [b for _, b in sending]
+    flat_recv = [b for _, b in receiving]
     send_run = chain([run_in(b, have) for b in flat_send])
     recv_run = chain([run_in(b, want) for b in flat_recv])
     offsets = lambda blocks: list(itertools.accumulate((block_numel(b) for b in blocks), initial=0))[:-1]
@@ -304,23 +309,49 @@ def p2p_layout(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: 
     >>> [(peer, run) for peer, run, _, _ in lay.recvs]  # rows of the result: received in place
     [(0, (0, 4)), (2, (8, 12)), (3, (12, 16))]
     """
-    ex = exchange(global_shape, mesh_shape, src, dst, axes, coord)
-    me, n = ex.members.index(coord), len(ex.members)
+    ex = exchange_at(global_shape, mesh_shape, src, dst, axes, coord)
+    me, n = ex.me, ex.size
     have, want = block(global_shape, mesh_shape, src, coord), block(global_shape, mesh_shape, dst, coord)
-    sends = sorted(((peer, b) for peer, b in ex.send[me] if block_numel(b)), key=lambda pb: (pb[0] - me) % n)
-    recvs = [(peer, b) for peer, b in ex.recv[me] if block_numel(b)]
+    sends = sorted(((peer, b) for peer, b in ex.send if block_numel(b)), key=lambda pb: (pb[0] - me) % n)
+    recvs = [(peer, b) for peer, b in ex.recv if block_numel(b)]
     for what, pairs in (("sends", sends), ("receives", recvs)):
         if len({peer for peer, _ in pairs}) != len(pairs):
             raise PlanError(f"exchange on mesh axes {axes}, {src} -> {dst}: coord {coord} {what} two blocks with "
                             f"one peer: {pairs}")
-    keep = ex.keep[me]
+    keep = ex.keep
     sends_at = tuple((peer, run_in(b, have), relative(b, have)) for peer, b in sends)
     recvs_at = tuple((peer, run_in(b, want), relative(b, want), block_shape(b)) for peer, b in recvs)
     copies = sum(block_numel(b) for (_, b), (_, run, _) in zip(sends, sends_at) if run is None) + \
         sum(block_numel(b) for (_, b), (_, run, _, _) in zip(recvs, recvs_at) if run is None)
     return P2PLayout(block_shape(want), sends_at, recvs_at,
                      None if keep is None or not block_numel(keep) else (relative(keep, have), relative(keep, want)),
-                     ex.max_recv_elems > 0, copies)
+                     group_moves(global_shape, mesh_shape, src, dst, axes, coord), copies)
+
+
+@lru_cache(maxsize=4096)
+def group_moves(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...],
+                dst: tuple[Placement, ...], axes: tuple[int, ...], coord: tuple[int, ...]) -> bool:
+    """Whether some member of the group through `coord` receives anything (else the step makes no call).
+    Split evenly everywhere, every group is a translate of every other: the planner's `lack` over the mesh
+    answers with no work per rank; otherwise the group's whole schedule does.
+
+    >>> from sbp import S, B
+    >>> group_moves((8, 8), (2, 2), (S(0), B), (S(0), S(1)), (1,), (0, 0))      # a slice: nobody receives
+    False
+    >>> group_moves((8, 8), (2, 2), (S(0), S(1)), (S(0), B), (1,), (0, 0))
+    True
+    """
+    if _even(global_shape, mesh_shape, src) and _even(global_shape, mesh_shape, dst):
+        return Costing(global_shape, mesh_shape, 1).lack(src, dst) > 0
+    return exchange(global_shape, mesh_shape, src, dst, axes, coord).max_recv_elems > 0
+
+
+def _even(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], pls: tuple[Placement, ...]) -> bool:
+    pieces = [1] * len(global_shape)
+    for a, p in enumerate(pls):
+        if isinstance(p, Split):
+            pieces[p.dim] *= mesh_shape[a]
+    return all(n % k == 0 for n, k in zip(global_shape, pieces))
 
 
 @lru_cache(maxsize=4096)

@@ -3,7 +3,10 @@
 Each memo is a bounded `functools.lru_cache` of a pure function of its arguments (plans for normalised
 arguments, buffer layouts of a step on a coord, plan signatures), owned by the module that computes it;
 this module only lists them. Clearing is never needed for correctness: the same arguments give the same
-values. The planning layer has its own pair (`sbp.planning.clear_caches`, `sbp.planning.cache_info`).
+values. The planning layer has its own pair (`sbp.planning.clear_caches`, `sbp.planning.cache_info`);
+the executor's plans come through `sbp.plan`, so a new shape of a known shape class costs the class
+memo's arithmetic there (`sbp.planning.classes`), not a search. Every memo here is keyed by exact global
+shapes: a new sequence length adds one entry to each memo it meets (4,096 each at most).
 
 >>> clear_caches()
 >>> info = cache_info()
@@ -20,6 +23,8 @@ MEMOS = {
     "buffers.scatter": buffers.scatter,
     "buffers.exchange_layout": buffers.exchange_layout,
     "buffers.p2p_layout": buffers.p2p_layout,
+    "buffers.messages_copy_nothing": buffers.messages_copy_nothing,
+    "buffers.group_moves": buffers.group_moves,
     "agreement.plan_signature": agreement.plan_signature,
 }
 

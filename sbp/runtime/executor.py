@@ -24,7 +24,7 @@ from ..values.layout import Block, block, block_shape, check_global_shape, relat
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from ..values.steps import Plan, Step
-from . import traced
+from . import pending, traced
 from .buffers import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
 from .communicator import Communicator
 from .reduce_exchange import run_reduce_transfer
@@ -64,9 +64,12 @@ def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     >>> sbp.testing.spmd(fn, (2,))
     [28.0, 28.0]
     """
+    local = pending.ready(local)   # an async result is waited for before it is read
     ctx = _context(plan, mesh, local)
     if ctx is None:
         return local
+    if not ctx.tracing and any(step.kind != "local" for step in plan.steps):
+        pending.drain(ctx.comm)    # collectives keep the order of submission: async work first
     expected = block_shape(ctx.block(plan.src))
     if tuple(local.shape) != expected:
         raise ShapeError(f"rank {ctx.comm.rank} at coord {ctx.coord}: local shape {tuple(local.shape)} does not "

@@ -16,7 +16,9 @@ process groups (`CompileError`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import pathlib
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -87,6 +89,38 @@ def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tup
     if pg is None:
         raise CompileError(f"no process group for ranks {list(members)} on rank {comm.rank}")
     return pg.group_name, len(members), _order(members)
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A digest of sbp's own source files (read once per process).
+
+    Compile caches (torch's on-disk AOTAutograd cache) key a graph by dynamo's graph and its inputs; the
+    lowering of sbp's opaque calls is sbp's Python, which they do not hash, so a cached graph made by
+    another version of sbp would be served without it.
+
+    >>> len(code_fingerprint()), code_fingerprint() == code_fingerprint()
+    (32, True)
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(*parts: object) -> str:
+    """A stable digest of `parts` (their reprs) and `code_fingerprint()`: a traced tensor's part of a compile
+    cache's key. The caller puts in everything its lowering depends on -- for a global tensor, this
+    process's rank: ranks share one on-disk cache, and a plan's traced lowering differs between ranks
+    (their blocks differ) even where the graph and the local shapes do not.
+
+    >>> cache_key((2,), 0) == cache_key((2,), 0), cache_key((2,), 0) == cache_key((2,), 1)
+    (True, False)
+    """
+    text = repr((code_fingerprint(),) + parts)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -252,4 +286,4 @@ def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm) -> torc
 
 _REDUCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
-__all__ = ["CompileError", "is_tracing", "group_name", "run_step"]
+__all__ = ["CompileError", "is_tracing", "group_name", "run_step", "code_fingerprint", "cache_key"]

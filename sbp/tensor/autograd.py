@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..runtime.crossmesh import redistribute_cross as run_cross_mesh
+from ..runtime.pending import is_pending
 from ..runtime.traced import is_tracing
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, normalize
@@ -42,18 +43,20 @@ def _as_global(grad: torch.Tensor, mesh: DeviceMesh, global_shape: tuple[int, ..
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx, x: GlobalTensor, dst: tuple[Placement, ...],  # type: ignore[override]
+                async_op: bool = False) -> GlobalTensor:
         ctx.src = x._placements
         ctx.mesh = x._mesh
         ctx.global_shape = tuple(x.shape)
-        out = gt.redistribute_raw(x, dst)
+        ctx.async_op = async_op   # an asynchronous forward has an asynchronous backward
+        out = gt.redistribute_raw(x, dst, async_op)
         return _not_aliasing(out, x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         want = gt.grad_placements(ctx.src)
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
-        return redistribute(g, want), None
+        return redistribute(g, want, ctx.async_op), None, None
 
 
 class _RedistributeCross(torch.autograd.Function):
@@ -75,6 +78,8 @@ def _not_aliasing(out: GlobalTensor, x: GlobalTensor) -> GlobalTensor:
     (B -> S(0), B -> P) would hand back a view of the source, and a write into the result would change
     the source on some ranks only. `redistribute` returns a new tensor, as DTensor's does."""
     mine = out._local
+    if is_pending(mine):  # queued work copies a result that would alias its source (no waiting here)
+        return out
     if is_tracing(mine):  # traced tensors have no address; a copy of a fresh buffer is free to a compiler
         return gt.GlobalTensor(mine.clone(), out._mesh, out._placements, tuple(out.shape)) if mine.numel() else out
     if mine.numel() and mine.untyped_storage().data_ptr() == x._local.untyped_storage().data_ptr():
@@ -132,8 +137,9 @@ class _FromLocal(torch.autograd.Function):
         return redistribute(g, want).to_local(), None, None, None
 
 
-def redistribute(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:
-    """Differentiable redistribution to normalised placements `dst` (the body of `x.redistribute`).
+def redistribute(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool = False) -> GlobalTensor:
+    """Differentiable redistribution to normalised placements `dst` (the body of `x.redistribute`);
+    with `async_op` the collectives of forward and backward run queued (`sbp.runtime.pending`).
 
     >>> import torch, sbp, sbp.testing
     >>> def fn(mesh):
@@ -143,7 +149,7 @@ def redistribute(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:
     >>> sbp.testing.spmd(fn, (2,))
     [((S(0),), [1.0, 1.0]), ((S(0),), [1.0, 1.0])]
     """
-    return _Redistribute.apply(x, dst)
+    return _Redistribute.apply(x, dst, async_op)
 
 
 def redistribute_cross(x: GlobalTensor, mesh: DeviceMesh, dst: tuple[Placement, ...]) -> GlobalTensor:

@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..runtime import agreement
+from ..runtime import agreement, pending
 from ..runtime.agreement import is_enabled as debug_enabled
 from ..runtime.executor import cached_plan, redistribute_local
-from ..runtime.traced import is_tracing
+from ..runtime.pending import PendingTensor
+from ..runtime.traced import cache_key, is_tracing
 from ..values.errors import DTypeError, MeshError, PlacementError, SbpError, ShapeError
 from ..values.layout import block, local_slices
 from ..values.mesh import DeviceMesh, live_mesh
@@ -205,11 +206,14 @@ class GlobalTensor(torch.Tensor):
 
     full_tensor = full
 
-    def redistribute(self, placements, *, mesh: Optional[DeviceMesh] = None) -> "GlobalTensor":
+    def redistribute(self, placements, *, mesh: Optional[DeviceMesh] = None, async_op: bool = False) -> "GlobalTensor":
         """The same logical tensor with other placements (objects or a string like ``"S(0), B"``).
 
         Runs the planner's cheapest plan; differentiable (the backward is a planned redistribution too).
         With `mesh`, moves to another mesh (other ranks and/or shape; `sbp.runtime.crossmesh`).
+        With `async_op=True` it returns at once: the collectives run on the rank's ordered queue
+        (`sbp.runtime.pending`) and the result's local tensor waits for them at its first use (`wait()`
+        forces it); its backward is asynchronous too. (Cross-mesh moves and compiled code run at once.)
 
         >>> import sbp, sbp.testing
         >>> def fn(mesh):
@@ -221,7 +225,23 @@ class GlobalTensor(torch.Tensor):
         if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
             return _compiled_redistribute(self, placements_text(placements),
                                           () if mesh is None else mesh_description(mesh))
-        return _redistribute(self, placements, mesh)
+        return _redistribute(self, placements, mesh, async_op)
+
+    def wait(self) -> "GlobalTensor":
+        """Block until the collectives of an asynchronous redistribution that made this tensor have run;
+        returns `self` (a tensor with nothing pending returns at once).
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     y = sbp.distribute(torch.arange(4.), mesh, "S(0)").redistribute("B", async_op=True)
+        ...     return y.wait().to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]]
+        """
+        d = self.__dict__
+        if isinstance(d["_local"], PendingTensor):
+            d["_local"] = d["_local"].wait()
+        return self
 
     # ---- autograd integration --------------------------------------------------------------------
     def requires_grad_(self, requires_grad: bool = True) -> "GlobalTensor":
@@ -315,6 +335,22 @@ class GlobalTensor(torch.Tensor):
         mesh, pls, shape = meta
         return GlobalTensor(inner["_local"], mesh, pls, shape)
 
+    def _stable_hash_for_caching(self) -> str:
+        """This tensor's part of torch.compile's cache keys (AOTAutograd's on-disk cache): the layout, the
+        local tensor's metadata, sbp's code and this process's rank -- ranks share the cache, and a traced
+        plan differs between ranks whose local shapes agree (a `P(sum)` input becoming uneven `S(1)` pieces).
+
+        >>> import sbp
+        >>> mesh = sbp.DeviceMesh((2,))
+        >>> a, b = (GlobalTensor(torch.ones(2), mesh, (p,), (2,)) for p in (sbp.Partial("sum"), sbp.B))
+        >>> a._stable_hash_for_caching() == b._stable_hash_for_caching()
+        False
+        """
+        mesh, local = self._mesh, self._local
+        return cache_key(mesh_description(mesh), None if mesh.binding is None else mesh.binding.rank,
+                         placements_text(self._placements), tuple(self.shape), self.requires_grad,
+                         tuple(local.shape), tuple(local.stride()), str(local.dtype), str(local.device))
+
     # ---- ATen dispatch -----------------------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -381,7 +417,7 @@ def get_op_handler() -> Optional[OpHandler]:
     return _op_handler[0]
 
 
-def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh]) -> GlobalTensor:
+def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh], async_op: bool = False) -> GlobalTensor:
     """The body of `GlobalTensor.redistribute` (also what a compiled graph traces through)."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
@@ -391,7 +427,7 @@ def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh]) ->
             _debug_check(self, pls)  # redistribute_raw checks every other call
             return self
         check_partial_dtype(pls, self.dtype, "redistribute")
-        return autograd.redistribute(self, pls)
+        return autograd.redistribute(self, pls, async_op)
     if mesh.binding is None:
         raise MeshError(f"redistribute(mesh=...) needs a mesh bound to processes (sbp.init_mesh, "
                         f"sbp.testing.submesh); {mesh!r} is a pure value")
@@ -467,8 +503,9 @@ def full_local(x: GlobalTensor) -> torch.Tensor:
     return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
 
 
-def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTensor:
-    """Redistribute without recording autograd: the executor runs the planned steps on the local tensor.
+def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool = False) -> GlobalTensor:
+    """Redistribute without recording autograd: the executor runs the planned steps on the local tensor
+    (with `async_op`, on the rank's ordered queue: the result's local is a `PendingTensor`).
 
     >>> import sbp, sbp.testing
     >>> def fn(mesh):
@@ -480,8 +517,25 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...]) -> GlobalTenso
     _debug_check(x, dst)
     if dst == x._placements:
         return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
+    if async_op and x._mesh.coord is not None and not is_tracing(x._local):
+        return GlobalTensor(_submit_redistribute(x, dst), x._mesh, dst, tuple(x.shape))
     local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
     return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
+
+
+def _submit_redistribute(x: GlobalTensor, dst: tuple[Placement, ...]) -> PendingTensor:
+    """The planned redistribution of `x`'s local to `dst` as queued work; a result that would alias the
+    source (a slice of it) is copied, so a later write to either never reaches the other."""
+    src_local, mesh, shape, src = x._local, x._mesh, tuple(x.shape), x._placements
+
+    def run() -> torch.Tensor:
+        source = pending.ready(src_local)
+        out = redistribute_local(source, mesh, shape, src, dst)
+        same = out.numel() and out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        return out.clone() if same else out
+
+    want = tuple(hi - lo for lo, hi in block(shape, mesh.shape, dst, mesh.coord))
+    return pending.submit(mesh.binding, run, want, x.dtype, x._local.device)
 
 
 def check_partial_dtype(placements: tuple[Placement, ...], dtype: torch.dtype, what: str) -> None:

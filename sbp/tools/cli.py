@@ -15,6 +15,7 @@ from ..values.errors import SbpError
 from ..values.layout import check_global_shape
 from ..values.mesh import as_mesh_shape
 from ..values.placement import normalize, placements
+from ..values.topology import PRESETS, Topology
 
 # torch dtype name -> bytes per element (also accepted with a "torch." prefix)
 DTYPE_ITEMSIZE = {
@@ -95,8 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", dest="itemsize", default="float32", type=itemsize_of, help="torch dtype name (default float32)")
     p.add_argument("--latency-bytes", default=0, type=int, metavar="N",
                    help="price each collective as N extra bytes (default 0: bytes first)")
+    p.add_argument("--topology", metavar="FILE|PRESET", default=None,
+                   help=f"minimise modeled time on this network: a topology JSON file (Topology.to_json, "
+                        f"sbp.calibrate) or a preset ({', '.join(sorted(PRESETS))})")
+    p.add_argument("--devices-per-host", default=8, type=int, metavar="N",
+                   help="with a --topology preset: devices per host, innermost mesh axes first (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
+
+
+def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int = 8) -> Topology:
+    """A `--topology` argument: a preset name laid over the mesh, else a path to a topology JSON file.
+
+    >>> load_topology("dgx-h100", (2, 8)).spans_hosts
+    (True, False)
+    """
+    if text in PRESETS:
+        return Topology.preset(text, mesh_shape, devices_per_host)
+    try:
+        with open(text, encoding="utf-8") as f:
+            data = f.read()
+    except OSError as e:
+        raise SbpError(f"--topology {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a readable "
+                       f"JSON file ({e.strerror})") from None
+    return Topology.from_json(data)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -121,8 +144,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _fail(f"sbp plan: error: argument --{name}: {e}")
     if args.latency_bytes < 0:
         return _fail(f"sbp plan: error: argument --latency-bytes: must be >= 0, got {args.latency_bytes}")
+    topology = None
+    if args.topology is not None:
+        try:
+            topology = load_topology(args.topology, args.mesh, args.devices_per_host)
+        except SbpError as e:
+            return _fail(f"sbp plan: error: argument --topology: {e}")
     try:
-        p = plan(args.shape, args.mesh, args.src, args.dst, args.itemsize, latency_bytes=args.latency_bytes)
+        p = plan(args.shape, args.mesh, args.src, args.dst, args.itemsize, latency_bytes=args.latency_bytes,
+                 topology=topology)
     except SbpError as e:
         return _fail(f"sbp plan: error: {e}")
     if args.json:
@@ -131,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(p.explain())
     print(f"bytes per rank: {p.bytes_per_rank} ({_human(p.bytes_per_rank)}), "
           f"lower bound: {p.lower_bound} ({_human(p.lower_bound)}), "
-          f"collectives: {p.num_collectives}, peak: {p.peak_bytes} ({_human(p.peak_bytes)})")
+          f"collectives: {p.num_collectives}, peak: {p.peak_bytes} ({_human(p.peak_bytes)})"
+          + ("" if p.time_us is None else f", modeled time: {p.time_us:.3f} us"))
     return 0
 
 

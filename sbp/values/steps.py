@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .placement import Placement
+from .topology import Topology
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer", "reduce_transfer")
 
@@ -38,7 +39,8 @@ class Step:
     """One move of a plan.
 
     `bytes` is what the busiest rank of the step receives; `peak_bytes` the largest per-rank working
-    memory while the step runs (input + output + communication buffers).
+    memory while the step runs (input + output + communication buffers); `time_ns` its modeled time
+    under the plan's topology (None: planned without one).
 
     >>> from sbp import S, B
     >>> Step("all_gather", (0,), (S(0),), (B,), dims=(0,), bytes=96)
@@ -53,6 +55,7 @@ class Step:
     op: Optional[str] = None
     bytes: int = 0
     peak_bytes: int = 0
+    time_ns: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
@@ -83,9 +86,12 @@ class Step:
         >>> Step("reduce_transfer", (0, 1), (), (), op="sum", bytes=8).to_dict()["calls"]
         2
         """
-        return {"kind": self.kind, "axes": list(self.axes), "src": _fmt(self.src), "dst": _fmt(self.dst),
-                "dims": list(self.dims), "op": self.op, "bytes": self.bytes, "peak_bytes": self.peak_bytes,
-                "calls": self.calls}
+        out = {"kind": self.kind, "axes": list(self.axes), "src": _fmt(self.src), "dst": _fmt(self.dst),
+               "dims": list(self.dims), "op": self.op, "bytes": self.bytes, "peak_bytes": self.peak_bytes,
+               "calls": self.calls}
+        if self.time_ns is not None:
+            out["time_us"] = self.time_ns / 1000
+        return out
 
     def __repr__(self) -> str:
         extra = f", dims={self.dims}" if self.dims else ""
@@ -110,6 +116,35 @@ class Plan:
     itemsize: int
     steps: tuple[Step, ...]
     lower_bound: int = 0
+    topology: Optional[Topology] = None
+
+    @property
+    def time_us(self) -> Optional[float]:
+        """Modeled time of the busiest rank under `topology`, summed over steps, in µs (None without one).
+
+        >>> import sbp
+        >>> t = sbp.Topology((1.0,), (8.0,))
+        >>> sbp.plan((8, 8), (2,), "S(0)", "B", topology=t).time_us   # 1 round x 1 µs + 128 B / 8 GB/s
+        1.016
+        >>> sbp.plan((8, 8), (2,), "S(0)", "B").time_us is None
+        True
+        """
+        if self.topology is None:
+            return None
+        return sum(s.time_ns or 0 for s in self.steps) / 1000
+
+    @property
+    def lower_bound_time_us(self) -> Optional[float]:
+        """A lower bound on `time_us` (None without a topology): the lower bound's bytes over the fastest
+        link, plus one round of the lowest latency when anything moves.
+
+        >>> import sbp
+        >>> sbp.plan((8, 8), (2,), "S(0)", "B", topology=sbp.Topology((1.0,), (8.0,))).lower_bound_time_us
+        1.016
+        """
+        if self.topology is None:
+            return None
+        return self.topology.bound_ns(self.lower_bound, int(self.lower_bound > 0)) / 1000
 
     @property
     def bytes_per_rank(self) -> int:
@@ -155,6 +190,9 @@ class Plan:
                 f"mesh={tuple(self.mesh_shape)} itemsize={self.itemsize}\n"
                 f"  bytes/rank={self.bytes_per_rank} (lower bound {self.lower_bound})  "
                 f"collectives={self.num_collectives}  peak={self.peak_bytes}")
+        if self.topology is not None:
+            head += (f"\n  time={self.time_us:.3f}us (lower bound {self.lower_bound_time_us:.3f}us)  "
+                     f"topology={self.topology.name}")
         if not self.steps:
             return head + "\n  (no steps: layouts already agree)"
         lines = [head]
@@ -163,7 +201,8 @@ class Plan:
             what = s.kind + (f"({s.op})" if s.op else "")
             dims = "" if not s.dims else " dims=" + ",".join(str(d) for d in s.dims)
             lines.append(f"  {i}. axes[{axes}] {what:<20} {_fmt(s.src)} -> {_fmt(s.dst)}{dims}  "
-                         f"bytes={s.bytes} peak={s.peak_bytes}")
+                         f"bytes={s.bytes} peak={s.peak_bytes}"
+                         + ("" if s.time_ns is None else f" time={s.time_ns / 1000:.3f}us"))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -185,7 +224,7 @@ class Plan:
             "lower_bound_bytes": self.lower_bound,
             "num_collectives": self.num_collectives,
             "peak_bytes": self.peak_bytes,
-        }
+        } | ({} if self.topology is None else {"time_us": self.time_us, "topology": self.topology.to_dict()})
 
 
 def _fmt(pls: tuple[Placement, ...]) -> str:

@@ -45,6 +45,11 @@ def _load(mesh, path, placements, extra=None):
     return {k: v.full() if isinstance(v, sbp.GlobalTensor) else v for k, v in sd.items()}
 
 
+def data_dir(path):
+    """The data directory the committed metadata.json names."""
+    return path / json.loads((path / "metadata.json").read_text())["data"]
+
+
 def roundtrip(path, save_shape, save_pls, load_shape, load_pls, extra=None, load_extra=None):
     sbp.testing.spmd(functools.partial(_save, path=path, placements=save_pls, extra=extra), save_shape)
     return sbp.testing.spmd(functools.partial(_load, path=path, placements=load_pls, extra=load_extra), load_shape)
@@ -75,8 +80,8 @@ def test_plain_tensors_and_values_roundtrip(tmp_path):
         assert torch.equal(per_rank["plain"], torch.arange(3.0))
         assert torch.equal(per_rank["nested"]["bias"], torch.ones(2, dtype=torch.float64))
     # plain tensors are written once, by coord 0
-    holders = [f for f in os.listdir(tmp_path)
-               if f.endswith(".pt") and "plain[0:3]" in torch.load(tmp_path / f, weights_only=True)]
+    holders = [f for f in os.listdir(data_dir(tmp_path))
+               if f.endswith(".pt") and "plain[0:3]" in torch.load(data_dir(tmp_path) / f, weights_only=True)]
     assert holders == ["rank00000.pt"]
 
 
@@ -88,7 +93,7 @@ def test_broadcast_blocks_are_written_once(tmp_path):
     blocks = meta["tensors"]["x"]["blocks"]
     assert blocks == [{"file": "rank00000.pt", "block": [[0, 3], [0, 2]]},
                       {"file": "rank00002.pt", "block": [[3, 6], [0, 2]]}]
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["rank00000.pt", "rank00002.pt"]
+    assert sorted(f for f in os.listdir(data_dir(tmp_path)) if f.endswith(".pt")) == ["rank00000.pt", "rank00002.pt"]
     entry = meta["tensors"]["x"]
     assert (entry["global_shape"], entry["dtype"], entry["mesh_shape"], entry["placements"]) == \
         ([6, 2], "float32", [2, 2], "(S(0), B)")
@@ -106,7 +111,7 @@ def test_partial_is_saved_reduced(tmp_path):
     meta = json.loads((tmp_path / "metadata.json").read_text())
     assert meta["tensors"]["x"]["placements"] == "(P(sum),)"
     assert meta["tensors"]["x"]["saved_placements"] == "(B,)"
-    assert torch.equal(torch.load(tmp_path / "rank00000.pt", weights_only=True)["x[0:3,0:2]"], 10 * value((3, 2)))
+    assert torch.equal(torch.load(data_dir(tmp_path) / "rank00000.pt", weights_only=True)["x[0:3,0:2]"], 10 * value((3, 2)))
 
     def load(mesh):
         x = sbp.zeros((3, 2), mesh, "S(0)")
@@ -243,20 +248,20 @@ def edit_metadata(path, edit) -> None:
 
 
 def test_missing_file(saved):
-    os.remove(saved / "rank00002.pt")
+    os.remove(data_dir(saved) / "rank00002.pt")
     assert "rank00002.pt' is missing (it holds blocks of tensors ['even', 'uneven', 'vector'])" in load_error(saved)
 
 
 def test_truncated_file(saved):
-    data = (saved / "rank00001.pt").read_bytes()
-    (saved / "rank00001.pt").write_bytes(data[:len(data) // 2])
+    data = (data_dir(saved) / "rank00001.pt").read_bytes()
+    (data_dir(saved) / "rank00001.pt").write_bytes(data[:len(data) // 2])
     assert "is truncated or altered" in load_error(saved)
 
 
 def test_altered_file_bytes(saved):
-    data = bytearray((saved / "rank00003.pt").read_bytes())
+    data = bytearray((data_dir(saved) / "rank00003.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (saved / "rank00003.pt").write_bytes(bytes(data))
+    (data_dir(saved) / "rank00003.pt").write_bytes(bytes(data))
     assert "does not match its SHA-256" in load_error(saved)
 
 

@@ -15,7 +15,7 @@ SCRIPT = pathlib.Path(EXAMPLES / "hf_llama.py")
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("mesh", ["4", "2x2"])
+@pytest.mark.parametrize("mesh", ["2x2"])   # dp x tp (TP alone on 4: test_transformers_models)
 def test_script_on_gloo_with_check(mesh):
     # float64 weights; transformers' loss casts the logits to float32, so the loss agrees to ~1e-7 on dp x tp
     proc = subprocess.run([sys.executable, str(SCRIPT), "--mesh", mesh, "--steps", "3", "--check", "--dim", "32",

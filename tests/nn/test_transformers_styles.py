@@ -64,12 +64,16 @@ def _linear() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 12))
 
 
-# style string -> (module factory, {path: style string}, input factory, {param: tp placement}, output tp placement)
+LOCAL = "local"   # the output is this rank's plain local block (transformers' use_local_output)
+
+# style string -> (module factory, {path: style string}, input kind, {param: tp placement}, output tp placement).
+# Input kinds: "x" a plain full (3, 8), "x_local" / "x_packed" this rank's slice of (3, 8) / of each half of
+# (3, 12) (what transformers' rowwise / packed_rowwise take), "x3" (3, 5, 8), "ids" token ids.
 CASES = {
     "colwise": (_linear, {"0": "colwise"}, "x", {"0.weight": S(0), "0.bias": S(0)}, S(1)),
     "colwise_rep": (_linear, {"0": "colwise_rep"}, "x", {"0.weight": S(0), "0.bias": S(0)}, B),
     "colwise_gather_output": (_linear, {"0": "colwise_gather_output"}, "x", {"0.weight": S(0)}, B),
-    "rowwise": (_linear, {"0": "rowwise"}, "x", {"0.weight": S(1), "0.bias": B}, B),
+    "rowwise": (_linear, {"0": "rowwise"}, "x_local", {"0.weight": S(1), "0.bias": B}, B),
     "rowwise_rep": (_linear, {"0": "rowwise_rep"}, "x", {"0.weight": S(1), "0.bias": B}, B),
     "rowwise_split_input": (_linear, {"0": "rowwise_split_input"}, "x", {"0.weight": S(1)}, B),
     "embedding_rowwise": (lambda: nn.Sequential(nn.Embedding(13, 6)), {"0": "embedding_rowwise"}, "ids",
@@ -88,14 +92,23 @@ CASES = {
     "mla_kv_a_proj": (Mla, {"kv_a": "mla_kv_a_proj", "kv_b": "colwise", "o": "rowwise_split_input"}, "x",
                       {"kv_a.weight": B, "kv_b.weight": S(0), "o.weight": S(1)}, B),
     "all_reduce": (_linear, {"0.weight": "rowwise", "0": "all_reduce"}, "x", {"0.weight": S(1), "0.bias": B}, B),
+    "packed_colwise": (_linear, {"0": "packed_colwise"}, "x", {"0.weight": S(1), "0.bias": S(1)}, LOCAL),
+    "packed_rowwise": (lambda: nn.Sequential(nn.Linear(12, 8)), {"0": "packed_rowwise"}, "x_packed",
+                       {"0.weight": S(2), "0.bias": B}, B),
 }
+
+
+def _block(t: torch.Tensor, mesh: sbp.DeviceMesh, parts: int) -> torch.Tensor:
+    """This rank's slice (on the tp axis, the last mesh axis) of each of `parts` equal parts of t's last dim."""
+    n, c = mesh.shape[-1], mesh.coord[-1]
+    return torch.cat([torch.tensor_split(part, n, dim=-1)[c] for part in t.chunk(parts, dim=-1)], dim=-1)
 
 
 def _input(kind: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     if kind == "ids":
         return torch.randint(0, 13, (3, 5), generator=g)
-    shape = (3, 5, 8) if kind == "x3" else (3, 8)
+    shape = {"x3": (3, 5, 8), "x_packed": (3, 12)}.get(kind, (3, 8))
     return torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
 
 
@@ -112,15 +125,19 @@ def _run_case(name: str, mesh_shape: tuple[int, ...] = (2,)) -> list[dict]:
 
     def fn(mesh):
         model = sbp.nn.parallelize(copy.deepcopy(parallel), mesh, plan)
-        xi = x.detach().clone().requires_grad_(x.requires_grad)
+        parts = {"x_local": 1, "x_packed": 2}.get(kind)
+        xi = (x if parts is None else _block(x, mesh, parts)).detach().clone().requires_grad_(x.requires_grad)
         y = model(xi)
-        (y * weight).sum().backward()
+        local = not isinstance(y, sbp.GlobalTensor)   # a local output: this rank's slice of each half
+        want, w = (_block(y_ref, mesh, 2), _block(weight, mesh, 2)) if local else (y_ref, weight)
+        (y * w).sum().backward()
+        x_grad = x.grad if parts is None or x.grad is None else _block(x.grad, mesh, parts)
         named = dict(model.named_parameters())
         return {
-            "out": (y.full() - y_ref).abs().max().item(),
-            "out_tp": y.placements[-1],
-            "x_grad": 0.0 if xi.grad is None else (xi.grad - x.grad).abs().max().item(),
-            "grads": max((named[n].grad.full() - g).abs().max().item() for n, g in grads.items()),
+            "out": ((y if local else y.full()) - want).abs().max().item(),
+            "out_tp": LOCAL if local else y.placements[-1],
+            "x_grad": 0.0 if xi.grad is None else (xi.grad - x_grad).abs().max().item(),
+            "grads": max((named[n].grad.full().reshape(g.shape) - g).abs().max().item() for n, g in grads.items()),
             "placements": {n: named[n].placements[-1] for n in params},
         }
     return sbp.testing.spmd(fn, mesh_shape)
@@ -204,3 +221,31 @@ def test_sbp_works_without_transformers():
             "print(sbp.testing.spmd(fn, (2,)))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[(B,), (B,)]", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, plan, match", [
+    (lambda: nn.Sequential(nn.Linear(8, 7)), {"0": "packed_colwise"},
+     r"packed parameter '0.weight': dim 0 of length 7 does not hold 2 equal parts"),
+    (_linear, {"0.weight": "packed_colwise"}, r"a packed parameter entry \('weight'\) is the expert weights of a "
+                                              r"'moe_tp_experts' module"),
+])
+def test_packed_refusals(module, plan, match):
+    """A packed dim the parts do not divide and a packed parameter entry are SbpErrors naming what is valid."""
+    with pytest.raises(sbp.SbpError, match=match):
+        sbp.testing.spmd(lambda mesh: sbp.nn.parallelize(module(), mesh, plan), (2,))
+
+
+def test_packed_rowwise_refuses_a_global_input():
+    def fn(mesh):
+        model = sbp.nn.parallelize(nn.Sequential(nn.Linear(12, 8)), mesh, {"0": "packed_rowwise"})
+        model(sbp.distribute(torch.ones(3, 12), mesh, "B"))
+    with pytest.raises(sbp.SbpError, match=r"packed rowwise Linear takes its input as this rank's slice of every "
+                                           r"part .* got a global tensor with placements \(B,\)"):
+        sbp.testing.spmd(fn, (2,))
+
+
+def test_packed_style_arguments():
+    with pytest.raises(sbp.SbpError, match=r"Packed\(along='sideways'\): .* valid: 'colwise', 'rowwise'"):
+        sbp.nn.Packed(along="sideways")
+    with pytest.raises(sbp.SbpError, match=r"Packed\(parts=0\)"):
+        sbp.nn.Packed(parts=0)

@@ -154,6 +154,37 @@ def test_head_parallel_attention_stays_local():
         assert moved <= 16   # only the scalar loss is reduced
 
 
+@pytest.mark.parametrize("mesh, kv", [((2,), 2), ((4,), 4), ((2, 2), 4)], ids=str)
+def test_grouped_query_attention_splits_the_heads_with_no_collective(mesh, kv):
+    """sdpa with 8 query heads over `kv` kv heads (enable_gqa), heads split on every tp axis: each rank's query
+    heads are the groups of its kv heads, so forward and backward run locally; values and grads exact."""
+    q, k, v = randn((2, 8, 5, 3), 0), randn((2, kv, 5, 3), 1), randn((2, kv, 5, 3), 2)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    heads = tuple(S(1) for _ in mesh)
+
+    def fn(mesh_):
+        with sbp.strict():
+            xs = [make_global(t, mesh_, heads, requires_grad=True) for t in (q, k, v)]
+            mesh_.binding.counters.reset()
+            out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=True)
+            out.backward(torch.ones_like(out))
+            calls = len(mesh_.binding.counters.calls)
+            return out.placements, [x.grad.placements for x in xs], calls, (out.full() - ref).abs().max().item()
+
+    check_op(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+             [q, k, v], [heads] * 3, mesh)
+    for pls, gpls, calls, diff in sbp.testing.spmd(fn, mesh):
+        assert pls == heads and gpls == [heads] * 3 and calls == 0 and diff < 1e-12
+
+
+def test_grouped_query_attention_with_fewer_kv_heads_than_ranks_is_exact():
+    """One kv head on 2 ranks: the heads cannot split alike (rank 1 has no kv head), so the rule refuses the
+    head split and the planner lays the inputs out otherwise: still exact."""
+    q, k, v = randn((2, 4, 5, 3), 0), randn((2, 1, 5, 3), 1), randn((2, 1, 5, 3), 2)
+    check_op(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+             [q, k, v], [(S(1),)] * 3, (2,))
+
+
 @pytest.mark.slow
 @SETTINGS
 @given(data=st.data(), mesh=meshes)

@@ -1,0 +1,246 @@
+"""Dynamic shapes: a train step with the same sequence length every step vs a new length every step.
+
+Two models on 2 gloo ranks on 127.0.0.1, each parallelized by sbp (`sbp.nn.parallelize`) and by DTensor
+(`parallelize_module`) in the same processes, their steps alternating so load on the machine hits both
+alike: a 4-block MLP (d 64, hidden 256; fc colwise, proj rowwise; residual) and the example GPT of
+examples/train_tp.py (d 128, 2 heads, 2 layers, its `tp_plan()`). One step = forward, a sum/cross-entropy
+loss, backward. Each framework has two copies of each model, one per mode, all warmed with `--warmup`
+steps at length T0; then each copy runs `--steps` steps, the four copies interleaved step by step (so a
+burst of load on the machine hits every column alike):
+
+- ``same``: every step at length T0;
+- ``new``: each step at a length never seen before (T0+1, T0+2, ...: odd and even alike).
+
+A third framework, ``torch``, runs the whole model unsharded on every rank (no communication): the
+floor, what plain torch itself pays for a new length on this machine (allocations of new sizes, kernel
+set-up), which no library on top of it can remove.
+
+Per model and framework it prints the median over steps of the slowest rank's step time (ms) in each
+mode and ``new/same``, the ratio the issue (#22) targets (<= 1.10 for sbp), then the same for the
+process's CPU time per step (``cpu``: what the step computes, without the time a loaded machine keeps
+the process waiting). ``--profile`` writes cProfiles
+(CPU time) of rank 0's sbp steps after the first four, one per mode (`--profile-out`.<model>.<mode>), and
+leaves DTensor out.
+
+    python benchmarks/dynamic_shapes.py [--steps 20] [--warmup 3] [--batch 8] [--t0 100] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 2
+FRAMEWORKS = ("sbp", "dtensor", "torch")   # torch: the whole model unsharded on every rank, no communication
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def example():
+    """examples/train_tp.py as a module (its model and plan)."""
+    spec = importlib.util.spec_from_file_location("train_tp", ROOT / "examples" / "train_tp.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_tp", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(x)))   # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def plain(t):
+    """A global output as a plain tensor (sbp: `full()`; DTensor: `full_tensor()`)."""
+    for attr in ("full", "full_tensor"):
+        if hasattr(t, attr):
+            return getattr(t, attr)()
+    return t
+
+
+def build_mlp(framework: str, args):
+    torch.manual_seed(0)
+    model = MLP()
+    plan = {f"blocks.{i}.{m}": s for i in range(4) for m, s in (("fc", "colwise"), ("proj", "rowwise"))}
+    if framework == "sbp":
+        import sbp
+        import sbp.nn
+        sbp.nn.parallelize(model, sbp.init_mesh((WORLD,), device_type="cpu"), plan)
+    elif framework == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {k: styles[v]() for k, v in plan.items()})
+
+    def step(t: int) -> None:
+        x = torch.randn(args.batch, t, 64, generator=torch.Generator().manual_seed(t))
+        loss = plain(model(x)).square().mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def build_gpt(framework: str, args, ex):
+    data, vocab = ex.encode()
+    cfg = ex.Config(vocab=vocab, dim=128, heads=2, layers=2, block=args.t0 + args.steps + 1)
+    model = ex.build(cfg, seed=0)
+    if framework == "sbp":
+        import sbp
+        import sbp.nn
+        sbp.nn.parallelize(model, sbp.init_mesh((WORLD,), device_type="cpu"), ex.tp_plan())
+    elif framework == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for i in range(cfg.layers):
+            plan |= {f"blocks.{i}.attn.{m}": ColwiseParallel() for m in "qkv"}
+            plan |= {f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                     f"blocks.{i}.mlp.proj": RowwiseParallel()}
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
+
+    def step(t: int) -> None:
+        g = torch.Generator().manual_seed(t)
+        start = torch.randint(0, len(data) - t - 1, (args.batch,), generator=g).tolist()
+        idx = torch.stack([data[s:s + t] for s in start])
+        targets = torch.stack([data[s + 1:s + t + 1] for s in start])
+        logits = model(idx)
+        if hasattr(logits, "to_local") and not hasattr(logits, "full"):  # a DTensor output stays Replicate
+            logits = logits.to_local()
+        loss = plain(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step, t: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one step."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    step(t)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def run_model(name: str, args, ex) -> dict:
+    """One model per (framework, mode), all warmed at T0 alike; then their steps interleave (for each step:
+    sbp same, sbp new, DTensor same, DTensor new), so load on the machine hits every column alike."""
+    frameworks = ("sbp",) if args.profile else FRAMEWORKS
+    steps = {(fw, mode): (build_mlp(fw, args) if name == "mlp" else build_gpt(fw, args, ex))
+             for fw in frameworks for mode in ("same", "new")}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step(args.t0)
+    times: dict[str, dict[str, list[float]]] = {mode: {fw: [] for fw in frameworks} for mode in ("same", "new")}
+    profilers = {}
+    if args.profile and dist.get_rank() == 0:
+        import cProfile
+        profilers = {mode: cProfile.Profile(time.process_time) for mode in ("same", "new")}   # CPU, not waits
+    for i in range(args.steps):
+        for (fw, mode), step in steps.items():
+            t = args.t0 if mode == "same" else args.t0 + 1 + i
+            if profilers and i >= 4:   # the steady state: new lengths of known classes
+                profilers[mode].enable()
+            times[mode][fw].append(timed(step, t))
+            if profilers:
+                profilers[mode].disable()
+    for mode, profiler in profilers.items():
+        profiler.dump_stats(f"{args.profile_out}.{name}.{mode}")
+    return times
+
+
+def worker(rank: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    ex = example()
+    for name in args.models:
+        result = run_model(name, args, ex)
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            queue.put((name, gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slowest_median(per_rank: list[dict], mode: str, framework: str, which: int = 0) -> float:
+    """Median over steps of the slowest rank's time for that step (ms; `which`: 0 wall, 1 CPU)."""
+    n = len(per_rank[0][mode][framework])
+    return statistics.median(max(r[mode][framework][i][which] for r in per_rank) for i in range(n)) * 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode and framework (default 20)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--t0", type=int, default=100, help="the warm-up and same-shape sequence length")
+    p.add_argument("--models", default="mlp,gpt", help="comma separated: mlp, gpt")
+    p.add_argument("--profile", action="store_true", help="cProfile rank 0's sbp steps per mode (no DTensor)")
+    p.add_argument("--profile-out", default="/tmp/dynamic_shapes.prof")
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(free_port(), args, queue), nprocs=WORLD, start_method="spawn")
+    results = {}
+    while not queue.empty():
+        name, per_rank = queue.get()
+        results[name] = per_rank
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks, fp32, batch {args.batch}, median of {args.steps} steps "
+          f"after {args.warmup} warm-up steps at T={args.t0}; new: T={args.t0 + 1}..{args.t0 + args.steps}\n")
+    frameworks = ("sbp",) if args.profile else FRAMEWORKS
+    print(f"{'model':<6} {'framework':<9} {'same ms':>8} {'new ms':>8} {'new/same':>8} {'same cpu':>9} {'new cpu':>8} "
+          f"{'cpu new/same':>12}")
+    for name, per_rank in results.items():
+        for fw in frameworks:
+            same, new = slowest_median(per_rank, "same", fw), slowest_median(per_rank, "new", fw)
+            same_cpu, new_cpu = slowest_median(per_rank, "same", fw, 1), slowest_median(per_rank, "new", fw, 1)
+            print(f"{name:<6} {fw:<9} {same:8.1f} {new:8.1f} {new / same:8.2f} {same_cpu:9.1f} {new_cpu:8.1f} "
+                  f"{new_cpu / same_cpu:12.2f}")
+    print("ms: wall time; cpu: the process's CPU time (all its threads), less sensitive to a loaded machine")
+    if args.profile:
+        print(f"\ncProfiles of rank 0's sbp steps: {args.profile_out}.<model>.<same|new>")
+
+
+if __name__ == "__main__":
+    main()

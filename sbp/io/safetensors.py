@@ -1,0 +1,316 @@
+"""safetensors interop: `sbp.save(..., format="safetensors")` writes one consolidated ``model.safetensors``
+holding the logical tensors; `sbp.load` reads one (or a transformers-style index and its shards) into any
+layout.
+
+The format is a little-endian u64 header length, a JSON header (per tensor: dtype, shape, the byte range
+of its row-major data) and the data. Every rank computes the whole header from the state dict alone
+(global shapes and dtypes), so nothing but barriers is exchanged:
+
+- saving, coord 0 writes the header into ``model.safetensors.tmp`` and sizes the file; each rank then
+  writes its own blocks (each distinct block once, by its first holder; `Partial` tensors reduced first)
+  at their byte offsets, one write per contiguous run; coord 0 renames the file into place once every
+  rank is done -- one atomic rename, so a crash leaves the previous file whole. JSON values go into the
+  header's ``__metadata__`` (``"sbp.values"``), next to ``"format": "pt"`` that transformers expects.
+- loading, each rank reads the header and then only the byte ranges of its target blocks.
+
+The file is the plain safetensors format: `safetensors.torch.load_file` reads it, and a transformers
+model's state dict saved this way (with ``config.save_pretrained`` beside it) loads with
+``from_pretrained`` on one process.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any, Optional
+
+import torch
+
+from ..tensor.global_tensor import GlobalTensor
+from ..values.errors import CheckpointError
+from ..values.layout import Block, block, block_numel, block_shape
+from ..values.mesh import DeviceMesh
+from .state import (
+    check_tuple_slot,
+    common_mesh,
+    fsync_dir,
+    host_barrier,
+    host_copy,
+    json_value,
+    leaves,
+    like,
+    reduced,
+    target_block,
+    writers,
+)
+
+FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+NAMES = (FILE, INDEX)
+VALUES = "sbp.values"
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+FROM_CODE = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) -> None:
+    """`sbp.save(state_dict, path, format="safetensors")`: `path` is the file (``*.safetensors``) or a
+    directory that gets ``model.safetensors``.
+
+    >>> import os, shutil, tempfile, torch, sbp, sbp.testing
+    >>> from safetensors.torch import load_file
+    >>> path = tempfile.mkdtemp()
+    >>> def fn(mesh):
+    ...     sbp.save({"w": sbp.distribute(torch.arange(6.).view(2, 3), mesh, "S(1)")}, path, format="safetensors")
+    >>> _ = sbp.testing.spmd(fn, (2,))
+    >>> load_file(os.path.join(path, "model.safetensors"))["w"].tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    >>> shutil.rmtree(path)
+    """
+    file = path if path.endswith(".safetensors") else os.path.join(path, FILE)
+    found = leaves(state_dict)
+    mesh = common_mesh(found, mesh)
+    if mesh is not None and mesh.coord is None:
+        return
+    first = mesh is None or mesh.index_of(mesh.coord) == 0
+    header: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    pieces: list[tuple[int, tuple[int, ...], int, Block, torch.Tensor]] = []   # (offset, shape, itemsize, block, local)
+    offset = 0
+    for key, (leaf, _, _) in found.items():
+        if not isinstance(leaf, torch.Tensor):
+            values[key] = json_value(key, leaf)
+            continue
+        if leaf.dtype not in DTYPES:
+            raise CheckpointError(f"tensor {key!r} has dtype {leaf.dtype}, which safetensors cannot hold "
+                                  f"(valid: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
+        shape = tuple(leaf.shape)
+        nbytes = math.prod(shape) * leaf.element_size()
+        header[key] = {"dtype": DTYPES[leaf.dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        if isinstance(leaf, GlobalTensor):
+            x = reduced(leaf)
+            mine = block(shape, x.mesh.shape, x.placements, x.mesh.coord)
+            if writers(x).get(mine) == x.mesh.coord:
+                pieces.append((offset, shape, leaf.element_size(), mine, host_copy(x._local)))
+        elif first and nbytes:
+            pieces.append((offset, shape, leaf.element_size(), tuple((0, n) for n in shape), host_copy(leaf)))
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", VALUES: json.dumps(values)}
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)            # the data starts 8-byte aligned
+    start = 8 + len(data)
+    tmp = file + ".tmp"
+    if first:
+        try:
+            os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(data)) + data)
+                f.truncate(start + offset)
+        except OSError as e:
+            raise CheckpointError(f"save: cannot write {tmp!r}: {e}") from e
+    if mesh is not None:
+        host_barrier(mesh)                    # the file exists, sized, before anyone writes into it
+    if pieces:
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            for base, shape, itemsize, b, local in pieces:
+                raw = local.reshape(-1).view(torch.uint8).numpy()
+                for at, (lo, hi) in _runs(shape, b, itemsize):
+                    os.pwrite(fd, raw[lo:hi].tobytes(), start + base + at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if mesh is not None:
+        host_barrier(mesh)
+    if first:
+        os.replace(tmp, file)                 # the switch: the old file stays whole until here
+        fsync_dir(os.path.dirname(file) or ".")
+    if mesh is not None:
+        host_barrier(mesh)                    # nobody returns before the file is in place
+
+
+def _runs(shape: tuple[int, ...], b: Block, itemsize: int):
+    """(byte offset in the tensor's row-major data, (start, stop) bytes in the block's own data) for each
+    contiguous run of block `b`: the dims after the last partly covered one are whole, so a run spans them.
+
+    >>> list(_runs((4, 6), ((1, 3), (2, 4)), 1))      # rows 1-2, columns 2-3: two runs of 2
+    [(8, (0, 2)), (14, (2, 4))]
+    >>> list(_runs((4, 6), ((1, 3), (0, 6)), 1))      # whole rows: one run
+    [(6, (0, 12))]
+    """
+    if block_numel(b) == 0:
+        return
+    ndim = len(shape)
+    cut = ndim   # dims cut..ndim-1 are covered whole
+    while cut > 0 and b[cut - 1] == (0, shape[cut - 1]):
+        cut -= 1
+    inner = math.prod(shape[cut:]) if cut < ndim else 1
+    if cut == 0:
+        yield 0, (0, inner * itemsize)
+        return
+    run_dim = cut - 1
+    run = (b[run_dim][1] - b[run_dim][0]) * inner
+    strides = [math.prod(shape[d + 1:]) for d in range(ndim)]
+    outer = [range(lo, hi) for lo, hi in b[:run_dim]]
+    done = 0
+    for idx in _product(outer):
+        at = sum(i * strides[d] for d, i in enumerate(idx)) + b[run_dim][0] * strides[run_dim]
+        yield at * itemsize, (done * itemsize, (done + run) * itemsize)
+        done += run
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (i, *rest)
+
+
+# ---- load ----------------------------------------------------------------------------------------------
+
+def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dict:
+    """`sbp.load` of a safetensors file (or a directory with ``model.safetensors``, or a transformers index
+    and its shards): each rank reads only the byte ranges of its target blocks.
+
+    >>> import shutil, tempfile, torch, sbp, sbp.testing
+    >>> from safetensors.torch import save_file
+    >>> path = tempfile.mkdtemp()
+    >>> save_file({"w": torch.arange(10.)}, f"{path}/model.safetensors")
+    >>> def fn(mesh):
+    ...     state = {"w": sbp.zeros((10,), mesh, "S(0)")}
+    ...     sbp.load(path, state)
+    ...     return state["w"].to_local().tolist()
+    >>> sbp.testing.spmd(fn, (4,))
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
+    >>> shutil.rmtree(path)
+    """
+    entries, values = _read_headers(path)
+    found = leaves(state_dict)
+    saved = set(entries) | set(values)
+    missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
+    if strict and (missing or extra):
+        parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
+                ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
+        raise CheckpointError(f"safetensors checkpoint {path!r} and the state_dict have different keys: "
+                              + "; ".join(parts))
+    for key, (leaf, container, _) in found.items():   # every refusal before anything is written
+        if key in values and isinstance(leaf, torch.Tensor):
+            raise CheckpointError(f"entry {key!r} is a value in the checkpoint ({values[key]!r}) but a tensor in "
+                                  f"the state_dict")
+        if key in values:
+            check_tuple_slot(key, container)
+        if key in entries:
+            if not isinstance(leaf, torch.Tensor):
+                raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "
+                                      f"the state_dict")
+            file, _, dtype, shape, _ = entries[key]
+            if tuple(leaf.shape) != shape:
+                raise CheckpointError(f"tensor {key!r}: global shape {shape} in {file!r}, {tuple(leaf.shape)} in the "
+                                      f"state_dict")
+            if leaf.dtype != dtype:
+                raise CheckpointError(f"tensor {key!r}: dtype {dtype} in {file!r}, {leaf.dtype} in the state_dict")
+    fds: dict[str, int] = {}
+    try:
+        for key, (leaf, container, index) in found.items():
+            if key in values:
+                container[index] = like(values[key], leaf)
+            elif key in entries:
+                _load_tensor(entries[key], leaf, fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return state_dict
+
+
+def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:
+    file, start, dtype, shape, (lo, _) = entry
+    local, want = target_block(target)
+    if local is None or block_numel(want) == 0:
+        return
+    if file not in fds:
+        fds[file] = os.open(file, os.O_RDONLY)
+    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+    buf = bytearray(block_numel(want) * itemsize)
+    view = memoryview(buf)
+    for at, (a, b) in _runs(shape, want, itemsize):
+        got = os.pread(fds[file], b - a, start + lo + at)
+        if len(got) != b - a:
+            raise CheckpointError(f"{file!r} ends before the data of a tensor it lists: it is truncated")
+        view[a:b] = got
+    piece = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(block_shape(want))
+    with torch.no_grad():
+        local.copy_(piece)
+
+
+def _read_headers(path: str) -> tuple[dict[str, tuple], dict[str, Any]]:
+    """{key: (file, data start, dtype, shape, (begin, end))} and the JSON values, from every file involved."""
+    if os.path.isfile(path):
+        files = [path]
+    elif os.path.isfile(os.path.join(path, FILE)):
+        files = [os.path.join(path, FILE)]
+    else:
+        index = os.path.join(path, INDEX)
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted({os.path.join(path, os.path.basename(name)) for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index!r} is not a safetensors index ({e}); the checkpoint is corrupt") from e
+    entries: dict[str, tuple] = {}
+    values: dict[str, Any] = {}
+    for file in files:
+        start, header = _read_header(file)
+        meta = header.pop("__metadata__", None) or {}
+        if isinstance(meta, dict) and VALUES in meta:
+            try:
+                values |= json.loads(meta[VALUES])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{file!r}: __metadata__ {VALUES!r} is not JSON ({e})") from e
+        size = os.path.getsize(file) - start
+        for key, e in header.items():
+            entries[key] = (file, start, *_check_entry(file, key, e, size))
+    return entries, values
+
+
+def _read_header(file: str) -> tuple[int, dict]:
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= os.path.getsize(file) - 8:
+                raise CheckpointError(f"{file!r} is not a safetensors file (header length {n}); it is corrupt or "
+                                      f"truncated")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file!r}: {e}") from e
+    except ValueError as e:
+        raise CheckpointError(f"{file!r}: the safetensors header is not JSON ({e}); it is corrupt") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file!r}: the safetensors header is not an object; it is corrupt")
+    return 8 + n, header
+
+
+def _check_entry(file: str, key: str, e: Any, size: int) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file!r}: tensor {key!r}: {what}; the file is corrupt or altered")
+
+    if not isinstance(e, dict):
+        raise bad("the entry is not an object")
+    dtype = FROM_CODE.get(e.get("dtype"))
+    if dtype is None:
+        raise bad(f"dtype {e.get('dtype')!r} is not one sbp reads (valid: {', '.join(FROM_CODE)})")
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative ints")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end]")
+    lo, hi = offsets
+    itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
+    if not 0 <= lo <= hi <= size or hi - lo != math.prod(shape) * itemsize:
+        raise bad(f"data_offsets {offsets} do not hold {math.prod(shape)} elements of {dtype} inside the "
+                  f"{size} data bytes")
+    return dtype, tuple(shape), (lo, hi)

@@ -1,0 +1,276 @@
+"""What every checkpoint format shares: flattening state dicts to dotted keys, the blocks each rank holds
+and writes, Partial reduction before saving, filling a target tensor's block, and the host barrier.
+
+The sbp format (`sbp.io.checkpoint`), DCP (`sbp.io.dcp`) and safetensors (`sbp.io.safetensors`) all see a
+state dict the same way: nested dicts and lists holding tensors are walked, keys joined by ``.``
+(``optim.state.0.exp_avg``, the names DCP gives the same nesting); anything holding no tensor is one
+JSON leaf (an optimizer's ``param_groups``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..runtime.backends.base import comm_device
+from ..tensor.global_tensor import GlobalTensor, redistribute_raw, sum_holds_value
+from ..values.errors import CheckpointError
+from ..values.layout import Block, block, block_numel
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, Partial
+
+Leaf = Any  # a tensor, or a JSON value (int, float, str, bool, None, lists and dicts of them)
+
+
+# ---- flattening nested state dicts ---------------------------------------------------------------------
+
+def has_tensor(obj: Any) -> bool:
+    """Whether `obj` (a leaf, or nested dicts/lists/tuples) holds a tensor anywhere.
+
+    >>> has_tensor({"a": [1, {"b": torch.ones(1)}]}), has_tensor({"lr": 0.1})
+    (True, False)
+    """
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(has_tensor(v) for v in obj)
+    return False
+
+
+def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, (dict, list, tuple)) and has_tensor(v):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v, obj, k
+
+
+def leaves(state_dict: Any) -> dict[str, tuple[Any, Any, Any]]:
+    """{dotted key: (leaf, container, index)}: containers holding tensors are walked, anything else is a leaf
+    (``container[index] = ...`` replaces the leaf in place).
+
+    >>> sorted(leaves({"model": {"w": torch.ones(1)}, "optim": {"state": {0: {"m": torch.ones(1)}},
+    ...                                                          "param_groups": [{"lr": 0.1}]}}))
+    ['model.w', 'optim.param_groups', 'optim.state.0.m']
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"a state_dict must be a dict, got {type(state_dict).__name__}")
+    out: dict[str, tuple[Any, Any, Any]] = {}
+    for key, leaf, container, index in _flatten(state_dict):
+        if key in out:
+            raise CheckpointError(f"two entries of the state_dict flatten to the key {key!r}; rename one")
+        out[key] = (leaf, container, index)
+    return out
+
+
+def common_mesh(found: dict[str, tuple[Any, Any, Any]], mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:
+    """The one mesh of the global tensors among `found` (from `leaves`), or `mesh` when they hold none.
+
+    >>> common_mesh(leaves({"w": torch.ones(1)}), None) is None
+    True
+    """
+    for key, (leaf, _, _) in found.items():
+        if isinstance(leaf, GlobalTensor):
+            if mesh is None:
+                mesh = leaf.mesh
+            elif leaf.mesh != mesh:
+                raise CheckpointError(f"tensor {key!r} lives on mesh {leaf.mesh!r}, other tensors on {mesh!r}; "
+                                      f"save one mesh's tensors per checkpoint")
+    return mesh
+
+
+def json_value(key: str, leaf: Any) -> Any:
+    """`leaf` if JSON gives it back unchanged (tuples read back as lists), else a `CheckpointError`.
+
+    >>> json_value("cfg", {1: "a"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.CheckpointError: entry 'cfg' would not come back ... ({1: 'a'} reads back as {'1': 'a'}): ...
+    """
+    try:
+        back = json.loads(json.dumps(leaf))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"entry {key!r} is a {type(leaf).__name__}, which a checkpoint cannot hold "
+                              f"(valid: tensors, and JSON values: numbers, strings, lists, dicts)") from None
+    if not _same_json(leaf, back):
+        raise CheckpointError(f"entry {key!r} would not come back as it is from JSON ({leaf!r} reads back "
+                              f"as {back!r}): dict keys must be strings")
+    return leaf
+
+
+def _same_json(value: Any, back: Any) -> bool:
+    """Whether `back` (read from JSON) is `value`, tuples read as lists (`like` restores them) and nan
+    equal to itself; dict keys must be the same strings."""
+    if isinstance(value, dict):
+        return isinstance(back, dict) and list(value) == list(back) and all(
+            _same_json(v, back[k]) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return isinstance(back, list) and len(back) == len(value) and all(map(_same_json, value, back))
+    if isinstance(value, float) and value != value:
+        return isinstance(back, float) and back != back
+    return type(value) is type(back) and value == back
+
+
+def like(value: Any, template: Any) -> Any:
+    """A JSON value read back, with the tuples of the state_dict entry it replaces restored (an optimizer's
+    ``betas=(0.9, 0.999)`` stays a tuple).
+
+    >>> like([0.9, 0.99], (0.0, 0.0))
+    (0.9, 0.99)
+    """
+    if isinstance(value, list) and isinstance(template, (list, tuple)):
+        items = [like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(template, tuple) else items
+    if isinstance(value, dict) and isinstance(template, dict):
+        return {k: like(v, template.get(k)) for k, v in value.items()}
+    return value
+
+
+def check_tuple_slot(key: str, container: Any) -> None:
+    """Loading replaces JSON values in their container: a tuple cannot be filled in place."""
+    if isinstance(container, tuple):
+        raise CheckpointError(f"entry {key!r} sits in a tuple of the state_dict, which load cannot fill in "
+                              f"place; make that container a list")
+
+
+# ---- blocks -----------------------------------------------------------------------------------------
+
+def reduced(x: GlobalTensor) -> GlobalTensor:
+    """`x` without Partial axes (each `P(op)` made `B`, a collective): checkpoints hold reduced values.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     return reduced(sbp.from_local(torch.ones(2), mesh, "P(sum)", global_shape=(2,))).to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [[2.0, 2.0], [2.0, 2.0]]
+    """
+    if not any(isinstance(p, Partial) for p in x.placements):
+        return x
+    return redistribute_raw(x, tuple(Broadcast() if isinstance(p, Partial) else p for p in x.placements))
+
+
+def writers(x: GlobalTensor) -> dict[Block, tuple[int, ...]]:
+    """{block: the coord that writes it}: each distinct non-empty block once, by its first holder (row-major).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: writers(sbp.zeros((4,), mesh, "S(0), B")), (2, 2))[0]
+    {((0, 2),): (0, 0), ((2, 4),): (1, 0)}
+    """
+    mesh, shape, pls = x.mesh, tuple(x.shape), x.placements
+    out: dict[Block, tuple[int, ...]] = {}
+    for c in mesh.coords():
+        b = block(shape, mesh.shape, pls, c)
+        if block_numel(b) and b not in out:
+            out[b] = c
+    return out
+
+
+def target_block(target: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[Block]]:
+    """(the local tensor to fill, its block of the global tensor) for a load target; (None, None) when this
+    rank fills nothing (outside the mesh; a `P(sum)` axis away from coord 0: its local is zeroed here).
+
+    >>> target_block(torch.zeros(2, 3))[1]
+    ((0, 2), (0, 3))
+    """
+    if not isinstance(target, GlobalTensor):
+        return target, tuple((0, n) for n in target.shape)
+    mesh, coord = target.mesh, target.mesh.coord
+    if coord is None:
+        return None, None
+    if not sum_holds_value(mesh, target.placements, coord):  # P(sum) holds the value at coord 0 only
+        with torch.no_grad():
+            target._local.zero_()
+        return None, None
+    return target._local, block(tuple(target.shape), mesh.shape, target.placements, coord)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A compact CPU copy of `t` for writing (`torch.save` would write a view's whole storage): a device
+    tensor is copied straight to the host, never cloned on the device first.
+
+    >>> base = torch.arange(6.)
+    >>> host_copy(base[2:4]).untyped_storage().nbytes()
+    8
+    """
+    t = t.detach()
+    return t.to("cpu", copy=True).contiguous() if t.device.type == "cpu" else t.contiguous().to("cpu")
+
+
+def host_barrier(mesh: DeviceMesh) -> None:
+    """Return only once every rank of `mesh` has reached this call: an all_reduce on the mesh's device whose
+    result is read on the host (on NCCL a collective returns once queued; reading it waits for it).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(host_barrier, (2,))
+    [None, None]
+    """
+    comm = mesh.binding
+    done = comm.all_reduce(torch.ones(1, device=comm_device(mesh)), tuple(range(mesh.ndim)), "sum")
+    if int(done.item()) != mesh.size():
+        raise CheckpointError(f"save: the closing barrier counted {int(done.item())} ranks, not the mesh's "
+                              f"{mesh.size()}")
+
+
+def agree_max(mesh: Optional[DeviceMesh], n: int) -> int:
+    """The largest `n` any rank of `mesh` passes (one all_reduce of one int64; `n` itself without a mesh).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: agree_max(mesh, mesh.rank * 10), (3,))
+    [20, 20, 20]
+    """
+    if mesh is None:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=comm_device(mesh))
+    return int(mesh.binding.all_reduce(t, tuple(range(mesh.ndim)), "max").item())
+
+
+# ---- files ----------------------------------------------------------------------------------------------
+
+def as_path(call: str, path: Any) -> str:
+    """`path` as a str; anything but a non-empty str or `os.PathLike` of one is refused.
+
+    >>> as_path("save", 5)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.CheckpointError: save: path must be a str or os.PathLike naming the ..., got int (5)
+    """
+    if isinstance(path, (str, os.PathLike)):
+        found = os.fspath(path)
+        if isinstance(found, str) and found:
+            return found
+        what = repr(found)
+    else:
+        what = f"{type(path).__name__} ({path!r:.60})"
+    raise CheckpointError(f"{call}: path must be a str or os.PathLike naming the checkpoint directory, got {what}")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in directory `path` durable (a no-op where directories cannot be opened).
+
+    >>> import tempfile; fsync_dir(tempfile.gettempdir())
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's dtype name without the prefix.
+
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,682 @@
+"""`fully_shard`: fully sharded data parallelism (FSDP / ZeRO-3) for unchanged `torch.nn` models.
+
+Applied to each block and then to the root, as PyTorch FSDP2's `fully_shard`. Each *unit* (the module
+`fully_shard` was applied to, minus the units inside it) stores every parameter split on `axis`: `S(d)`
+there, on the first dim `d` no other mesh axis splits, on top of any tensor-parallel placement from
+`parallelize` (axes before `axis` are replicate axes: HSDP). Per unit and training step:
+
+=================  ==========================================================================================
+forward, before    one all_gather on `axis` of the unit's shards, flattened into one buffer; the next unit's
+                   gather is issued first (prefetch), so it runs while this unit computes
+forward, after     the gathered copies are freed (`reshard_after_forward`; the root unit keeps them)
+backward, before   one all_gather again (when freed), the previous unit's issued ahead (prefetch)
+backward, after    one reduce_scatter on `axis` of the unit's gradients, flattened (HSDP: and one all_reduce
+                   on the replicate axes); the gathered copies are freed; leaf `.grad` has the stored
+                   placements, so `torch.optim` states are shards too
+=================  ==========================================================================================
+
+Every collective runs on the rank's ordered queue (`sbp.runtime.pending`): issuing returns at once and the
+value is waited for where it is used. Gathered copies are freed by shrinking their storage to nothing and
+gathered back into the same storage, so tensors saved for backward see the values again (FSDP2's way).
+
+A parameter whose every dim is already split by another axis (a colwise bias under tensor parallelism)
+is split on `axis` on the same dim and moves by its own planned redistribution (exact, the lower-bound
+bytes) beside the unit's buffer. A 0-d parameter stays replicated. Plain tensors entering the root are
+the full batch, laid out `S(0)` on `axis` and the replicate axes (the rule `parallelize` follows on its
+data-parallel axes); pass `sbp.from_local(my_share, mesh, ...)` to give each rank's own share instead.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..runtime import pending
+from ..runtime.pending import PendingTensor
+from ..tensor.construct import distribute, from_local
+from ..tensor.global_tensor import GlobalTensor, redistribute_raw
+from ..values.errors import MeshError, SbpError
+from ..values.layout import local_shape, local_slices
+from ..values.mesh import DeviceMesh
+from ..values.placement import Broadcast, Partial, Placement, Split
+
+_UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()   # module -> its unit
+# id(stored param) -> its unit (tensors compare by value, so they cannot be dictionary keys themselves)
+_OWNER: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary()
+
+
+@dataclass
+class _Slot:
+    """One parameter of a unit: where it sits in its module, its stored and gathered layouts, and where its
+    pieces lie in the unit's flat buffer (member m's piece at ``m * width + offset``, ``sizes[m]`` long)."""
+
+    owner: nn.Module
+    name: str
+    param: nn.Parameter
+    stored: tuple[Placement, ...]
+    compute: tuple[Placement, ...]
+    dim: Optional[int]            # the dim split on the unit's axis; None: replicated (0-d)
+    flat: bool                    # in the unit's flat buffer (else its own planned redistribution)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)   # each member's stored local shape
+    sizes: list[int] = field(default_factory=list)                 # their element counts
+    offset: int = 0
+    local: Optional[torch.Tensor] = None   # the gathered local (storage freed when resharded)
+
+
+class Unit:
+    """The state of one `fully_shard` unit (see the module docstring); `schedule` is shared by a root and
+    the units inside it."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, axis: int, reshard: bool,
+                 param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], name: str) -> None:
+        self.module, self.mesh, self.axis, self.name = module, mesh, axis, name
+        self.reshard_after_forward = reshard
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.replicate_axes = tuple(range(axis))
+        self.slots: list[_Slot] = []
+        self.width = 0
+        self.state = "sharded"        # sharded -> gathering -> gathered -> sharded
+        self.gathering: Optional[PendingTensor] = None
+        self.planned: list[Optional[GlobalTensor]] = []
+        self.schedule = Schedule(self)
+        self.backward_started = False
+        self.tied: dict[tuple[int, str], _Slot] = {}   # (id(owner module), name) -> the slot holding it
+        self.local_batch = False    # the unit computes on plain local tensors (see fully_shard)
+        self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at its inputs
+        self.owners: dict[int, nn.Module] = {}
+
+    # ---- gather --------------------------------------------------------------------------------
+    def issue_gather(self, phase: str) -> None:
+        """Queue this unit's gather (no-op when gathered or on the way); returns at once."""
+        if self.state != "sharded":
+            return
+        if not self.slots:
+            self.state = "gathered"
+            return
+        self.state = "gathering"
+        self.schedule.log.append(("issue_gather", self.name, phase))
+        comm, n = self.mesh.binding, self.mesh.shape[self.axis]
+        dtype = self.param_dtype or self.slots[0].param.dtype
+        flat = [s for s in self.slots if s.flat]
+        send = torch.zeros(self.width, dtype=dtype, device=comm_device_of(self.mesh))
+        for s in flat:   # this rank's shards, one after another, each padded to the longest member's
+            local = s.param._local
+            send[s.offset:s.offset + local.numel()].copy_(local.reshape(-1))
+        numels = [sum(s.sizes[m] for s in flat) for m in range(n)]
+        log, name = self.schedule.log, self.name
+
+        def run() -> torch.Tensor:
+            before = len(comm.counters.calls)
+            buf = send.new_empty(n * self.width)
+            if self.width:
+                comm.all_gather(send, (self.axis,), numels=numels, out=buf)
+            log.append(("all_gather", name, phase, tuple(comm.counters.calls[before:])))
+            for s in flat:   # copy out into the gathered locals (their storage again, when freed)
+                pieces = [buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]) for m in range(n)]
+                _refill(s, torch.cat(pieces, dim=s.dim))
+            return send.new_empty(0)   # nothing of the buffer outlives the copy-out
+
+        self.gathering = pending.submit(comm, run, (0,), dtype, send.device)
+        self.planned = [redistribute_raw(_cast(s.param, self.param_dtype), s.compute, async_op=True)
+                        if not s.flat and s.dim is not None else None for s in self.slots]
+
+    def unshard(self, phase: str) -> None:
+        """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
+        self.issue_gather(phase)
+        if self.state != "gathering":
+            return
+        self.gathering.wait()
+        for s, g in zip(self.slots, self.planned):
+            if g is not None:
+                _refill(s, g.wait()._local)
+            elif s.dim is None:
+                s.local = _cast(s.param, self.param_dtype)._local
+        self.gathering, self.planned = None, []
+        self.state = "gathered"
+
+    def gathered(self) -> tuple[torch.Tensor, ...]:
+        """The gathered parameters as the unit's computation sees them: global tensors with the compute
+        placements, or (`local_batch`) the plain gathered locals."""
+        if self.local_batch:   # aliases, not views: a refill of the storage must not trip autograd's view checks
+            return tuple(s.local.new_empty(0).set_(s.local.untyped_storage(), s.local.storage_offset(),
+                                                   s.local.shape, s.local.stride()) for s in self.slots)
+        return tuple(GlobalTensor(s.local, self.mesh, s.compute, tuple(s.param.shape)) for s in self.slots)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of this unit's gathered copies (what a gather makes it hold)."""
+        itemsize = self.param_dtype.itemsize if self.param_dtype is not None else None
+        return sum(_compute_numel(s, self.mesh) * (itemsize or s.param.element_size()) for s in self.slots
+                   if s.dim is not None)
+
+    def reshard(self) -> None:
+        """Free the gathered copies (their storage shrinks to nothing; tensors saved for backward keep the
+        storage object, which the next gather fills again)."""
+        if self.state != "gathered":
+            return
+        for s in self.slots:
+            if s.dim is not None and s.local is not None:
+                s.local.untyped_storage().resize_(0)
+        self.state = "sharded"
+
+    # ---- backward --------------------------------------------------------------------------------
+    def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+        """The gradients of the stored parameters from those of the gathered ones: one queued reduce_scatter
+        of the unit's flattened gradients on the axis (and an all_reduce on the replicate axes)."""
+        comm, n = self.mesh.binding, self.mesh.shape[self.axis]
+        me = self.mesh.coord[self.axis]
+        flat = [(k, s) for k, s in enumerate(self.slots) if s.flat]
+        out: list[Optional[torch.Tensor]] = [None] * len(self.slots)
+        dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
+        buf = torch.zeros(n * self.width, dtype=dtype, device=comm_device_of(self.mesh))
+        for k, s in flat:
+            g = self._grad_parts(s, grads[k])
+            if g is None:
+                continue
+            start = 0
+            for m in range(n):   # member m's piece of the gathered gradient, along the split dim
+                length = s.shapes[m][s.dim] if s.shapes[m] else 0
+                piece = g.narrow(s.dim, start, length)
+                buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]).copy_(piece)
+                start += length
+        for k, s in enumerate(self.slots):
+            if not s.flat and grads[k] is not None:   # planned slots: their own redistribution (async)
+                g = _as_global(grads[k], self.mesh, s)
+                out[k] = _cast(redistribute_raw(g, s.stored, async_op=True), s.param.dtype)
+        log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
+        numels = [sum(s.sizes[m] for _, s in flat) for m in range(n)]
+
+        def run() -> torch.Tensor:
+            before = len(comm.counters.calls)
+            seg = comm.reduce_scatter(buf, (axis,), "sum", numels=numels) \
+                if self.width else buf[:0]
+            if rep and seg.numel():
+                seg = comm.all_reduce(seg, rep, "sum", inplace=True)
+            log.append(("reduce_scatter", name, "backward", tuple(comm.counters.calls[before:])))
+            return seg
+
+        seg = pending.submit(comm, run, (self.width,), dtype, buf.device)
+        for k, s in flat:
+            if grads[k] is None:
+                continue
+            lo, shape, want = s.offset, s.shapes[me], s.param.dtype
+            local = seg.then(lambda v, lo=lo, shape=shape, want=want: v[lo:lo + int(torch.Size(shape).numel())]
+                             .view(shape).to(want), shape, want)
+            out[k] = GlobalTensor(local, self.mesh, s.stored, tuple(s.param.shape))
+        self.schedule.log.append(("issue_reduce_scatter", self.name, "backward"))
+        return tuple(out)
+
+    def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
+        if grad is None:
+            return None
+        if self.local_batch and not isinstance(grad, GlobalTensor):   # this rank's part of the sum already
+            return grad.to(self.reduce_dtype) if self.reduce_dtype is not None else grad
+        g = _as_global(grad, self.mesh, s)
+        want = tuple(Partial("sum") if a == self.axis or a in self.replicate_axes else
+                     (Broadcast() if isinstance(p, Partial) else p) for a, p in enumerate(s.compute))
+        if g.placements != want:
+            g = redistribute_raw(g, want)
+        local = pending.ready(g._local)
+        return local.to(self.reduce_dtype) if self.reduce_dtype is not None else local
+
+
+def _compute_numel(s: _Slot, mesh: DeviceMesh) -> int:
+    return int(torch.Size(local_shape(tuple(s.param.shape), mesh.shape, s.compute, mesh.coord)).numel())
+
+
+def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """This rank's bytes, by tensor storage (each storage once): the stored parameters, their gradients,
+    the optimizer's states, and the most gathered copies held at once in the last step (`peak_gathered`,
+    every unit under `module`'s root); ``"total"`` adds them up, ``"largest_two_units"`` is what the two
+    largest units hold when gathered.
+
+    >>> import torch, sbp, sbp.testing
+    >>> sbp.load_torch_layers()
+    >>> def fn(mesh):
+    ...     m = sbp.nn.fully_shard(torch.nn.Linear(4, 2, bias=False), mesh)
+    ...     m(torch.ones(2, 4)).sum().backward()
+    ...     r = memory_report(m)
+    ...     return r["params"], r["grads"], r["peak_gathered"]
+    >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]        # 4 of 8 floats stored, the whole 8 gathered
+    (16, 16, 32)
+    """
+    unit = unit_of(module)
+    pending.wait_all(unit.mesh.binding)
+    seen: set[int] = set()
+
+    def size(t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        local = pending.ready(t._local) if isinstance(t, GlobalTensor) else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    params = list(module.parameters())
+    out = {"params": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params)}
+    out["optimizer"] = sum(size(v) for state in (optimizer.state.values() if optimizer else ())
+                           for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    out["peak_gathered"] = unit.schedule.peak_gathered
+    out["total"] = sum(out.values())
+    out["largest_two_units"] = sum(sorted((u.gathered_bytes() for u in unit.schedule.units), reverse=True)[:2])
+    return out
+
+
+def _as_global(grad: torch.Tensor, mesh: DeviceMesh, s: _Slot) -> GlobalTensor:
+    if isinstance(grad, GlobalTensor):
+        return grad
+    pls = tuple(Broadcast() for _ in range(mesh.ndim))   # a plain gradient is the full value on every rank
+    return GlobalTensor(grad[local_slices(tuple(grad.shape), mesh.shape, pls, mesh.coord)], mesh, pls,
+                        tuple(grad.shape))
+
+
+def _cast(t: GlobalTensor, dtype: Optional[torch.dtype]) -> GlobalTensor:
+    if dtype is None or t.dtype == dtype:
+        return t
+    local = t._local
+    return GlobalTensor(local.to(dtype) if not isinstance(local, PendingTensor) else
+                        local.then(lambda v: v.to(dtype), tuple(local.shape), dtype), t._mesh, t._placements,
+                        tuple(t.shape))
+
+
+def _refill(s: _Slot, value: torch.Tensor) -> None:
+    """Put `value` (a fresh tensor) into the slot's gathered local, reusing its storage (grown back after a
+    reshard): tensors that backward saved hold that storage object."""
+    if s.local is None or s.local.dtype != value.dtype:
+        s.local = value.contiguous()
+        return
+    storage = s.local.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(s.local.numel() * s.local.element_size())
+    with torch.no_grad():
+        s.local.copy_(value)
+
+
+def comm_device_of(mesh: DeviceMesh) -> torch.device:
+    device = getattr(mesh.binding, "device", None)
+    return device if isinstance(device, torch.device) else torch.device(mesh.device_type)
+
+
+class _UnitGather(torch.autograd.Function):
+    """Stored parameters -> gathered ones (already filled by `Unit.unshard`); backward: `Unit.reduce_grads`."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *stored: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return unit.gathered()
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        unit: Unit = ctx.unit
+        out = unit.reduce_grads(grads)
+        unit.reshard()
+        return (None,) + out
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs before the unit's own: gather (prefetch the next)."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *xs: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return tuple(GlobalTensor(x._local, x._mesh, x._placements, tuple(x.shape)) if isinstance(x, GlobalTensor)
+                     else x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        ctx.unit.schedule.pre_backward(ctx.unit)
+        return (None,) + grads
+
+
+class Schedule:
+    """The units under one root, in forward order (recorded each step; module order before the first), and
+    the log of the last step: what was issued, run and computed, in order (tests read the prefetch order
+    and the collectives per unit from it)."""
+
+    def __init__(self, root: Unit) -> None:
+        self.root = root
+        self.units: list[Unit] = [root]
+        self.order: list[Unit] = []      # forward order of the step in progress
+        self.log: list[tuple] = []
+        self.peak_gathered = 0           # most bytes of gathered copies held (or on the way) at once, this step
+
+    def note_memory(self) -> None:
+        """Update `peak_gathered` with the gathered copies held or being gathered now."""
+        now = sum(u.gathered_bytes() for u in self.units if u.state != "sharded")
+        self.peak_gathered = max(self.peak_gathered, now)
+
+    def neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
+        order = self.order if unit in self.order and step < 0 else self.units
+        i = order.index(unit) + step if unit in order else -1
+        return order[i] if 0 <= i < len(order) else None
+
+    def pre_forward(self, unit: Unit) -> None:
+        if unit is self.root:
+            if self.order:
+                self.units = self.order + [u for u in self.units if u not in self.order]
+            self.order, self.log, self.peak_gathered = [], [], 0
+            for u in self.units:
+                u.backward_started = False
+                if u is not self.root and u.state == "gathered":
+                    u.reshard()   # left gathered by a forward without backward
+        self.order.append(unit)
+        self.log.append(("forward_start", unit.name))
+        unit.issue_gather("forward")
+        nxt = self.neighbour(unit, 1)
+        if nxt is not None:
+            nxt.issue_gather("forward")   # prefetch: it runs while this unit computes
+        self.note_memory()
+        unit.unshard("forward")
+
+    def post_forward(self, unit: Unit) -> None:
+        self.log.append(("forward_end", unit.name))
+        if unit.reshard_after_forward and unit is not self.root:
+            unit.reshard()
+
+    def pre_backward(self, unit: Unit) -> None:
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self.log.append(("backward_start", unit.name))
+        unit.issue_gather("backward")
+        prev = self.order[-1] if unit is self.root and len(self.order) > 1 else self.neighbour(unit, -1)
+        if prev is not None and prev is not unit:
+            prev.issue_gather("backward")   # prefetch in backward: the unit before runs next
+        self.note_memory()
+        unit.unshard("backward")
+
+
+def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
+                param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+                local_batch: bool = False) -> nn.Module:
+    """Shard `module`'s parameters on `mesh`'s `axis` (FSDP); apply to each block first, then to the root.
+
+    Returns `module`. Parameters may be plain (every rank holds the same full init) or global tensors
+    from `parallelize` (their tensor-parallel placements stay). See the module docstring for the schedule.
+
+    `local_batch=True` (a block, not the root; parameters without tensor-parallel placements): the unit's
+    computation is independent per sample (no op mixes samples: no batch norm, no mean over the batch),
+    so it runs on this rank's share of the batch as plain tensors, as FSDP2's does -- global inputs
+    become their local share, plain outputs the batch `S(0)` again -- skipping sbp's per-op dispatch.
+    Ops that do mix samples would silently see one rank's share: keep it False for them.
+
+    >>> import copy, torch, sbp, sbp.testing
+    >>> _ = sbp.load_torch_layers(), torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    >>> def fn(mesh):
+    ...     m = copy.deepcopy(model)
+    ...     sbp.nn.fully_shard(m[0], mesh); sbp.nn.fully_shard(m[2], mesh); sbp.nn.fully_shard(m, mesh)
+    ...     m(torch.ones(4, 6)).sum().backward()                # the full batch: S(0) on dp
+    ...     return m[0].weight.placements, m[0].weight.grad.placements, tuple(m[0].weight.to_local().shape)
+    >>> sbp.testing.spmd(fn, (2,), names=("dp",))
+    [((S(0),), (S(0),), (4, 6)), ((S(0),), (S(0),), (4, 6))]
+    """
+    if not isinstance(module, nn.Module):
+        raise SbpError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
+        raise SbpError(f"fully_shard needs a bound sbp.DeviceMesh (sbp.init_mesh or sbp.testing.spmd), got {mesh!r}")
+    try:
+        a = mesh.axis(axis)
+    except MeshError as e:
+        raise MeshError(f"fully_shard: the mesh has no axis {axis!r} to shard on (mesh shape {mesh.shape}, axis names "
+                        f"{mesh.names}); name the data-parallel axis: fully_shard(module, mesh, axis=...)") from e
+    if module in _UNITS:
+        raise SbpError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+                       f"(blocks first, then the root)")
+    for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise SbpError(f"fully_shard({what}={dtype!r}): needs a floating point torch.dtype or None")
+    unit = Unit(module, mesh, a, reshard_after_forward, param_dtype, reduce_dtype, "<root>")
+    inner = [_UNITS[m] for m in module.modules() if m is not module and m in _UNITS]
+    inner_modules = {id(u.module) for u in inner}
+    for path, owner in _modules_outside(module, inner_modules):
+        for name, param in list(owner.named_parameters(recurse=False)):
+            owner._parameters[name] = _adopt(unit, owner, name, param, f"{path}.{name}".lstrip("."))
+    _layout_buffer(unit)
+    if local_batch:
+        tp = [(s.name, s.compute) for s in unit.slots if any(not isinstance(p, Broadcast) for p in s.compute)]
+        if tp or inner:
+            raise SbpError(f"fully_shard(local_batch=True) computes on plain tensors: it needs a unit without "
+                           f"inner units and without tensor-parallel parameters, got inner units "
+                           f"{[u.name for u in inner]} and parameters {tp} (valid: a block on a data-parallel mesh)")
+        unit.local_batch = True
+    _UNITS[module] = unit
+    for path, m in module.named_modules():   # names for the log: paths under the outermost unit
+        if m in _UNITS:
+            _UNITS[m].name = path or "<root>"
+    for u in inner:   # this unit is their root now: one schedule, forward order module order until recorded
+        u.schedule = unit.schedule
+    unit.schedule.units = [unit] + [u for u in inner]
+    _install_hooks(unit)
+    return module
+
+
+def _modules_outside(module: nn.Module, inner: set[int]):
+    """(path, module) of `module` and its descendants that no inner unit contains."""
+    stack = [("", module)]
+    while stack:
+        path, m = stack.pop()
+        yield path, m
+        for name, child in reversed(list(m.named_children())):
+            if id(child) not in inner:
+                stack.append((f"{path}.{name}".lstrip("."), child))
+
+
+def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: str) -> nn.Parameter:
+    """The stored (sharded) parameter for `param`; a tied parameter already stored by this unit is reused."""
+    mesh, a = unit.mesh, unit.axis
+    other = _OWNER.get(id(param))
+    slot = next((s for s in other.slots if s.param is param), None) if other is not None else None
+    if slot is not None:
+        if other is unit:
+            unit.slots.append(replace(slot, owner=owner, name=name))
+            return param
+        if other.mesh != mesh or other.axis != a:
+            raise SbpError(f"fully_shard: parameter {path!r} is shared with unit {other.name}, which stores it "
+                           f"with placements {slot.stored} on mesh {other.mesh.shape} (axis {other.axis}); here it "
+                           f"would be sharded on axis {a} of mesh {mesh.shape}: shared parameters need one layout "
+                           f"(apply fully_shard with the same mesh and axis, or to a module holding both users)")
+        unit.slots.append(replace(slot, owner=owner, name=name, local=None))
+        return param
+    if isinstance(param, GlobalTensor):
+        if param.mesh != mesh:
+            raise SbpError(f"fully_shard: parameter {path!r} lives on mesh {param.mesh!r}, the unit on {mesh!r}; "
+                           f"parallelize and fully_shard need one mesh")
+        if not isinstance(param.placements[a], Broadcast):
+            raise SbpError(f"fully_shard: parameter {path!r} has placement {param.placements[a]!r} on axis {a}, which "
+                           f"fully_shard would split; the data-parallel axis must hold it Broadcast (valid: B there)")
+        base = param.placements
+    else:
+        base = tuple(Broadcast() for _ in range(mesh.ndim))
+    busy = {p.dim for i, p in enumerate(base) if isinstance(p, Split) and i != a}
+    free = [d for d in range(param.ndim) if d not in busy]
+    dim = free[0] if free else (0 if param.ndim else None)
+    stored = base if dim is None else tuple(Split(dim) if i == a else p for i, p in enumerate(base))
+    if isinstance(param, GlobalTensor):   # a copy: a slice of the replicated local would keep all of it alive
+        value = redistribute_raw(param.detach(), stored) if stored != base else param.detach()
+        value = GlobalTensor(value._local.clone(), mesh, stored, tuple(param.shape))
+    else:
+        value = distribute(param.detach(), mesh, stored)
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    compute = tuple(Broadcast() if i == a else p for i, p in enumerate(stored))
+    slot = _Slot(owner, name, new, stored, compute, dim, flat=bool(free))
+    n = mesh.shape[a]
+    if dim is not None and free:
+        coord = list(mesh.coord)
+        for m in range(n):
+            coord[a] = m
+            slot.shapes.append(local_shape(tuple(param.shape), mesh.shape, stored, tuple(coord)))
+        slot.sizes = [int(torch.Size(shape).numel()) for shape in slot.shapes]
+    unit.slots.append(slot)
+    _OWNER[id(new)] = unit
+    return new
+
+
+def _layout_buffer(unit: Unit) -> None:
+    """Offsets of the flat slots in each member's segment: each slot padded to its longest member piece."""
+    dtypes = sorted({str(s.param.dtype) for s in unit.slots if s.flat})
+    if len(dtypes) > 1 and unit.param_dtype is None:
+        raise SbpError(f"fully_shard: the unit's parameters have dtypes {dtypes}; its one gather buffer needs one "
+                       f"(convert the module, e.g. module.float(), or pass param_dtype=...)")
+    offset, seen = 0, {}
+    for s in unit.slots:
+        if not s.flat:
+            continue
+        if id(s.param) in seen:   # a tied parameter: one place in the buffer
+            s.offset = seen[id(s.param)]
+            continue
+        s.offset = seen[id(s.param)] = offset
+        offset += max(s.sizes, default=0)
+    unit.width = offset
+    # tied slots share one gathered local: keep only the first slot per parameter in the flat list
+    firsts, out = set(), []
+    for s in unit.slots:
+        if id(s.param) in firsts:
+            continue
+        firsts.add(id(s.param))
+        out.append(s)
+    unit.tied = {(id(s.owner), s.name): next(f for f in out if f.param is s.param) for s in unit.slots}
+    unit.slots = out
+
+
+def _install_hooks(unit: Unit) -> None:
+    module = unit.module
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict):
+        sched = unit.schedule
+        if unit is sched.root:
+            args, kwargs = _root_inputs(unit, args, kwargs)
+        sched.pre_forward(unit)
+        if unit.local_batch:
+            args, kwargs = _local_inputs(unit, args, kwargs)
+        gathered = _UnitGather.apply(unit, *[s.param for s in unit.slots]) if torch.is_grad_enabled() and any(
+            s.param.requires_grad for s in unit.slots) else unit.gathered()
+        by_param = {id(s.param): g for s, g in zip(unit.slots, gathered)}
+        for (owner_id, name), s in unit.tied.items():
+            owner = _owner_of(unit, owner_id)
+            owner._parameters[name] = by_param[id(s.param)]
+        return args, kwargs
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        for (owner_id, name), s in unit.tied.items():
+            _owner_of(unit, owner_id)._parameters[name] = s.param
+        unit.schedule.post_forward(unit)
+        if unit.local_batch:
+            out = _global_outputs(unit, out)
+        if not torch.is_grad_enabled():
+            return out
+        leaves = [t for t in _tensors(out) if t.requires_grad]
+        if not leaves:
+            return out
+        wrapped = dict(zip(map(id, leaves), _PreBackward.apply(unit, *leaves)))
+        return tree_map(lambda t: wrapped.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+
+    owners = {id(m): m for m in module.modules()}
+    unit.owners = owners
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`local_batch`: global inputs (the batch: `S(0)` on the axis and the replicate axes, `B` elsewhere)
+    become this rank's share, a plain tensor; their global batch length is kept for the outputs."""
+    batch = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, GlobalTensor):
+            return t
+        if t.placements != batch or t.mesh != unit.mesh:
+            raise SbpError(f"fully_shard(local_batch=True): unit {unit.name} takes inputs laid out as the batch, "
+                           f"{batch} on mesh {unit.mesh.shape}; got placements {t.placements} on mesh "
+                           f"{t.mesh.shape} (valid: the batch split on dim 0; or local_batch=False)")
+        unit.batch_lengths[t.to_local().shape[0]] = t.shape[0]
+        return t.to_local()
+
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def _global_outputs(unit: Unit, out: Any) -> Any:
+    """`local_batch`: plain outputs are this rank's share of a batch: global tensors `S(0)` again."""
+    batch = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
+
+    def wrap(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor) or t.ndim == 0:
+            return t
+        n = unit.batch_lengths.get(t.shape[0])
+        return from_local(t, unit.mesh, batch, global_shape=None if n is None else (n,) + tuple(t.shape[1:]))
+
+    return tree_map(wrap, out)
+
+
+def _owner_of(unit: Unit, owner_id: int) -> nn.Module:
+    return unit.owners[owner_id]
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, out)
+    return found
+
+
+def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Plain tensors entering the root: the full batch, `S(0)` on the axis and the replicate axes (B after);
+    floating ones cast to `param_dtype`."""
+    mesh = unit.mesh
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if unit.param_dtype is not None and t.is_floating_point():
+            t = t.to(unit.param_dtype)
+        if isinstance(t, GlobalTensor) or t.ndim == 0:
+            return t
+        pls = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(mesh.ndim))
+        if t.requires_grad:   # differentiable: this rank's slice as its share
+            piece = t[local_slices(tuple(t.shape), mesh.shape, pls, mesh.coord)]
+            return from_local(piece, mesh, pls, global_shape=tuple(t.shape))
+        return distribute(t, mesh, pls)
+
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def unit_of(module: nn.Module) -> Unit:
+    """The `Unit` record of a module `fully_shard` was applied to (its slots, state and schedule).
+
+    >>> import torch, sbp, sbp.testing
+    >>> sbp.load_torch_layers()
+    >>> def fn(mesh):
+    ...     u = unit_of(sbp.nn.fully_shard(torch.nn.Linear(4, 2), mesh))
+    ...     return u.state, [s.stored for s in u.slots]
+    >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+    ('sharded', [(S(0),), (S(0),)])
+    """
+    unit = _UNITS.get(module)
+    if unit is None:
+        raise SbpError(f"{type(module).__name__} is not a fully_shard unit (apply sbp.nn.fully_shard to it first)")
+    return unit
+
+
+def schedule_log(module: nn.Module) -> list[tuple]:
+    """The last training step's log of the root unit `module` (or of a unit under it), in order: entries
+    ``("forward_start" | "forward_end" | "backward_start", unit)``, ``("issue_gather", unit, phase)``,
+    ``("all_gather" | "reduce_scatter", unit, phase, calls)`` (the communicator's `CallRecord`s that ran),
+    ``("issue_reduce_scatter", unit, "backward")``.
+
+    >>> import torch, sbp, sbp.testing
+    >>> sbp.load_torch_layers()
+    >>> def fn(mesh):
+    ...     m = sbp.nn.fully_shard(torch.nn.Linear(4, 2), mesh)
+    ...     m(torch.ones(2, 4)).sum().backward()
+    ...     return [e[0] for e in schedule_log(m) if e[0] in ("all_gather", "reduce_scatter")]
+    >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+    ['all_gather', 'reduce_scatter']
+    """
+    unit = unit_of(module)
+    pending.wait_all(unit.mesh.binding)
+    return list(unit.schedule.log)

@@ -1,0 +1,240 @@
+"""The network as a pure value: per mesh axis a latency (alpha, µs per message round) and a bandwidth
+(beta, GB/s), and whether the axis's groups cross host boundaries.
+
+`sbp.plan(..., topology=...)` prices a step as ``rounds x alpha + bytes / beta`` of the slowest link the
+step crosses (the largest alpha and the smallest beta over its axes): the alpha-beta model. Presets are
+named by hardware (`PRESETS`, values from the public sources cited in docs/scale.md); `Topology.for_mesh`
+places a mesh on hosts of ``devices_per_host`` devices (row-major, innermost axes inside a host) and
+gives the axes inside a host the intra-host link, the others the inter-host link. `sbp.calibrate` measures
+one. Saved and loaded as JSON (`to_json`, `from_json`).
+
+>>> t = Topology.preset("dgx-h100", (4, 8))
+>>> t.spans_hosts, t.beta_gbps
+((True, False), (50.0, 450.0))
+>>> Topology.from_json(t.to_json()) == t
+True
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import PlanError
+
+# name -> (intra-host alpha µs, beta GB/s, inter-host alpha µs, beta GB/s); sources in docs/scale.md
+PRESETS: dict[str, tuple[float, float, float, float]] = {
+    # DTensor's own graph-planner model (torch/distributed/tensor/_collective_utils.py, MeshTopoInfo)
+    "dtensor": (0.6, 87.7, 2.7, 87.7 * 0.22),
+    # NVLink 4 (900 GB/s both ways per GPU) and 8x ConnectX-7 NDR 400 Gb/s (one per GPU)
+    "dgx-h100": (0.6, 450.0, 2.7, 50.0),
+    # NVLink 3 (600 GB/s both ways per GPU) and 8x ConnectX-6 HDR 200 Gb/s (one per GPU)
+    "dgx-a100": (0.6, 300.0, 2.7, 25.0),
+}
+"""Hardware presets: intra-host (alpha µs, beta GB/s) then inter-host (alpha µs, beta GB/s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Per mesh axis: `alpha_us` (µs per message round), `beta_gbps` (GB/s, i.e. bytes per ns) and
+    `spans_hosts` (the axis's groups cross host boundaries). Frozen, hashable, compared by value.
+
+    >>> t = Topology((1.0, 5.0), (200.0, 25.0))
+    >>> t.link((0,)), t.link((0, 1))          # the slowest link a step over both axes crosses
+    ((1.0, 200.0), (5.0, 25.0))
+    >>> t.time_ns((1,), rounds=3, nbytes=25_000)   # 3 x 5 µs + 25,000 B / 25 GB/s
+    16000
+    """
+
+    alpha_us: tuple[float, ...]
+    beta_gbps: tuple[float, ...]
+    spans_hosts: tuple[bool, ...] | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        alpha = _numbers(self.alpha_us, "alpha_us")
+        beta = _numbers(self.beta_gbps, "beta_gbps")
+        if not alpha:
+            raise PlanError("a topology needs at least one mesh axis; got alpha_us=()")
+        if len(alpha) != len(beta):
+            raise PlanError(f"a topology needs one alpha and one beta per mesh axis; got {len(alpha)} alpha_us "
+                            f"{alpha} and {len(beta)} beta_gbps {beta}")
+        if any(a < 0 for a in alpha):
+            raise PlanError(f"topology alpha_us must be finite and >= 0 (µs per message round), got {alpha}")
+        if any(b <= 0 for b in beta):
+            raise PlanError(f"topology beta_gbps must be finite and > 0 (GB/s), got {beta}")
+        spans = (False,) * len(alpha) if self.spans_hosts is None else self.spans_hosts
+        try:
+            spans = tuple(spans)
+        except TypeError:
+            raise PlanError(f"topology spans_hosts must be one bool per axis, got {self.spans_hosts!r}") from None
+        if len(spans) != len(alpha) or any(not isinstance(s, bool) for s in spans):
+            raise PlanError(f"topology spans_hosts must be one bool per axis ({len(alpha)}), got {spans}")
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"topology name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "alpha_us", alpha)
+        object.__setattr__(self, "beta_gbps", beta)
+        object.__setattr__(self, "spans_hosts", spans)
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes described.
+
+        >>> Topology((1.0,), (10.0,)).ndim
+        1
+        """
+        return len(self.alpha_us)
+
+    # ---- building ----------------------------------------------------------------------------------
+    @classmethod
+    def for_mesh(cls, mesh_shape: Sequence[int], devices_per_host: int, intra: tuple[float, float],
+                 inter: tuple[float, float], name: str = "custom") -> "Topology":
+        """Place a mesh of `mesh_shape` on hosts of `devices_per_host` (row-major: the innermost axes fill a
+        host first, as torch does): an axis whose groups stay inside a host gets `intra` (alpha µs, beta
+        GB/s), one whose groups cross hosts gets `inter`.
+
+        >>> Topology.for_mesh((2, 4, 8), 8, (1.0, 300.0), (5.0, 25.0)).spans_hosts
+        (True, True, False)
+        """
+        shape = _shape(mesh_shape)
+        if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) or devices_per_host < 1:
+            raise PlanError(f"devices_per_host must be a positive int, got {devices_per_host!r}")
+        spans, inner = [], 1
+        for n in reversed(shape):
+            inner *= n
+            spans.append(inner > devices_per_host and n > 1)
+        spans.reverse()
+        alpha = tuple(float(inter[0] if s else intra[0]) for s in spans)
+        beta = tuple(float(inter[1] if s else intra[1]) for s in spans)
+        return cls(alpha, beta, tuple(spans), name)
+
+    @classmethod
+    def preset(cls, name: str, mesh_shape: Sequence[int], devices_per_host: int = 8) -> "Topology":
+        """A hardware preset (`PRESETS`) laid over `mesh_shape` with `devices_per_host` per host.
+
+        >>> Topology.preset("dtensor", (2, 8)).alpha_us
+        (2.7, 0.6)
+        """
+        if name not in PRESETS:
+            raise PlanError(f"unknown topology preset {name!r} (valid: {', '.join(sorted(PRESETS))})")
+        ia, ib, xa, xb = PRESETS[name]
+        return cls.for_mesh(mesh_shape, devices_per_host, (ia, ib), (xa, xb), name)
+
+    # ---- the model ---------------------------------------------------------------------------------
+    def link(self, axes: Sequence[int]) -> tuple[float, float]:
+        """(alpha µs, beta GB/s) of the slowest link a step over `axes` crosses (no axes: the fastest).
+
+        >>> Topology((1.0, 5.0), (200.0, 25.0)).link(())
+        (1.0, 200.0)
+        """
+        if not axes:
+            return min(self.alpha_us), max(self.beta_gbps)
+        return max(self.alpha_us[a] for a in axes), min(self.beta_gbps[a] for a in axes)
+
+    def time_ns(self, axes: Sequence[int], rounds: int, nbytes: int) -> int:
+        """Modeled time of one step, in whole ns (rounded up): ``rounds x alpha + nbytes / beta`` of the
+        slowest link over `axes` (1 GB/s moves one byte per ns).
+
+        >>> Topology((2.0,), (10.0,)).time_ns((0,), 1, 1001)
+        2101
+        """
+        if rounds <= 0 and nbytes <= 0:
+            return 0
+        alpha, beta = self.link(axes)
+        return math.ceil(rounds * alpha * 1000.0 + nbytes / beta)
+
+    def bound_ns(self, nbytes: int, rounds: int) -> int:
+        """A lower bound on the time of any steps that receive `nbytes` at the busiest rank over at least
+        `rounds` rounds: the fastest link everywhere, rounded down.
+
+        >>> Topology((2.0, 1.0), (10.0, 100.0)).bound_ns(1000, 1)
+        1010
+        """
+        if nbytes <= 0 and rounds <= 0:
+            return 0
+        return math.floor(rounds * min(self.alpha_us) * 1000.0 + nbytes / max(self.beta_gbps))
+
+    def check(self, mesh_shape: Sequence[int]) -> "Topology":
+        """This topology when it describes `mesh_shape` (one entry per axis), else a `PlanError`.
+
+        >>> Topology((1.0,), (1.0,)).check((2, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        sbp.values.errors.PlanError: topology 'custom' describes 1 mesh axes but the mesh (2, 2) has 2; ...
+        """
+        if len(mesh_shape) != self.ndim:
+            raise PlanError(f"topology {self.name!r} describes {self.ndim} mesh axes but the mesh "
+                            f"{tuple(mesh_shape)} has {len(mesh_shape)}; give one alpha/beta per axis")
+        return self
+
+    # ---- JSON --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: the name and one record per axis.
+
+        >>> Topology((1.0,), (2.0,)).to_dict()
+        {'name': 'custom', 'axes': [{'alpha_us': 1.0, 'beta_gbps': 2.0, 'spans_hosts': False}]}
+        """
+        return {"name": self.name, "axes": [{"alpha_us": a, "beta_gbps": b, "spans_hosts": s}
+                                            for a, b, s in zip(self.alpha_us, self.beta_gbps, self.spans_hosts)]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Topology":
+        """The topology of `to_dict`'s data; missing or malformed fields are a `PlanError` naming them.
+
+        >>> Topology.from_dict({"axes": [{"alpha_us": 1, "beta_gbps": 2}]}).beta_gbps
+        (2.0,)
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("axes"), list):
+            raise PlanError(f"a topology is a JSON object with an 'axes' list (one record per mesh axis with "
+                            f"alpha_us, beta_gbps and optionally spans_hosts), got {str(data)[:200]!r}")
+        alpha, beta, spans = [], [], []
+        for i, rec in enumerate(data["axes"]):
+            if not isinstance(rec, dict) or "alpha_us" not in rec or "beta_gbps" not in rec:
+                raise PlanError(f"topology axis {i} must be an object with 'alpha_us' and 'beta_gbps', "
+                                f"got {rec!r}")
+            alpha.append(rec["alpha_us"])
+            beta.append(rec["beta_gbps"])
+            spans.append(rec.get("spans_hosts", False))
+        return cls(tuple(alpha), tuple(beta), tuple(spans), data.get("name", "custom"))
+
+    def to_json(self) -> str:
+        """The topology as a JSON text (`from_json` reads it back).
+
+        >>> Topology((1.0,), (2.0,), name="lab").to_json()[:16]
+        '{"name": "lab", '
+        """
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Topology":
+        """The topology of a JSON text written by `to_json`.
+
+        >>> Topology.from_json('{"axes": [{"alpha_us": 3, "beta_gbps": 4}]}').alpha_us
+        (3.0,)
+        """
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"a topology must be JSON text ({e}), got {str(text)[:200]!r}") from None
+        return cls.from_dict(data)
+
+
+def _numbers(values: Any, what: str) -> tuple[float, ...]:
+    try:
+        out = tuple(values)
+    except TypeError:
+        raise PlanError(f"topology {what} must be a sequence of numbers, one per mesh axis, got {values!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in out):
+        raise PlanError(f"topology {what} must be finite numbers, one per mesh axis, got {out}")
+    return tuple(float(v) for v in out)
+
+
+def _shape(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        shape = tuple(mesh_shape)
+    except TypeError:
+        raise PlanError(f"a mesh shape is a tuple of positive ints, got {mesh_shape!r}") from None
+    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise PlanError(f"a mesh shape is a non-empty tuple of positive ints, got {mesh_shape!r}")
+    return shape

@@ -1,0 +1,128 @@
+"""Crash-safe saving: a save over an existing checkpoint either completes or leaves the old checkpoint
+loadable; never an error or a mix of the two. Threads tier: a save that fails at each stage; gloo tier:
+20 saves by 4 rank processes SIGKILLed at random moments (tests/support/crash_trials.py)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import sbp
+import sbp.testing
+from sbp.io import checkpoint
+from sbp.values.errors import CheckpointError
+from tests.support import crash_trials
+
+
+def _save(mesh, path, value):
+    pls = "S(0)" if mesh.ndim == 1 else "S(0), S(1)"
+    sbp.save({"x": sbp.distribute(torch.full((10, 7), float(value)), mesh, pls), "step": value}, path)
+
+
+def _load(mesh, path):
+    sd = {"x": sbp.zeros((10, 7), mesh, "S(1)"), "step": -1}
+    sbp.load(path, sd)
+    return sd["step"], torch.unique(sd["x"].full()).tolist()
+
+
+def save(path, value, shape=(4,)):
+    sbp.testing.spmd(functools.partial(_save, path=str(path), value=value), shape)
+
+
+def load(path):
+    return sbp.testing.spmd(functools.partial(_load, path=str(path)), (2,))[0]
+
+
+def test_each_save_is_a_new_generation_and_the_old_one_goes(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2, shape=(2, 2))
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000002", "metadata.json"]
+    assert json.loads((tmp_path / "metadata.json").read_text())["data"] == "gen-00000002"
+    assert load(tmp_path) == (2, [2.0])
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["write", "commit"])
+def test_a_save_that_dies_leaves_the_old_checkpoint(tmp_path, monkeypatch, stage):
+    save(tmp_path, 1)
+    real = {"write": checkpoint._write, "commit": checkpoint._commit}[stage]
+    calls = []
+
+    def dying(*args):
+        calls.append(args)
+        if stage == "write" and len(calls) < 3:   # two ranks wrote their files: the other two die
+            return real(*args)
+        raise Boom(stage)
+    monkeypatch.setattr(checkpoint, f"_{stage}", dying)
+    with pytest.raises(sbp.testing.SpmdError):
+        save(tmp_path, 2)
+    monkeypatch.undo()
+    assert load(tmp_path) == (1, [1.0])          # the old checkpoint, whole
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000001", "gen-00000002", "metadata.json"]
+    save(tmp_path, 3)                            # the next save skips the abandoned generation, then removes it
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000003", "metadata.json"]
+    assert load(tmp_path) == (3, [3.0])
+
+
+def test_a_torn_metadata_write_never_replaces_the_committed_one(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+
+    def torn(obj, f, **kw):
+        f.write('{"format": "sbp-checkpoint", "vers')
+        raise Boom("killed while writing metadata")
+    monkeypatch.setattr(checkpoint.json, "dump", torn)
+    with pytest.raises(sbp.testing.SpmdError):
+        save(tmp_path, 2)
+    monkeypatch.undo()
+    assert load(tmp_path) == (1, [1.0])
+
+
+def test_version_1_checkpoints_still_load_and_are_replaced_cleanly(tmp_path):
+    save(tmp_path, 1)
+    data = json.loads((tmp_path / "metadata.json").read_text())["data"]
+    for name in os.listdir(tmp_path / data):     # the version-1 layout: rank files beside metadata.json
+        shutil.move(tmp_path / data / name, tmp_path / name)
+    os.rmdir(tmp_path / data)
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["version"] = 1
+    del meta["data"]
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    assert load(tmp_path) == (1, [1.0])
+    save(tmp_path, 2)
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000001", "metadata.json", "notes.txt"]
+    assert load(tmp_path) == (2, [2.0])
+
+
+@pytest.mark.parametrize("data", ["../elsewhere", "gen-1", 7, None])
+def test_a_data_field_that_is_not_a_generation_is_refused(tmp_path, data):
+    save(tmp_path, 1)
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["data"] = data
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(sbp.testing.SpmdError) as info:
+        load(tmp_path)
+    assert isinstance(info.value.__cause__, CheckpointError)
+    assert "not a data directory name like 'gen-00000001'" in str(info.value.__cause__)
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_sigkill_at_random_moments_during_saves_leaves_old_or_new(tmp_path):
+    report = crash_trials.run_trials(str(tmp_path / "ck"), str(tmp_path), 20, random.Random(20))
+    print(report.table())
+    assert report.trials == 20 and report.loaded_old + report.loaded_new == 20
+    assert report.mid_write >= 1, report.table()   # the kills did land inside saves
+    # a final uninterrupted save leaves one generation: every abandoned one is gone
+    os.mkdir(tmp_path / "final")
+    crash_trials.run_trials(str(tmp_path / "ck"), str(tmp_path / "final"), 0, random.Random(0))
+    assert sorted(os.listdir(tmp_path / "ck")) == [
+        json.loads((tmp_path / "ck" / "metadata.json").read_text())["data"], "metadata.json"]

@@ -1,0 +1,153 @@
+"""torch.compile of `sbp.nn.parallelize`d transformers: the embedding, colwise / rowwise and sequence-parallel
+styles train (forward, backward, optimizer step) through one ``fullgraph=True`` graph that matches eager
+to float64 rounding (1e-10) on 1-d and 2-d meshes, even and uneven shapes, and compiles once for fixed
+shapes and once more when the batch size changes (``dynamic=True``; sbp specializes sizes, see
+docs/compile.md).
+
+The backend is ``aot_eager``: AOTAutograd traces sbp's ops and the planner's collectives (as torch's
+functional collectives, `sbp.runtime.traced`), the part that must be right; inductor's code generation
+is tested once in tests/runtime/test_compile.py (it costs tens of seconds per graph on two cores).
+Worker functions are module-level (they travel pickled to the shared gloo pool).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sbp
+import sbp.nn
+import sbp.testing
+from sbp.nn import Colwise, Embedding, Rowwise, SequenceParallel
+
+spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=300)
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+TOL = 1e-10
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)      # plain local heads under the plan below
+        b, t = q.shape[:2]
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        y = att.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))   # a non-contiguous local, reshaped
+
+
+class TinyGPT(nn.Module):
+    """Embedding, one pre-norm block (attention, GELU MLP), final norm, LM head, cross-entropy."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, heads: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = x + self.attn(self.ln1(x))
+        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def plan(sequence_parallel: bool) -> dict:
+    """Megatron's layout (vocab-parallel embedding, colwise q/k/v/fc, rowwise proj/out); with sequence
+    parallelism the residual stream is S(1) and each norm gathers it once."""
+    p = {"wte": "embedding", "attn.[qkv]": Colwise(use_local_output=True), "attn.proj": Rowwise(local_input=True),
+         "fc": "colwise", "out": "rowwise", "head": Colwise(output_placement="B")}
+    if sequence_parallel:
+        p |= {"wte": Embedding(output_placement="S(1)"), "ln[12]": SequenceParallel(output_placement="B"),
+              "ln_f": SequenceParallel(output_placement="B"),
+              "attn.proj": Rowwise(local_input=True, output_placement="S(1)"), "out": Rowwise(output_placement="S(1)")}
+    return p
+
+
+def _batch(step: int, batch: int, seq: int, vocab: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def _parallel_pair(mesh, sequence_parallel: bool):
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    return [sbp.nn.parallelize(copy.deepcopy(model), mesh, plan(sequence_parallel)) for _ in range(2)]
+
+
+def run_training(sequence_parallel, batch, seq, steps, mesh):
+    """The same parallelized model trained eagerly and compiled (aot_eager, fullgraph): per step the loss
+    difference, the largest parameter difference at the end, and the graphs dynamo compiled."""
+    eager, compiled = _parallel_pair(mesh, sequence_parallel)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses = []
+    for m, compile_it in ((eager, False), (compiled, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def loss_of(idx, targets, m=m):
+            return m(idx, targets).full()
+        f = torch.compile(loss_of, backend="aot_eager", fullgraph=True) if compile_it else loss_of
+        run = []
+        for i in range(steps):
+            loss = f(*_batch(i, batch, seq))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.detach())
+        losses.append(torch.stack(run))
+    param_diff = max((a.full() - b.full()).abs().max().item()
+                     for a, b in zip(eager.parameters(), compiled.parameters()))
+    return ((losses[0] - losses[1]).abs().max().item(), param_diff,
+            torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("mesh_shape, batch, seq, sequence_parallel",
+                         [((2,), 3, 7, True), ((2, 2), 4, 6, True), ((2, 2), 3, 5, False)],
+                         ids=["1d-uneven-sp", "2d-even-sp", "2d-uneven-tp"])
+def test_parallelized_transformer_trains_compiled_as_eager(mesh_shape, batch, seq, sequence_parallel) -> None:
+    # uneven: the vocabulary (13 rows of the embedding and LM head) always; sequence 7 on the sequence-
+    # parallel S(1) of (2,); batch 3 on the dp axis of (2, 2). 1-d even TP without sequence parallelism:
+    # the batch-size test below (and the MLP of tests/runtime/test_compile.py)
+    fn = functools.partial(run_training, sequence_parallel, batch, seq, 3)
+    for rank, (loss_diff, param_diff, graphs) in enumerate(spmd(fn, mesh_shape)):
+        assert loss_diff <= TOL and param_diff <= TOL, (rank, loss_diff, param_diff)
+        assert graphs == 1, f"rank {rank}: {graphs} graphs for 3 steps of one shape (recompiled)"
+
+
+def run_batch_change(mesh):
+    """Compiled (``dynamic=True``) training steps with batch sizes 4, 4, 6, 6: graphs compiled, and the
+    largest loss and gradient differences against eager."""
+    eager, compiled = _parallel_pair(mesh, False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(lambda i, t: compiled(i, t).full(), backend="aot_eager", fullgraph=True, dynamic=True)
+    diffs = []
+    for step, batch in enumerate((4, 4, 6, 6)):
+        idx, targets = _batch(step, batch, 6)
+        want, got = eager(idx, targets).full(), f(idx, targets)
+        got.backward()
+        want.backward()
+        diffs.append(abs(got.item() - want.item()))
+    grads = max((a.grad.full() - b.grad.full()).abs().max().item()
+                for a, b in zip(eager.parameters(), compiled.parameters()))
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"], max(diffs), grads
+
+
+def test_batch_size_change_recompiles_at_most_once() -> None:
+    # sbp's plans are constants of the graph, so the batch size is specialized: a new size compiles once
+    for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(run_batch_change, (2,))):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
+        assert graphs <= 2, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 6"

@@ -1,0 +1,317 @@
+"""`sbp.nn.fully_shard`: training equals one process (float64, 1e-10) on (4,), (2, 2) FSDP x TP and (2, 1, 2)
+HSDP with even and uneven shapes; gradients and optimizer states are shards; one gather per unit before
+forward and before backward, one reduce_scatter after it; the next unit's gather is issued before the
+current unit's compute ends; gathered copies are freed after forward; bad input is an SbpError."""
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import sbp
+import sbp.nn
+import sbp.testing
+from sbp.nn.fsdp import memory_report, schedule_log, unit_of
+
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
+
+EVEN = dict(d_in=8, d=12, hidden=16, d_out=4, batch=8)
+UNEVEN = dict(d_in=5, d=7, hidden=10, d_out=3, batch=10)   # splits of 7 over 4: 2,2,2,1; of 3: 1,1,1,0
+TP_PLAN = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d_in: int, d: int, hidden: int, d_out: int, **_) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList([Block(d, hidden), Block(d, hidden)])
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _template(items: tuple) -> tuple[Net, torch.Tensor, torch.Tensor]:
+    shapes = dict(items)
+    torch.manual_seed(0)
+    net = Net(**shapes).double()
+    x = torch.randn(shapes["batch"], shapes["d_in"], dtype=torch.float64)
+    y = torch.randn(shapes["batch"], shapes["d_out"], dtype=torch.float64)
+    return net, x, y
+
+
+_BUILD = threading.Lock()
+
+
+def _model(shapes: dict) -> tuple[Net, torch.Tensor, torch.Tensor]:
+    """A fresh copy of the model (made once: thread-ranks share torch's global generator)."""
+    with _BUILD:
+        net, x, y = _template(tuple(sorted(shapes.items())))
+        return copy.deepcopy(net), x, y
+
+
+def _shard(net: Net, mesh, layout: str) -> Net:
+    if layout in ("fsdp_tp", "hsdp"):
+        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="tp")
+    for block in net.blocks:   # the blocks are per-sample: "fsdp_local" runs them on plain local shares
+        sbp.nn.fully_shard(block, mesh, "dp", local_batch=layout == "fsdp_local")
+    return sbp.nn.fully_shard(net, mesh, "dp")
+
+
+def _train(net: Net, x: torch.Tensor, y: torch.Tensor, mesh=None, steps: int = 3):
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    target = y if mesh is None else sbp.distribute(y, mesh, ", ".join(
+        "S(0)" if name in ("rep", "dp") else "B" for name in mesh.names))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = ((net(x) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def _run(mesh, shapes: dict, layout: str):
+    net, x, y = _model(shapes)
+    _shard(net, mesh, layout)
+    losses, opt = _train(net, x, y, mesh)
+    params = {n: p.full().detach() for n, p in net.named_parameters()}
+    shards = []
+    for n, p in net.named_parameters():
+        state = opt.state[p]
+        shards.append((n, p.placements, p.grad.placements, state["exp_avg"].placements,
+                       tuple(p.to_local().shape), tuple(p.grad.to_local().shape),
+                       tuple(state["exp_avg_sq"].to_local().shape)))
+    stored_bytes = sum(p.to_local().numel() * p.element_size() for p in net.parameters())
+    assert memory_report(net)["params"] == stored_bytes   # each rank keeps its shards only, no full copy
+    return losses, params, shards
+
+
+MESHES = {"fsdp": ((4,), ("dp",)), "fsdp_local": ((4,), ("dp",)), "fsdp_tp": ((2, 2), ("dp", "tp")),
+          "hsdp": ((2, 1, 2), ("rep", "dp", "tp"))}
+
+
+def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None:
+    net, x, y = _model(shapes)
+    ref_losses, _ = _train(net, x, y)
+    ref = dict(net.named_parameters())
+    shape, names = MESHES[layout]
+    results = sbp.testing.spmd(functools.partial(_run, shapes=shapes, layout=layout), shape, names=names,
+                               backend=backend)
+    for losses, params, shards in results:
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+        for name, stored, grad, exp_avg, local, grad_local, state_local in shards:
+            axis = names.index("dp")
+            assert stored[axis] != sbp.B or ref[name].ndim == 0, (name, stored)   # split on the dp axis
+            assert grad == stored and exp_avg == stored, (name, stored, grad, exp_avg)
+            assert local == grad_local == state_local, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shapes", [EVEN, UNEVEN], ids=["even", "uneven"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_local", "fsdp_tp", "hsdp"])
+def test_training_matches_one_process(layout: str, shapes: dict) -> None:
+    _check_training(layout, shapes)
+
+
+def _schedule(mesh):
+    net, x, y = _model(EVEN)
+    _shard(net, mesh, "fsdp")
+    _train(net, x, y, mesh, steps=2)   # the second step prefetches in the recorded forward order
+    blocks = [unit_of(b) for b in net.blocks]
+    sizes = {u.name: sum(s.param.numel() - s.param.to_local().numel() for s in u.slots) * 8
+             for u in [unit_of(net)] + blocks}
+    log = schedule_log(net)
+    out = net(x)   # a forward without backward: the blocks' gathered copies are freed after their forward
+    freed = [s.local.untyped_storage().nbytes() == 0 for u in blocks for s in u.slots]
+    del out
+    return log, sizes, freed
+
+
+@pytest.mark.slow
+def test_collectives_per_unit_and_prefetch_order() -> None:
+    log, sizes, freed = sbp.testing.spmd(_schedule, (4,), names=("dp",))[0]
+    assert all(freed)
+    ran = [e for e in log if e[0] in ("all_gather", "reduce_scatter")]
+    for name in ("blocks.0", "blocks.1", "<root>"):
+        mine = [(e[0], e[2]) for e in ran if e[1] == name]
+        want = [("all_gather", "forward"), ("reduce_scatter", "backward")]
+        if name != "<root>":   # the root keeps its gathered copies for backward
+            want.insert(1, ("all_gather", "backward"))
+        assert sorted(mine) == sorted(want), (name, mine)
+        for e in ran:
+            if e[1] == name:
+                assert [c.collective for c in e[3]] == [e[0]], e   # one collective each
+                if e[0] == "all_gather":                            # the lower bound: the others' shards
+                    assert e[3][0].received == sizes[name], (e, sizes[name])
+    order = [e for e in log if e[0] in ("issue_gather", "forward_start", "forward_end", "backward_start",
+                                        "issue_reduce_scatter")]
+    at = {e: i for i, e in enumerate(order)}
+    # forward: the next unit's gather is issued before the current unit's compute ends (at its start)
+    assert at[("issue_gather", "blocks.0", "forward")] < at[("forward_start", "blocks.0")]
+    assert at[("issue_gather", "blocks.1", "forward")] < at[("forward_end", "blocks.0")]
+    # backward: the unit before is gathered ahead, while the current unit's backward runs
+    assert at[("issue_gather", "blocks.1", "backward")] < at[("backward_start", "blocks.1")]
+    assert at[("issue_gather", "blocks.0", "backward")] < at[("issue_reduce_scatter", "blocks.1", "backward")]
+
+
+def _memory(mesh):
+    net, x, y = _model(EVEN)
+    full = sum(p.numel() * p.element_size() for p in net.parameters())
+    _shard(net, mesh, "fsdp")
+    _, opt = _train(net, x, y, mesh, steps=2)
+    return full, memory_report(net, opt)
+
+
+@pytest.mark.slow
+def test_memory_per_rank() -> None:
+    """Stored parameters + gradients + Adam's two states + the gathered copies at their peak, by storage,
+    within 1.1x of (the full model's parameters, gradients and states) / 4 + the two largest units."""
+    for rank, (full, report) in enumerate(sbp.testing.spmd(_memory, (4,), names=("dp",))):
+        bound = 4 * full / 4 + report["largest_two_units"]
+        print(f"rank {rank}: {report} bytes; bound {bound:.0f}; ratio {report['total'] / bound:.3f}")
+        assert report["params"] < full / 4 * 1.1 and report["optimizer"] < 2 * full / 4 * 1.1
+        assert report["total"] <= 1.1 * bound
+
+
+def _mixed(mesh):
+    net, x, y = _model(EVEN)
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp", param_dtype=torch.float32, reduce_dtype=torch.float32)
+    sbp.nn.fully_shard(net, mesh, "dp", param_dtype=torch.float32, reduce_dtype=torch.float32)
+    losses, _ = _train(net, x, y.float(), mesh, steps=2)
+    gathered = {s.local.dtype for s in unit_of(net.blocks[0]).slots}
+    stored = {(p.dtype, p.grad.dtype) for p in net.parameters()}
+    calls = [c for e in schedule_log(net) if e[0] in ("all_gather", "reduce_scatter") for c in e[3]]
+    sizes = {"blocks.0": sum(s.param.numel() - s.param.to_local().numel() for s in unit_of(net.blocks[0]).slots)}
+    return losses, gathered, stored, calls, sizes
+
+
+@pytest.mark.slow
+def test_mixed_precision() -> None:
+    """Gathered and computed in float32, reduced in float32 (half the bytes of float64 on the wire), master
+    weights and their gradients stay float64; the losses follow the float64 run to float32 accuracy."""
+    net, x, y = _model(EVEN)
+    ref_losses, _ = _train(net, x, y, steps=2)
+    losses, gathered, stored, calls, sizes = sbp.testing.spmd(_mixed, (4,), names=("dp",))[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert gathered == {torch.float32} and stored == {(torch.float64, torch.float64)}
+    gathers = [c for c in calls if c.collective == "all_gather" and c.received == sizes["blocks.0"] * 4]
+    assert gathers, calls   # blocks.0's gather moved its float32 bytes (4 per element, not 8)
+
+
+def _save_fsdp_tp(mesh, path: str):
+    net, x, y = _model(UNEVEN)
+    _shard(net, mesh, "fsdp_tp")
+    _train(net, x, y, mesh, steps=1)
+    sbp.save(net.state_dict(), path)
+    return {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+def _load_tp(mesh, path: str):
+    net, _, _ = _model(UNEVEN)
+    sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="tp")
+    sbp.load(path, net.state_dict())
+    return {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+def _load_plain(mesh, path: str):
+    net, _, _ = _model(UNEVEN)
+    sbp.load(path, net.state_dict())
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_fsdp_tp_to_tp_and_one_process(tmp_path) -> None:
+    """sbp.save of an FSDP x TP model on (2, 2), sbp.load into TP on 2 ranks and into the plain model."""
+    path = str(tmp_path / "ckpt")
+    saved = sbp.testing.spmd(functools.partial(_save_fsdp_tp, path=path), (2, 2), names=("dp", "tp"))[0]
+    for loaded in sbp.testing.spmd(functools.partial(_load_tp, path=path), (2,), names=("tp",)):
+        assert all(torch.equal(loaded[n], saved[n]) for n in saved)
+    plain = sbp.testing.spmd(functools.partial(_load_plain, path=path), (1,), names=("tp",))[0]
+    assert all(torch.equal(plain[n], saved[n]) for n in saved)
+    fresh, _, _ = _model(UNEVEN)
+    assert not torch.equal(fresh.inp.weight, saved["inp.weight"])   # training changed it: a real load
+
+
+def _dp_step(mesh, bucket_bytes):
+    net, x, y = _model(EVEN)
+    sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="tp", dp_bucket_bytes=bucket_bytes)
+    mesh.binding.counters.reset()
+    _train(net, x, y, mesh, steps=1)
+    dp_reductions = sum(c.collective == "all_reduce" and c.axes == (0,) for c in mesh.binding.counters.calls)
+    return dp_reductions, {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+def test_bucketed_dp_gradients() -> None:
+    """parallelize(..., dp_bucket_bytes=...): one all_reduce per bucket on the dp axis instead of one per
+    parameter, the same trained values."""
+    counts = {}
+    values = {}
+    for bucket_bytes in (None, 1 << 20, 1200):
+        per_rank = sbp.testing.spmd(functools.partial(_dp_step, bucket_bytes=bucket_bytes), (2, 2), names=("dp", "tp"))
+        counts[bucket_bytes], values[bucket_bytes] = per_rank[0]
+    print(f"all_reduce calls on the dp axis in one training step (one is the loss's): per parameter "
+          f"{counts[None]}, one bucket {counts[1 << 20]}, buckets of 1200 bytes {counts[1200]}")
+    assert counts[None] == 16 + 1   # 16 parameters, each gradient P(sum) on dp; the loss's mean
+    assert counts[1 << 20] == 1 + 1 < counts[1200] < counts[None]
+    for bucket_bytes in (1 << 20, 1200):
+        for name, value in values[None].items():
+            assert torch.allclose(values[bucket_bytes][name], value, atol=1e-12, rtol=0), name
+
+
+def _bad(mesh, case: str):
+    net, _, _ = _model(EVEN)
+    if case == "twice":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
+    elif case == "axis":
+        sbp.nn.fully_shard(net, mesh, "fsdp")
+    elif case == "shared":
+        net.blocks[1].fc1 = net.blocks[0].fc1          # one parameter in two units
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
+        sbp.nn.fully_shard(net.blocks[1], mesh, "rep")  # ... sharded on another axis there
+    elif case == "local_tp":
+        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="rep")
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch=True)   # TP parameters: not plain-computable
+
+
+@pytest.mark.parametrize("case, message", [
+    ("twice", "already applied to this Block"),
+    ("axis", "the mesh has no axis 'fsdp'"),
+    ("shared", "is shared with unit"),
+    ("local_tp", "local_batch=True. computes on plain tensors"),
+])
+def test_bad_input(case: str, message: str) -> None:
+    with pytest.raises(sbp.SbpError, match=message) as info:
+        sbp.testing.spmd(functools.partial(_bad, case=case), (2, 2), names=("rep", "dp"))
+    assert isinstance(info.value.__cause__, sbp.SbpError)
+
+
+@pytest.mark.gloo
+def test_training_on_gloo() -> None:
+    _check_training("fsdp", UNEVEN, backend="gloo")
+    _check_training("fsdp_tp", EVEN, backend="gloo")

@@ -1,0 +1,49 @@
+"""`sbp plan --topology FILE|PRESET`: the CLI plans for modeled time, prints it, and rejects bad topologies
+with one line naming the argument (exit 2)."""
+from __future__ import annotations
+
+import json
+
+import sbp
+from sbp.tools.cli import main
+
+ARGS = ["plan", "--mesh", "2x4", "--shape", "64x64", "--src", "S(0),S(0)", "--dst", "S(1),B"]
+
+
+def run(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_preset_plans_for_time_and_prints_it(capsys):
+    rc, out, err = run(ARGS + ["--topology", "dgx-h100", "--devices-per-host", "4"], capsys)
+    expect = sbp.plan((64, 64), (2, 4), "S(0),S(0)", "S(1),B", topology=sbp.Topology.preset("dgx-h100", (2, 4), 4))
+    assert rc == 0 and err == ""
+    assert out.startswith(expect.explain()) and f"modeled time: {expect.time_us:.3f} us" in out
+    assert "time=" in out.splitlines()[3]   # per step
+
+
+def test_json_file_round_trips_and_changes_the_plan(tmp_path, capsys):
+    slow = sbp.Topology((50.0, 50.0), (1.0, 1.0), name="lab")
+    path = tmp_path / "lab.json"
+    path.write_text(slow.to_json())
+    rc, out, _ = run(ARGS + ["--topology", str(path), "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and sbp.Topology.from_dict(data["topology"]) == slow
+    assert [s["kind"] for s in data["steps"]] == ["all_gather", "all_to_all"]
+    rc, out, _ = run(ARGS + ["--json"], capsys)   # no topology: the bytes plan, no time
+    assert [s["kind"] for s in json.loads(out)["steps"]] == ["transfer"] and "time_us" not in json.loads(out)
+
+
+def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"axes": [{"alpha_us": -1, "beta_gbps": 1}, {"alpha_us": 1, "beta_gbps": 1}]}')
+    three = tmp_path / "three.json"
+    three.write_text(sbp.Topology((1.0,) * 3, (1.0,) * 3).to_json())
+    for value, words in [("no-such-preset", "neither a preset"), (str(bad), "alpha_us"),
+                         (str(three), "describes 3 mesh axes")]:
+        rc, out, err = run(ARGS + ["--topology", value], capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1, err
+        assert "--topology" in err or "topology" in err
+        assert words in err and "Traceback" not in err
