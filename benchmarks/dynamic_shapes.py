@@ -27,11 +27,9 @@ leaves DTensor out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import time
@@ -47,14 +45,8 @@ WORLD = 2
 FRAMEWORKS = ("sbp", "dtensor", "torch")   # torch: the whole model unsharded on every rank, no communication
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-
-def example():
-    """examples/train_tp.py as a module (its model and plan)."""
-    spec = importlib.util.spec_from_file_location("train_tp", ROOT / "examples" / "train_tp.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_tp", module)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tp_step import example, free_port  # noqa: E402  (the example loader and port picker of the TP benchmark)
 
 
 class MLPBlock(nn.Module):
@@ -194,12 +186,6 @@ def worker(rank: int, port: int, args, queue) -> None:
             queue.put((name, gathered))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slowest_median(per_rank: list[dict], mode: str, framework: str, which: int = 0) -> float:

@@ -446,7 +446,7 @@ def _launch(rank: int, port: int, iters: int) -> None:
     main(iters)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -459,5 +459,5 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         main(args.iters)
     else:
-        mp.start_processes(_launch, args=(_free_port(), args.iters), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_launch, args=(free_port(), args.iters), nprocs=WORLD, start_method="spawn")
         sys.exit(0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from sbp.runtime.calibrate import measure
 from sbp.runtime.executor import execute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from redistribute import CASES, SHAPES  # noqa: E402  (the same cases as the redistribution benchmark)
+from redistribute import CASES, SHAPES, free_port  # noqa: E402  (the same cases as the redistribution benchmark)
 
 
 def timed(plan: sbp.Plan, local: torch.Tensor, mesh: sbp.DeviceMesh, iters: int) -> float:
@@ -132,16 +131,10 @@ def _launch(rank: int, port: int, world: int, iters: int, what: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--disagree", action="store_true")
     args = parser.parse_args()
     world, what = (8, "disagree") if args.disagree else (4, "validate")
-    mp.start_processes(_launch, args=(_free_port(), world, args.iters, what), nprocs=world, start_method="spawn")
+    mp.start_processes(_launch, args=(free_port(), world, args.iters, what), nprocs=world, start_method="spawn")
