@@ -17,16 +17,26 @@ set-up), which no library on top of it can remove.
 
 Per model and framework it prints the median over steps of the slowest rank's step time (ms) in each
 mode and ``new/same``, the ratio the issue (#22) targets (<= 1.10 for sbp), then the same for the
-process's CPU time per step (``cpu``: what the step computes, without the time a loaded machine keeps
-the process waiting). ``--profile`` writes cProfiles
-(CPU time) of rank 0's sbp steps after the first four, one per mode (`--profile-out`.<model>.<mode>), and
-leaves DTensor out.
+stepping thread's CPU time per step (``cpu``, `time.thread_time`: what the step computes, without the
+time a loaded machine keeps the process waiting or gloo's background threads). A second table splits what
+a new length costs sbp: its CPU time per step over the same-length step (``sbp cpu +ms``) against plain
+torch's (``torch cpu +ms``); their difference (``sbp extra us``, the part of the new-length step sbp adds
+over the torch ops it runs); and what sbp itself does per new length: op decisions made
+(``decisions``: each distinct op call of a new length is one; from its shape class once the class is
+known) and the CPU time making them took (``deciding us``, `sbp.ops.cache.DECISIONS`), planner
+searches (lengths outside a known plan class), and time in the garbage collector (``gc us``: a new
+length adds cache entries, which the collector then scans) in both modes. The new lengths grow by one
+every step, never seen before; plain torch itself pays less for a length it has seen (its allocator
+and kernels warm up), so cycling through a few lengths would understate what a new length costs.
+``--profile`` writes cProfiles (CPU time) of rank 0's sbp steps after the first four, one per mode
+(`--profile-out`.<model>.<mode>), and leaves DTensor out.
 
-    python benchmarks/dynamic_shapes.py [--steps 20] [--warmup 3] [--batch 8] [--t0 100] [--profile]
+    python benchmarks/dynamic_shapes.py [--steps 30] [--warmup 3] [--batch 8] [--t0 100] [--profile]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import pathlib
@@ -136,12 +146,41 @@ def build_gpt(framework: str, args, ex):
     return step
 
 
-def timed(step, t: int) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one step."""
+class GcClock:
+    """Wall time this process spends in the garbage collector (`gc.callbacks`): a new length adds entries to
+    caches, which the collector then scans; a step that keeps nothing rarely collects."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+def sbp_counters() -> tuple[float, int, int]:
+    """(seconds sbp spent making op decisions, decisions made, planner searches) so far; zeros without sbp."""
+    if "sbp" not in sys.modules:
+        return 0.0, 0, 0
+    import sbp.planning
+    from sbp.ops.cache import DECISIONS
+    info = DECISIONS.info()
+    return info.get("seconds", 0.0), info["made"], sbp.planning.cache_info()["search.plan_cached"].misses
+
+
+def timed(step, t: int, gc_clock: GcClock) -> tuple[float, ...]:
+    """One step's (wall seconds, this thread's CPU seconds, seconds deciding ops, decisions made, planner
+    searches, seconds in the garbage collector)."""
     dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
+    before, g0 = sbp_counters(), gc_clock.seconds
+    t0, c0 = time.perf_counter(), time.thread_time()
     step(t)
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    after = sbp_counters()
+    return (wall, cpu, *(a - b for a, b in zip(after, before)), gc_clock.seconds - g0)
 
 
 def run_model(name: str, args, ex) -> dict:
@@ -153,7 +192,8 @@ def run_model(name: str, args, ex) -> dict:
     for _ in range(args.warmup):
         for step in steps.values():
             step(args.t0)
-    times: dict[str, dict[str, list[float]]] = {mode: {fw: [] for fw in frameworks} for mode in ("same", "new")}
+    times: dict[str, dict[str, list[tuple]]] = {mode: {fw: [] for fw in frameworks} for mode in ("same", "new")}
+    gc_clock = GcClock()
     profilers = {}
     if args.profile and dist.get_rank() == 0:
         import cProfile
@@ -163,11 +203,12 @@ def run_model(name: str, args, ex) -> dict:
             t = args.t0 if mode == "same" else args.t0 + 1 + i
             if profilers and i >= 4:   # the steady state: new lengths of known classes
                 profilers[mode].enable()
-            times[mode][fw].append(timed(step, t))
+            times[mode][fw].append(timed(step, t, gc_clock))
             if profilers:
                 profilers[mode].disable()
     for mode, profiler in profilers.items():
         profiler.dump_stats(f"{args.profile_out}.{name}.{mode}")
+    gc.callbacks.remove(gc_clock._callback)
     return times
 
 
@@ -188,15 +229,16 @@ def worker(rank: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def slowest_median(per_rank: list[dict], mode: str, framework: str, which: int = 0) -> float:
-    """Median over steps of the slowest rank's time for that step (ms; `which`: 0 wall, 1 CPU)."""
+def slowest_median(per_rank: list[dict], mode: str, framework: str, which: int = 0, scale: float = 1e3) -> float:
+    """Median over steps of the slowest rank's figure `which` for that step (`timed`'s order; seconds are
+    printed in ms, `scale` 1 leaves counts as they are)."""
     n = len(per_rank[0][mode][framework])
-    return statistics.median(max(r[mode][framework][i][which] for r in per_rank) for i in range(n)) * 1e3
+    return statistics.median(max(r[mode][framework][i][which] for r in per_rank) for i in range(n)) * scale
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per mode and framework (default 20)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per mode and framework (default 30)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--t0", type=int, default=100, help="the warm-up and same-shape sequence length")
@@ -217,13 +259,29 @@ def main(argv=None) -> None:
     frameworks = ("sbp",) if args.profile else FRAMEWORKS
     print(f"{'model':<6} {'framework':<9} {'same ms':>8} {'new ms':>8} {'new/same':>8} {'same cpu':>9} {'new cpu':>8} "
           f"{'cpu new/same':>12}")
+    cpu = {}
     for name, per_rank in results.items():
         for fw in frameworks:
             same, new = slowest_median(per_rank, "same", fw), slowest_median(per_rank, "new", fw)
             same_cpu, new_cpu = slowest_median(per_rank, "same", fw, 1), slowest_median(per_rank, "new", fw, 1)
+            cpu[name, fw] = new_cpu - same_cpu
             print(f"{name:<6} {fw:<9} {same:8.1f} {new:8.1f} {new / same:8.2f} {same_cpu:9.1f} {new_cpu:8.1f} "
                   f"{new_cpu / same_cpu:12.2f}")
-    print("ms: wall time; cpu: the process's CPU time (all its threads), less sensitive to a loaded machine")
+    print("ms: wall time; cpu: the stepping thread's CPU time, less sensitive to a loaded machine")
+    print("\nsbp per new length, per step (medians over steps, slowest rank): its CPU time over plain torch's, and "
+          "where sbp's own\nper-length work goes (op decisions made and the CPU time making them took, planner "
+          "searches, garbage collection)")
+    print(f"{'model':<6} {'sbp cpu +ms':>11} {'torch cpu +ms':>13} {'sbp extra us':>12} {'decisions':>9} "
+          f"{'deciding us':>11} {'searches':>8} {'gc us same':>10} {'gc us new':>9}")
+    for name, per_rank in results.items():
+        if ("torch" not in frameworks):
+            break
+        extra = cpu[name, "sbp"] - cpu[name, "torch"]
+        made, searches = (slowest_median(per_rank, "new", "sbp", k, 1) for k in (3, 4))
+        deciding = slowest_median(per_rank, "new", "sbp", 2, 1e6)
+        gc_same, gc_new = (slowest_median(per_rank, mode, "sbp", 5, 1e6) for mode in ("same", "new"))
+        print(f"{name:<6} {cpu[name, 'sbp']:11.2f} {cpu[name, 'torch']:13.2f} {extra * 1e3:12.0f} {made:9.0f} "
+              f"{deciding:11.0f} {searches:8.0f} {gc_same:10.0f} {gc_new:9.0f}")
     if args.profile:
         print(f"\ncProfiles of rank 0's sbp steps: {args.profile_out}.<model>.<same|new>")
 

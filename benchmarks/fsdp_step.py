@@ -12,11 +12,13 @@ Figures per layout (rank 0; medians over the timed steps):
   (`CommQueue.blocked_s`: waiting for gathers and reduce_scatters); FSDP2: inside its collectives and their
   waits (`dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`, timed by wrappers);
 - peak MiB by storage: stored parameters + gradients + optimizer states + the most gathered (unsharded)
-  parameter bytes held at once (sbp: `sbp.nn.fsdp.memory_report`; FSDP2: its unsharded parameters' storage,
-  sampled before and after every block's forward and backward).
+  parameter bytes held or on the way at once (sbp: `sbp.nn.fsdp.memory_report`; FSDP2: each parameter group
+  from its all-gather's issue to its reshard, sampled at every unshard / wait / reshard); the last column
+  is that gathered peak alone.
 
-"FSDP (4,) local": the blocks with `fully_shard(..., local_batch=True)` (they compute on plain local shares,
-as FSDP2's do; the root's embedding, head and loss stay global tensors).
+"FSDP (4,)": the default `fully_shard(block, mesh)`: each block is verified on the first step and then computes
+on plain local shares, as FSDP2's do (the root's embedding, head and loss stay global tensors); "FSDP (4,)
+global": `local_batch=False`, the blocks on global tensors throughout.
 
 FSDP x TP: sbp `parallelize` (q, k, v, fc colwise; attention and MLP projections rowwise) then
 `fully_shard` on dp; FSDP2: `parallelize_module` with the same styles, then `fully_shard` on dp.
@@ -38,7 +40,7 @@ BLOCK_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "block
               "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
 
 
-def _sbp_model(cfg, mesh, two_d: bool, local_batch: bool = False):
+def _sbp_model(cfg, mesh, two_d: bool, local_batch=None):
     import sbp.nn
     from sbp.nn import Colwise, Rowwise
 
@@ -108,27 +110,40 @@ class _TimedCollectives:
         return timed
 
 
-def _torch_peak_probe(model):
-    """Sample FSDP2's unsharded parameter storage before/after each block's forward and backward."""
-    peak = [0]
+class _TorchGatheredPeak:
+    """FSDP2's most gathered (unsharded) parameter bytes held or on the way at once -- sbp's `peak_gathered`
+    definition: a parameter group counts from its all-gather's issue (`FSDPParamGroup.unshard`, its output
+    buffer is allocated then) until its `reshard`, at its padded size. Sampled after every unshard, wait and
+    reshard of every group (the methods are wrapped for the run)."""
 
-    def sample(*_):
-        total = 0
-        for m in model.modules():
-            state = getattr(m, "_get_fsdp_state", None)
-            group = state()._fsdp_param_group if state is not None else None
-            for fp in (group.fsdp_params if group is not None else ()):
-                p = getattr(fp, "_unsharded_param", None)
-                if p is not None:
-                    local = p._local_tensor if hasattr(p, "_local_tensor") else p
-                    total += local.untyped_storage().nbytes()
-        peak[0] = max(peak[0], total)
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        self.cls, self.groups, self.peak, self.saved = FSDPParamGroup, set(), 0, {}
+        for name in ("unshard", "wait_for_unshard", "reshard"):
+            self.saved[name] = getattr(FSDPParamGroup, name)
+            setattr(FSDPParamGroup, name, self._wrap(self.saved[name]))
 
-    for block in list(model.blocks) + [model]:
-        block.register_forward_pre_hook(sample)
-        block.register_forward_hook(sample)
-        block.register_full_backward_pre_hook(sample)   # (warns: the inputs need no gradient; fine here)
-    return peak
+    def _wrap(self, fn):
+        outer = self
+
+        def sampled(group, *a, **k):
+            out = fn(group, *a, **k)
+            outer.groups.add(group)
+            outer.sample()
+            return out
+        return sampled
+
+    def sample(self) -> None:
+        held = 0
+        for g in self.groups:
+            if not g.is_sharded or g._all_gather_result is not None:
+                held += sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
+                            * g.mesh_info.shard_mesh_size for fp in g.fsdp_params)
+        self.peak = max(self.peak, held)
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, fn)
 
 
 def _storage_bytes(tensors) -> int:
@@ -144,7 +159,7 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-def run_layout(args, shape: tuple[int, ...], rank: int, local_batch: bool = False) -> dict:
+def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import sbp
@@ -160,7 +175,7 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch: bool = Fals
     ours, theirs = _sbp_model(cfg, mesh, two_d, local_batch), _torch_model(cfg, tmesh, two_d)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True)   # the same setting for both
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=True)
-    queue, timed, probe = queue_of(mesh.binding), _TimedCollectives(), _torch_peak_probe(theirs)
+    queue, timed, probe = queue_of(mesh.binding), _TimedCollectives(), _TorchGatheredPeak()
     dp_size, dp_coord = shape[0], mesh.coord[0]
     times = {"sbp": [], "fsdp2": []}
     exposed = {"sbp": [], "fsdp2": []}
@@ -187,16 +202,18 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch: bool = Fals
                 exposed[who].append(queue.blocked_s - blocked0 if who == "sbp" else timed.seconds - coll0)
     for name, fn in timed.saved.items():
         setattr(timed.dist, name, fn)
+    probe.restore()
     report = memory_report(ours, opt_ours)
     theirs_params = list(theirs.parameters())
     theirs_state = [v for s in opt_theirs.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim]
     fsdp2_peak = (_storage_bytes(theirs_params) + _storage_bytes([p.grad for p in theirs_params])
-                  + _storage_bytes(theirs_state) + probe[0])
+                  + _storage_bytes(theirs_state) + probe.peak)
     ms = lambda xs: 1000 * statistics.median(xs)
-    return {"layout": ("FSDP (4,)" if not two_d else "FSDP x TP (2, 2)") + (" local" if local_batch else ""),
+    return {"layout": ("FSDP (4,)" if not two_d else "FSDP x TP (2, 2)") + (" global" if local_batch is False else ""),
             "sbp_ms": ms(times["sbp"]), "fsdp2_ms": ms(times["fsdp2"]),
             "sbp_exposed_ms": ms(exposed["sbp"]), "fsdp2_exposed_ms": ms(exposed["fsdp2"]),
-            "sbp_peak": report["total"], "fsdp2_peak": fsdp2_peak}
+            "sbp_peak": report["total"], "fsdp2_peak": fsdp2_peak,
+            "sbp_gathered": report["peak_gathered"], "fsdp2_gathered": probe.peak}
 
 
 def worker(rank: int, world: int, port: int, args) -> None:
@@ -205,17 +222,18 @@ def worker(rank: int, world: int, port: int, args) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     shapes = [shape for shape in ((4,), (2, 2)) if args.layout in ("all", "x".join(map(str, shape)))]
     rows = [run_layout(args, shape, rank) for shape in shapes]
-    if (4,) in shapes:   # the blocks on plain local shares (fully_shard(..., local_batch=True))
-        rows.insert(1, run_layout(args, (4,), rank, local_batch=True))
+    if (4,) in shapes:   # the blocks on global tensors throughout (fully_shard(..., local_batch=False))
+        rows.insert(1, run_layout(args, (4,), rank, local_batch=False))
     if rank == 0:
         print(f"model: GPT dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.block}; "
               f"{args.steps} timed steps after {args.warmup} warm-up, 4 gloo ranks")
         print(f"{'layout':22} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'sbp exposed':>12} {'FSDP2 exposed':>14} "
-              f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15}")
+              f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15} {'gathered KiB sbp/FSDP2':>23}")
         for r in rows:
             print(f"{r['layout']:22} {r['sbp_ms']:8.1f} {r['fsdp2_ms']:9.1f} {r['sbp_ms'] / r['fsdp2_ms']:6.2f} "
                   f"{r['sbp_exposed_ms']:10.1f}ms {r['fsdp2_exposed_ms']:12.1f}ms {r['sbp_peak'] / 2**20:13.3f} "
-                  f"{r['fsdp2_peak'] / 2**20:15.3f}", flush=True)
+                  f"{r['fsdp2_peak'] / 2**20:15.3f} {r['sbp_gathered'] / 2**10:11.1f}/"
+                  f"{r['fsdp2_gathered'] / 2**10:.1f}", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -69,7 +69,7 @@ def worker(args) -> None:
     """One rank: build the full model (same seed everywhere), shard it, train, report memory, optionally check."""
     import sbp
     import sbp.nn
-    from sbp.nn.fsdp import memory_report
+    from sbp.nn.fsdp import memory_report, unit_of
 
     torch.set_num_threads(1)
     shape = tuple(int(n) for n in args.mesh.lower().split("x"))
@@ -87,7 +87,10 @@ def worker(args) -> None:
     report = memory_report(model, opt)
     if rank0:
         mib = lambda n: f"{n / 2**20:.3f} MiB"
-        print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: {len(mesh.binding.counters.calls)}")
+        local = sum(unit_of(b).auto == "local" for b in model.blocks)
+        calls = len(mesh.binding.counters.calls)
+        print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: {calls}; "
+              f"blocks computing on local batch shares (verified in step 1): {local}/{len(model.blocks)}")
         print(f"rank 0 memory by storage: params {mib(report['params'])}, grads {mib(report['grads'])}, optimizer "
               f"{mib(report['optimizer'])}, peak gathered {mib(report['peak_gathered'])}; peak total "
               f"{mib(report['total'])}", flush=True)

@@ -21,7 +21,9 @@ gathered back into the same storage, so tensors saved for backward see the value
 
 A parameter whose every dim is already split by another axis (a colwise bias under tensor parallelism)
 is split on `axis` on the same dim and moves by its own planned redistribution (exact, the lower-bound
-bytes) beside the unit's buffer. A 0-d parameter stays replicated. Plain tensors entering the root are
+bytes) beside the unit's buffer. A 0-d parameter stays replicated. A unit of per-sample computation (no
+inner units, no tensor parallelism) computes on this rank's plain share of the batch once its first
+forward showed the two ways agree (`fully_shard`'s `local_batch`). Plain tensors entering the root are
 the full batch, laid out `S(0)` on `axis` and the replicate axes (the rule `parallelize` follows on its
 data-parallel axes); pass `sbp.from_local(my_share, mesh, ...)` to give each rank's own share instead.
 """
@@ -33,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..runtime import pending
 from ..runtime.pending import PendingTensor
@@ -65,6 +67,7 @@ class _Slot:
     sizes: list[int] = field(default_factory=list)                 # their element counts
     offset: int = 0
     local: Optional[torch.Tensor] = None   # the gathered local (storage freed when resharded)
+    even_rows: bool = False       # split on dim 0 in equal pieces: the gathered local is the pieces in a row
 
 
 class Unit:
@@ -86,8 +89,14 @@ class Unit:
         self.backward_started = False
         self.tied: dict[tuple[int, str], _Slot] = {}   # (id(owner module), name) -> the slot holding it
         self.local_batch = False    # the unit computes on plain local tensors (see fully_shard)
+        # local_batch=None: "unverified" until the first forward on the batch compares the two ways, then
+        # "local" or "global"; "off" where the unit cannot compute locally (inner units, tensor parallelism)
+        self.auto = "off"
+        self.computing_local = False   # the forward in progress runs on plain local tensors
+        self.probe = False             # the forward in progress is compared against a local run
         self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at its inputs
         self.owners: dict[int, nn.Module] = {}
+        self._gathered_bytes: Optional[int] = None
 
     # ---- gather --------------------------------------------------------------------------------
     def issue_gather(self, phase: str) -> None:
@@ -115,7 +124,11 @@ class Unit:
             if self.width:
                 comm.all_gather(send, (self.axis,), numels=numels, out=buf)
             log.append(("all_gather", name, phase, tuple(comm.counters.calls[before:])))
+            rows = buf.view(n, self.width)
             for s in flat:   # copy out into the gathered locals (their storage again, when freed)
+                if s.even_rows:   # split on dim 0 in equal pieces: the members' rows, one copy
+                    _refill(s, rows[:, s.offset:s.offset + s.sizes[0]], rows=n)
+                    continue
                 pieces = [buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]) for m in range(n)]
                 _refill(s, torch.cat(pieces, dim=s.dim))
             return send.new_empty(0)   # nothing of the buffer outlives the copy-out
@@ -138,19 +151,22 @@ class Unit:
         self.gathering, self.planned = None, []
         self.state = "gathered"
 
-    def gathered(self) -> tuple[torch.Tensor, ...]:
+    def gathered(self, local: bool) -> tuple[torch.Tensor, ...]:
         """The gathered parameters as the unit's computation sees them: global tensors with the compute
-        placements, or (`local_batch`) the plain gathered locals."""
-        if self.local_batch:   # aliases, not views: a refill of the storage must not trip autograd's view checks
-            return tuple(s.local.new_empty(0).set_(s.local.untyped_storage(), s.local.storage_offset(),
-                                                   s.local.shape, s.local.stride()) for s in self.slots)
-        return tuple(GlobalTensor(s.local, self.mesh, s.compute, tuple(s.param.shape)) for s in self.slots)
+        placements, or (`local`: computing on the batch share) the plain gathered locals."""
+        # aliases of the gathered locals, not the locals or views of them: their own version counters, so a
+        # refill of the storage (the backward gather) trips no autograd check on views taken in the forward
+        if local:
+            return tuple(_alias(s.local) for s in self.slots)
+        return tuple(GlobalTensor(_alias(s.local), self.mesh, s.compute, tuple(s.param.shape)) for s in self.slots)
 
     def gathered_bytes(self) -> int:
-        """Bytes of this unit's gathered copies (what a gather makes it hold)."""
-        itemsize = self.param_dtype.itemsize if self.param_dtype is not None else None
-        return sum(_compute_numel(s, self.mesh) * (itemsize or s.param.element_size()) for s in self.slots
-                   if s.dim is not None)
+        """Bytes of this unit's gathered copies (what a gather makes it hold; computed once)."""
+        if self._gathered_bytes is None:
+            itemsize = self.param_dtype.itemsize if self.param_dtype is not None else None
+            self._gathered_bytes = sum(_compute_numel(s, self.mesh) * (itemsize or s.param.element_size())
+                                       for s in self.slots if s.dim is not None)
+        return self._gathered_bytes
 
     def reshard(self) -> None:
         """Free the gathered copies (their storage shrinks to nothing; tensors saved for backward keep the
@@ -163,7 +179,8 @@ class Unit:
         self.state = "sharded"
 
     # ---- backward --------------------------------------------------------------------------------
-    def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+    def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool = False
+                     ) -> tuple[Optional[torch.Tensor], ...]:
         """The gradients of the stored parameters from those of the gathered ones: one queued reduce_scatter
         of the unit's flattened gradients on the axis (and an all_reduce on the replicate axes)."""
         comm, n = self.mesh.binding, self.mesh.shape[self.axis]
@@ -173,8 +190,11 @@ class Unit:
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
         buf = torch.zeros(n * self.width, dtype=dtype, device=comm_device_of(self.mesh))
         for k, s in flat:
-            g = self._grad_parts(s, grads[k])
+            g = self._grad_parts(s, grads[k], local)
             if g is None:
+                continue
+            if s.even_rows:   # split on dim 0 in equal pieces: member m's piece is the m-th run of the flat gradient
+                buf.view(n, self.width)[:, s.offset:s.offset + s.sizes[0]].copy_(g.reshape(n, s.sizes[0]))
                 continue
             start = 0
             for m in range(n):   # member m's piece of the gathered gradient, along the split dim
@@ -209,11 +229,11 @@ class Unit:
         self.schedule.log.append(("issue_reduce_scatter", self.name, "backward"))
         return tuple(out)
 
-    def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor], local: bool) -> Optional[torch.Tensor]:
         """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
         if grad is None:
             return None
-        if self.local_batch and not isinstance(grad, GlobalTensor):   # this rank's part of the sum already
+        if local and not isinstance(grad, GlobalTensor):   # this rank's part of the sum already
             return grad.to(self.reduce_dtype) if self.reduce_dtype is not None else grad
         g = _as_global(grad, self.mesh, s)
         want = tuple(Partial("sum") if a == self.axis or a in self.replicate_axes else
@@ -222,6 +242,13 @@ class Unit:
             g = redistribute_raw(g, want)
         local = pending.ready(g._local)
         return local.to(self.reduce_dtype) if self.reduce_dtype is not None else local
+
+
+def _compute_shape(s: _Slot) -> tuple[int, ...]:
+    """The slot's gathered local shape: the members' stored pieces joined on the split dim."""
+    shape = list(s.shapes[0])
+    shape[s.dim] = sum(piece[s.dim] for piece in s.shapes)
+    return tuple(shape)
 
 
 def _compute_numel(s: _Slot, mesh: DeviceMesh) -> int:
@@ -285,17 +312,27 @@ def _cast(t: GlobalTensor, dtype: Optional[torch.dtype]) -> GlobalTensor:
                         tuple(t.shape))
 
 
-def _refill(s: _Slot, value: torch.Tensor) -> None:
-    """Put `value` (a fresh tensor) into the slot's gathered local, reusing its storage (grown back after a
-    reshard): tensors that backward saved hold that storage object."""
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s storage with `t`'s geometry (not a view: its own version counter)."""
+    if isinstance(t, PendingTensor):
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _refill(s: _Slot, value: torch.Tensor, rows: int = 0) -> None:
+    """Put `value` into the slot's gathered local, reusing its storage (grown back after a reshard): tensors
+    that backward saved hold that storage object. `rows`: `value` is the local's flat elements as that many
+    rows (the members' pieces of a dim-0 split)."""
     if s.local is None or s.local.dtype != value.dtype:
-        s.local = value.contiguous()
-        return
+        if not rows:
+            s.local = value.contiguous()
+            return
+        s.local = value.new_empty(_compute_shape(s))
     storage = s.local.untyped_storage()
     if storage.nbytes() == 0:
         storage.resize_(s.local.numel() * s.local.element_size())
     with torch.no_grad():
-        s.local.copy_(value)
+        (s.local.view(rows, -1) if rows else s.local).copy_(value)
 
 
 def comm_device_of(mesh: DeviceMesh) -> torch.device:
@@ -307,16 +344,16 @@ class _UnitGather(torch.autograd.Function):
     """Stored parameters -> gathered ones (already filled by `Unit.unshard`); backward: `Unit.reduce_grads`."""
 
     @staticmethod
-    def forward(ctx, unit: Unit, *stored: torch.Tensor):  # type: ignore[override]
-        ctx.unit = unit
-        return unit.gathered()
+    def forward(ctx, unit: Unit, local: bool, *stored: torch.Tensor):  # type: ignore[override]
+        ctx.unit, ctx.local = unit, local
+        return unit.gathered(local)
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
         unit: Unit = ctx.unit
-        out = unit.reduce_grads(grads)
+        out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
-        return (None,) + out
+        return (None, None) + out
 
 
 class _PreBackward(torch.autograd.Function):
@@ -394,17 +431,22 @@ class Schedule:
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                local_batch: bool = False) -> nn.Module:
+                local_batch: Optional[bool] = None) -> nn.Module:
     """Shard `module`'s parameters on `mesh`'s `axis` (FSDP); apply to each block first, then to the root.
 
     Returns `module`. Parameters may be plain (every rank holds the same full init) or global tensors
     from `parallelize` (their tensor-parallel placements stay). See the module docstring for the schedule.
 
-    `local_batch=True` (a block, not the root; parameters without tensor-parallel placements): the unit's
-    computation is independent per sample (no op mixes samples: no batch norm, no mean over the batch),
-    so it runs on this rank's share of the batch as plain tensors, as FSDP2's does -- global inputs
-    become their local share, plain outputs the batch `S(0)` again -- skipping sbp's per-op dispatch.
-    Ops that do mix samples would silently see one rank's share: keep it False for them.
+    `local_batch` (for a unit without inner units and without tensor-parallel parameters, whose inputs
+    are the batch: `S(0)` on `axis` and the replicate axes): a unit whose computation is independent per
+    sample runs on this rank's share of the batch as plain tensors, as FSDP2's does -- global inputs become
+    their local share, plain outputs the batch `S(0)` again -- skipping sbp's per-op dispatch. ``None``
+    (default): verified on the unit's first forward on the batch, which runs on global tensors (exact) and
+    once more on the local shares without gradients; where every rank's outputs match bitwise, the unit
+    computes locally from then on, else on global tensors for good (an op mixing samples, a random op, the
+    batch length used as a number). ``True``: local without the check (the user's promise); ``False``:
+    global tensors always. Under torch.compile, compile the blocks (``block.compile(...)``), not the root
+    (`CompileNotSupported`).
 
     >>> import copy, torch, sbp, sbp.testing
     >>> _ = sbp.load_torch_layers(), torch.manual_seed(0)
@@ -439,8 +481,10 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
         for name, param in list(owner.named_parameters(recurse=False)):
             owner._parameters[name] = _adopt(unit, owner, name, param, f"{path}.{name}".lstrip("."))
     _layout_buffer(unit)
+    tp = [(s.name, s.compute) for s in unit.slots if any(not isinstance(p, Broadcast) for p in s.compute)]
+    if local_batch is None and not (tp or inner):
+        unit.auto = "unverified"
     if local_batch:
-        tp = [(s.name, s.compute) for s in unit.slots if any(not isinstance(p, Broadcast) for p in s.compute)]
         if tp or inner:
             raise SbpError(f"fully_shard(local_batch=True) computes on plain tensors: it needs a unit without "
                            f"inner units and without tensor-parallel parameters, got inner units "
@@ -513,6 +557,7 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
             coord[a] = m
             slot.shapes.append(local_shape(tuple(param.shape), mesh.shape, stored, tuple(coord)))
         slot.sizes = [int(torch.Size(shape).numel()) for shape in slot.shapes]
+        slot.even_rows = dim == 0 and len(set(slot.sizes)) == 1 and slot.sizes[0] > 0
     unit.slots.append(slot)
     _OWNER[id(new)] = unit
     return new
@@ -553,21 +598,21 @@ def _install_hooks(unit: Unit) -> None:
         if unit is sched.root:
             args, kwargs = _root_inputs(unit, args, kwargs)
         sched.pre_forward(unit)
-        if unit.local_batch:
+        on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
+        unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
+        unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
+        if unit.computing_local:
             args, kwargs = _local_inputs(unit, args, kwargs)
-        gathered = _UnitGather.apply(unit, *[s.param for s in unit.slots]) if torch.is_grad_enabled() and any(
-            s.param.requires_grad for s in unit.slots) else unit.gathered()
-        by_param = {id(s.param): g for s, g in zip(unit.slots, gathered)}
-        for (owner_id, name), s in unit.tied.items():
-            owner = _owner_of(unit, owner_id)
-            owner._parameters[name] = by_param[id(s.param)]
+        _bind(unit, unit.computing_local)
         return args, kwargs
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if unit.probe is not None:
+            _verify_local(unit, out)
         for (owner_id, name), s in unit.tied.items():
             _owner_of(unit, owner_id)._parameters[name] = s.param
         unit.schedule.post_forward(unit)
-        if unit.local_batch:
+        if unit.computing_local:
             out = _global_outputs(unit, out)
         if not torch.is_grad_enabled():
             return out
@@ -579,8 +624,109 @@ def _install_hooks(unit: Unit) -> None:
 
     owners = {id(m): m for m in module.modules()}
     unit.owners = owners
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
+    # under torch.compile the hooks run eagerly (graph breaks at unit boundaries): they keep state, issue
+    # queued collectives and resize storages, none of which belongs in a graph; a unit's compute compiles
+    eager_pre = torch._dynamo.disable(pre, recursive=True)
+
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict):
+        if torch.compiler.is_compiling() and unit is unit.schedule.root:
+            _refuse_compiled_root(unit)
+        return eager_pre(mod, args, kwargs)
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    module.register_forward_hook(torch._dynamo.disable(post, recursive=True), with_kwargs=True)
+
+
+@torch._dynamo.disable
+def _refuse_compiled_root(unit: Unit) -> None:
+    raise CompileNotSupported(
+        f"fully_shard: the root unit {type(unit.module).__name__} runs under torch.compile; sbp compiles a "
+        f"fully-sharded model per block, not whole (the root's global tensors, created by its hooks between "
+        f"graphs, do not trace): compile each fully_shard block instead (block.compile(backend=...) or "
+        f"torch.compile(block)) and call the root eagerly")
+
+
+class CompileNotSupported(SbpError):
+    """A fully-sharded root module called under torch.compile (compile its blocks instead; docs/fsdp.md).
+
+    >>> issubclass(CompileNotSupported, SbpError)
+    True
+    """
+
+
+def _bind(unit: Unit, local: bool) -> None:
+    """Put the gathered parameters (global tensors, or plain locals when `local`) into the unit's modules,
+    through `_UnitGather` when they need gradients."""
+    gathered = _UnitGather.apply(unit, local, *[s.param for s in unit.slots]) if torch.is_grad_enabled() and any(
+        s.param.requires_grad for s in unit.slots) else unit.gathered(local)
+    by_param = {id(s.param): g for s, g in zip(unit.slots, gathered)}
+    for (owner_id, name), s in unit.tied.items():
+        _owner_of(unit, owner_id)._parameters[name] = by_param[id(s.param)]
+
+
+def _batch_layout(unit: Unit) -> tuple[Placement, ...]:
+    return tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
+
+
+def _batch_only(unit: Unit, args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor input is a global tensor laid out as the batch (0-d plain tensors aside), and
+    there is one: what `local_batch=None` may compute on plain local shares."""
+    batch = _batch_layout(unit)
+    tensors = [t for t in _tensors((args, kwargs)) if isinstance(t, GlobalTensor) or t.ndim]
+    return bool(tensors) and all(isinstance(t, GlobalTensor) and t.mesh == unit.mesh and t.placements == batch
+                                 for t in tensors)
+
+
+def _verify_local(unit: Unit, out: Any) -> None:
+    """`local_batch=None`, the first forward on the batch: run the unit's forward again on this rank's plain
+    shares (no gradients; buffers restored after) and compare with the global run bitwise; every rank's
+    verdict is agreed (one all_reduce on the mesh). "local" from the next forward on where all ranks match,
+    "global" for good otherwise (an op mixing samples, a random op, a shape used as a number...)."""
+    args, kwargs = unit.probe
+    unit.probe = None
+    buffers = [(b, b.detach().clone()) for b in unit.module.buffers()]
+    try:
+        with torch.no_grad():
+            largs, lkwargs = _local_inputs(unit, args, kwargs)
+            _bind(unit, True)
+            mine = unit.module.forward(*largs, **lkwargs)
+            ok = _same_as_local(unit, out, mine)
+    except Exception:   # a local run that fails cannot stand in for the global one: keep computing globally
+        ok = False
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    comm = unit.mesh.binding
+    flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=comm_device_of(unit.mesh))
+    axes = tuple(range(unit.mesh.ndim))
+    verdict = pending.submit(comm, lambda: comm.all_reduce(flag, axes, "sum"), (1,), flag.dtype, flag.device)
+    ok = bool(pending.ready(verdict).item() == 0)
+    unit.auto = "local" if ok else "global"
+    unit.schedule.log.append(("verify_local", unit.name, unit.auto))
+
+
+def _same_as_local(unit: Unit, out: Any, mine: Any) -> bool:
+    """Whether the global run's outputs `out` are the batch and their local shares equal the local run's
+    `mine` exactly (same structure, dtypes and bits)."""
+    flat, spec = tree_flatten(out)
+    flat_mine, spec_mine = tree_flatten(mine)
+    if spec != spec_mine:
+        return False
+    batch = _batch_layout(unit)
+    for g, m in zip(flat, flat_mine):
+        if isinstance(g, GlobalTensor):
+            if isinstance(m, GlobalTensor) or not isinstance(m, torch.Tensor) or g.placements != batch:
+                return False
+            share = pending.ready(g._local)
+            if share.dtype != m.dtype or share.shape != m.shape or not torch.equal(share, m):
+                return False
+        elif isinstance(g, torch.Tensor):   # a plain output of the global run: a 0-d value at most
+            if g.ndim or not isinstance(m, torch.Tensor) or m.ndim or not torch.equal(g, m):
+                return False
+        elif type(g) is not type(m) or g != m:
+            return False
+    return True
 
 
 def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -666,7 +812,8 @@ def schedule_log(module: nn.Module) -> list[tuple]:
     """The last training step's log of the root unit `module` (or of a unit under it), in order: entries
     ``("forward_start" | "forward_end" | "backward_start", unit)``, ``("issue_gather", unit, phase)``,
     ``("all_gather" | "reduce_scatter", unit, phase, calls)`` (the communicator's `CallRecord`s that ran),
-    ``("issue_reduce_scatter", unit, "backward")``.
+    ``("issue_reduce_scatter", unit, "backward")``, ``("verify_local", unit, "local" | "global")`` (the
+    step that checked a `local_batch=None` unit, and its verdict).
 
     >>> import torch, sbp, sbp.testing
     >>> sbp.load_torch_layers()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
+from ..tensor.autograd import leaf_grad
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
 from ..values.errors import SbpError
@@ -156,7 +157,41 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
     module.register_forward_hook(matmuls.exit, always_call=True)
     if ctx.dp_axes and "" not in matched:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
+    leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
+    module.register_forward_pre_hook(leaves.enter, prepend=True)
+    module.register_forward_hook(leaves.exit, always_call=True)
     return module
+
+
+class _CompiledLeaves:
+    """Under torch.compile, from the root module's forward-pre hook to its forward hook, every global parameter
+    that requires grad is swapped for `sbp.tensor.autograd.leaf_grad` of itself: the leaf rule's
+    redistribution of its gradient (e.g. `P(sum)` -> `B`) then runs in the compiled backward graph, as
+    functional collectives, and the leaf's own hook has nothing left to do. Eager forwards are untouched."""
+
+    def __init__(self) -> None:
+        self.saved: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
+        self.wrap = torch._dynamo.nonstrict_trace(lambda params: [leaf_grad(p) for p in params])
+
+    def enter(self, module: nn.Module, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            return
+        slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+                 if isinstance(p, GlobalTensor) and p.requires_grad]
+        unique: list[torch.Tensor] = []
+        for _, _, p in slots:
+            if not any(q is p for q in unique):   # a tied parameter gets one identity
+                unique.append(p)
+        wrapped = self.wrap(unique) if unique else []
+        for m, name, p in slots:
+            m._parameters[name] = next(w for q, w in zip(unique, wrapped) if q is p)
+        self.saved.append(slots)
+
+    def exit(self, *_: Any) -> None:
+        if not self.saved:
+            return
+        for m, name, p in self.saved.pop():
+            m._parameters[name] = p
 
 
 class _MatmulMode:
@@ -279,6 +314,18 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], na
 # ---- hooks -----------------------------------------------------------------------------------------
 
 def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
+    if isinstance(style, Rowwise) and isinstance(module, nn.Linear):
+        _hook_rowwise(module, style, ctx)
+        return
+    pre, post = _hook_fns(module, style, ctx)
+    if style.input_placement is not None:
+        module.register_forward_pre_hook(pre)
+    if style.output_placement is not None:
+        module.register_forward_hook(post)
+
+
+def _hook_fns(module: nn.Module, style: Style, ctx: _Context):
+    """The forward-pre and forward hooks of `style` on `module`: input and output conversions."""
     # under torch.compile the conversions are opaque calls that AOTAutograd traces (sbp.runtime.traced):
     # dynamo then never reads a mesh or placements off an intermediate tensor
     compiled_in = torch._dynamo.nonstrict_trace(lambda x: _to_input(x, style, module, ctx))
@@ -308,10 +355,92 @@ def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
             return _to_local(out, ctx)
         return _redistribute(out, ctx.with_tp(out.placements, style.output_placement, out.ndim))
 
-    if style.input_placement is not None:
-        module.register_forward_pre_hook(pre)
-    if style.output_placement is not None:
-        module.register_forward_hook(post)
+    return pre, post
+
+
+def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
+    """A rowwise `nn.Linear` computes on its local blocks, as Megatron's row-parallel linear: this rank's
+    input features (`S(-1)`) times its columns of the weight (`S(1)`) is its partial sum of the output,
+    `P(sum)` on the tp axis, plus the bias, reduced once to the output placement (one all_reduce to `B`, one
+    reduce_scatter to `S(1)`). Left to the matmul's own rule, the op alone would
+    look cheapest moving the input to the batch split and gathering the weight (three collectives where one
+    does, and the weight's gradient reduce_scattered in the backward); the module knows where its output
+    goes. The parameters are swapped for the local weight (its gradient: `S(1)` on tp, `P(sum)` on the
+    data-parallel axes, each rank's batch) and no bias for the forward, and restored after it."""
+    saved: list[tuple[Any, Any, GlobalTensor]] = []
+    compiled_prepare = torch._dynamo.nonstrict_trace(lambda x, w: _rowwise_operands(x, w, style, module, ctx))
+    compiled_finish = torch._dynamo.nonstrict_trace(lambda out, x, b: _rowwise_output(out, x, b, style, ctx))
+    compiled_finish_nobias = torch._dynamo.nonstrict_trace(lambda out, x: _rowwise_output(out, x, None, style, ctx))
+
+    w_pls = tuple(Split(1) if a == ctx.tp_axis else Broadcast() for a in range(ctx.mesh.ndim))
+    global_pre, global_post = _hook_fns(module, style, ctx)   # the matmul's own rule: a weight not plainly ours
+
+    def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(mod._parameters["weight"], GlobalTensor):
+            return None
+        if torch.compiler.is_compiling():
+            prepare = compiled_prepare
+        else:
+            weight = mod._parameters["weight"]
+            if not weight.is_leaf or weight.placements != w_pls:   # e.g. fully_shard's: it manages the weight
+                return global_pre(mod, args)
+            prepare = lambda x, w: _rowwise_operands(x, w, style, mod, ctx)  # noqa: E731
+        x, x_local, w_local = prepare(args[0], mod._parameters["weight"])
+        saved.append((mod._parameters["weight"], mod._parameters.get("bias"), x))
+        mod._parameters["weight"] = w_local
+        mod._parameters["bias"] = None
+        return (x_local,) + tuple(args[1:])
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if not saved:
+            return global_post(mod, args, out) if isinstance(out, GlobalTensor) else None
+        weight, bias, x = saved.pop()
+        mod._parameters["weight"] = weight
+        mod._parameters["bias"] = bias
+        if not isinstance(out, torch.Tensor):   # the forward raised (always_call) or returned something else
+            return None
+        if torch.compiler.is_compiling():
+            return compiled_finish_nobias(out, x) if bias is None else compiled_finish(out, x, bias)
+        return _rowwise_output(out, x, bias, style, ctx)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _rowwise_operands(x: torch.Tensor, weight: GlobalTensor, style: Rowwise, module: nn.Module,
+                      ctx: _Context) -> tuple[GlobalTensor, torch.Tensor, torch.Tensor]:
+    """(the global input, its local block, the local weight) of a rowwise linear computing locally: the input
+    `S(-1)` on tp (and, on the other axes, anything but a split of the features or a Partial), the weight
+    `S(1)` on tp and `B` elsewhere (redistributed there if it is not)."""
+    xg = _to_input(x, style, module, ctx)
+    last = xg.ndim - 1
+    keep = tuple(p if a == ctx.tp_axis or not (isinstance(p, Partial) or (isinstance(p, Split) and p.dim == last))
+                 else Broadcast() for a, p in enumerate(xg.placements))
+    want_tp = normalize(ctx.with_tp(keep, Split(-1), xg.ndim), xg.ndim, ctx.mesh.ndim)
+    if xg.placements != want_tp:
+        xg = xg.redistribute(want_tp)
+    w_pls = tuple(Split(1) if a == ctx.tp_axis else Broadcast() for a in range(ctx.mesh.ndim))
+    if weight.placements != w_pls:
+        weight = weight.redistribute(w_pls)
+    grad_w = tuple(Partial() if a != ctx.tp_axis and not isinstance(p, Broadcast) else w
+                   for a, (p, w) in enumerate(zip(xg.placements, w_pls)))
+    return xg, xg.to_local(), weight.to_local(grad_placements=grad_w)
+
+
+def _rowwise_output(out: torch.Tensor, x: GlobalTensor, bias: Optional[GlobalTensor], style: Rowwise,
+                    ctx: _Context) -> Any:
+    """This rank's partial sum of a rowwise linear's output as a global `P(sum)` (tp) tensor, reduced to the
+    style's output placement; the bias is added to the partial sums (on one rank of the tp axis: sbp's rule for
+    `P(sum) + B`), so its gradient is the reduced output's, with no collective of its own."""
+    pls = tuple(Partial() if a == ctx.tp_axis else p for a, p in enumerate(x.placements))
+    y = from_local(out, ctx.mesh, pls, global_shape=tuple(x.shape[:-1]) + (out.shape[-1],))
+    if bias is not None:   # once, to the partial sums (where the reduction needs no gradient of its own)
+        y = y + bias
+    if style.use_local_output:  # a local tensor is always this rank's block of the batch S(0) on dp
+        y = _redistribute(y, normalize(ctx.input_placements(style.output_placement, y.ndim), y.ndim, ctx.mesh.ndim))
+    else:
+        y = _redistribute(y, ctx.with_tp(y.placements, style.output_placement, y.ndim))
+    return _to_local(y, ctx) if style.use_local_output else y
 
 
 def _root_hook(ctx: _Context):

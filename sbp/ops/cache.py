@@ -13,6 +13,7 @@ classes, since a new rule may decide otherwise); `info()` reports their size.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -81,7 +82,7 @@ class DecisionCache:
     True
     """
 
-    __slots__ = ("_decisions", "_classes", "_deciding", "get", "capacity", "made")
+    __slots__ = ("_decisions", "_classes", "_deciding", "get", "capacity", "made", "seconds")
 
     def __init__(self, capacity: int = CACHE_SIZE) -> None:
         self._decisions: dict[Any, Any] = {}
@@ -90,6 +91,7 @@ class DecisionCache:
         self.get = self._decisions.get       # bound once: the same dict for the cache's lifetime
         self.capacity = capacity
         self.made = 0                        # decisions made (misses), for info()
+        self.seconds = 0.0                   # CPU time making them (the deciding thread's), for info()
 
     def decide_once(self, key: Any, make: Callable[..., Any], *args: Any) -> Any:
         """The decision for `key`, made with `make(*args)` unless another thread made it meanwhile; a key of
@@ -97,7 +99,9 @@ class DecisionCache:
         with self._deciding:
             found = self._decisions.get(key) if key is not None else None
             if found is None:
+                start = time.thread_time()
                 found = make(*args)
+                self.seconds += time.thread_time() - start
                 self.made += 1
                 if key is not None:
                     if len(self._decisions) >= self.capacity:
@@ -127,11 +131,12 @@ class DecisionCache:
             self._decisions.clear()
             self._classes.clear()
 
-    def info(self) -> dict[str, int]:
-        """``{"size": decisions held, "capacity": ..., "made": decisions made since start, "classes": shape
-        classes held}``."""
+    def info(self) -> dict[str, int | float]:
+        """``{"size": decisions held, "capacity": ..., "made": decisions made since start, "seconds": the CPU
+        time making them took, "classes": shape classes held}`` (`made` and `seconds` tell what new shapes
+        cost: a new shape of a known class is a decision made from its class, see `sbp.ops.dispatch`)."""
         return {"size": len(self._decisions), "capacity": self.capacity, "made": self.made,
-                "classes": len(self._classes)}
+                "seconds": self.seconds, "classes": len(self._classes)}
 
 
 SPEC_TOKENS = SpecTokens()

@@ -15,18 +15,24 @@ from typing import Any, Optional
 
 import torch
 
-from ..planning.api import plan as make_plan
-from ..tensor.global_tensor import GlobalTensor
+from ..runtime.executor import cached_plan
+from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError
 from ..values.layout import block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
 from . import table as rules
 from .apply import Decision
+from .cache import SPEC_TOKENS
 from .random import agreed_random_run, is_random
 from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
 
 MAX_COMBOS = 512    # whole-mesh signature combinations priced before pruning per axis
+
+SIZE_ARGS = frozenset({"size", "num_weights"})
+"""Int arguments that are sizes (``view(x, size)``, ``expand``, ``new_zeros``, ``embedding_dense_backward``'s
+``num_weights``, its output's rows): symbols in a shape class's key (`sbp.ops.dispatch.class_key`). Other ints
+(dims, indices, slice bounds) stay exact."""
 
 
 def _paths(args: tuple, kwargs: dict) -> list[tuple]:
@@ -224,6 +230,24 @@ def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice
     >>> select(lookup(mm), spec, {})                                # gather w, keep x where it is
     Choice(inputs=((S(0),), (B,)), outputs=((S(0),),))
     """
+    found = candidates(rule, spec, aliases)
+    return found if isinstance(found, Choice) else cheapest(spec, found, aliases)
+
+
+def candidates(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Choice | list[tuple[int, int, Choice]]:
+    """`select`'s first half, what needs no planning: the first combination of the rule's signatures that
+    moves nothing (a `Choice`: it wins), or every admissible combination as (placements changed, rule
+    order, choice), fewest changes first -- the list `cheapest` prices.
+
+    >>> import sbp
+    >>> from sbp.ops.spec import TensorMeta
+    >>> from sbp.ops.table import lookup
+    >>> mm = torch.ops.aten.mm.default
+    >>> x, w = TensorMeta((64, 8), torch.float32, (sbp.S(0),)), TensorMeta((8, 4), torch.float32, (sbp.S(0),))
+    >>> spec = OpSpec(mm, (4,), {"self": Ref(0), "mat2": Ref(1)}, (x, w), (TensorMeta((64, 4), torch.float32),))
+    >>> [c[0] for c in candidates(lookup(mm), spec, {})]          # placements each candidate changes
+    [1, 1, 2, 2, 2, 2]
+    """
     ndim = len(spec.mesh_shape)
     per_axis = [list(rule.sigs(spec, axis)) for axis in range(ndim)]
     for axis, sigs in enumerate(per_axis):
@@ -234,8 +258,7 @@ def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice
     if _count(per_axis) > MAX_COMBOS:
         per_axis = [sorted(sigs, key=lambda s, a=a: _changed_on_axis(spec, s, a))[:4]
                     for a, sigs in enumerate(per_axis)]
-    best, best_cost = None, None
-    candidates = []
+    found = []
     for index, combo in enumerate(itertools.product(*per_axis)):
         choice = _choice(spec, combo)
         if (rule.check is not None and not rule.check(spec, choice)) or not _representable(spec, choice):
@@ -243,9 +266,24 @@ def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice
         changed = _changed(spec, choice)
         if changed == 0 and not _writes_back(spec, choice, aliases):
             return choice  # nothing moves: nothing can be cheaper
-        candidates.append((changed, index, choice))
-    candidates.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
-    for changed, index, choice in candidates:
+        found.append((changed, index, choice))
+    found.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
+    return found
+
+
+def cheapest(spec: OpSpec, found: list[tuple[int, int, Choice]], aliases: dict[int, int]) -> Optional[Choice]:
+    """`select`'s second half: the cheapest of `candidates`' list by planner price (`_price`), ties to fewer
+    collectives, fewer changes, then the rule's order; None for an empty list.
+
+    >>> import sbp
+    >>> x = TensorMeta((64, 8), torch.float32, (sbp.S(0),))
+    >>> spec = OpSpec(torch.ops.aten.neg.default, (2,), {"self": Ref(0)}, (x,), (TensorMeta((64, 8), torch.float32),))
+    >>> gather, keep = Choice(((B,),), ((B,),)), Choice(((sbp.S(1),),), ((sbp.S(1),),))
+    >>> cheapest(spec, [(1, 0, gather), (1, 1, keep)], {}) == keep        # an all_to_all moves half the bytes
+    True
+    """
+    best, best_cost = None, None
+    for changed, index, choice in found:
         priced = _price(spec, choice, aliases, None if best_cost is None else best_cost[0])
         if priced is None:
             continue   # already dearer than the best: stop planning its moves
@@ -305,8 +343,8 @@ def _price(spec: OpSpec, choice: Choice, aliases: dict[int, int],
     for meta, src, dst in moves:
         if limit is not None and nbytes > limit:
             return None
-        if src != dst:
-            p = make_plan(meta.shape, spec.mesh_shape, src, dst, meta.itemsize)
+        if src != dst:   # the executor's plan memo: the move chosen is then run without planning again
+            p = cached_plan(meta.shape, spec.mesh_shape, src, dst, meta.itemsize)
             nbytes += p.bytes_per_rank
             ncoll += p.num_collectives
     return None if limit is not None and nbytes > limit else (nbytes, ncoll)
@@ -343,9 +381,12 @@ class DecisionClass:
     first free one in the rule's order, whatever the sizes: in a class every size is above the rank count,
     so a change that needs communication needs it for every member. A choice that won on price depends
     on sizes: its class becomes *priced* once the second call confirms the output sizes, and `instantiate`
-    then prices the rule's signatures anew for each call (`select`, plans by shape class) but skips the
-    meta kernels. Fallbacks, and classes whose output sizes are no symbols, stay `exact` (every call of
-    the class decided alone).
+    then prices the class's candidates anew for each call (`cheapest`, plans by shape class) but skips the
+    meta kernels; the candidates themselves (`candidates`: the rule's signatures, checks and what each
+    changes) are made once per class, since they depend on placements, dtypes, sizes up to the rank count,
+    remainders and which sizes are equal -- what the class key fixes -- not on the sizes' magnitudes.
+    Fallbacks, and classes whose output sizes are no symbols, stay `exact` (every call of the class
+    decided alone).
 
     >>> import sbp
     >>> x = GlobalTensor(torch.zeros(6, 8), sbp.DeviceMesh((2,)), (sbp.S(0),), (12, 8))
@@ -355,11 +396,14 @@ class DecisionClass:
     (((-1, -2),), 'candidate')
     """
 
-    __slots__ = ("decision", "values", "formula", "state")
+    __slots__ = ("decision", "values", "formula", "state", "sized", "found")
 
     def __init__(self, decision: Decision, values: list[int]) -> None:
         self.decision = decision
         self.values = values
+        self.sized = tuple((i, arg.name) for i, arg in enumerate(decision.spec.func._schema.arguments)
+                           if arg.name in SIZE_ARGS)   # (position, name) of the size arguments
+        self.found = None   # a priced class's `candidates`, made at its first instantiation
         self.formula = _formula(decision, values)
         self.state = "exact" if self.formula is None else "candidate" if _free(decision) else "priced?"
 
@@ -377,22 +421,76 @@ class DecisionClass:
     def instantiate(self, func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh,
                     values: list[int]) -> Decision:
         """The class's decision for a call of the class (its symbols' `values`): its choice and run, the
-        output sizes from the formula; no meta kernels, no planning."""
-        spec = _bind(func, args, kwargs, tuple(mesh.shape), leaves)
-        first = self.decision.spec.outputs
-        spec.outputs = tuple(None if m is None else TensorMeta(shape, m.dtype)
-                             for m, shape in zip(first, _sizes(self.formula, values)))
+        output sizes from the formula; no meta kernels, no planning for a generic class. Everything but
+        the sizes is the class's (paths, writes, targets, the run): only the spec, the output shapes,
+        strides and spec tokens are made anew (`_resized`)."""
         made = self.decision
+        spec = _respec(made.spec, args, kwargs, leaves, self.sized)
+        spec.outputs = tuple(None if m is None else TensorMeta(shape, m.dtype)
+                             for m, shape in zip(made.spec.outputs, _sizes(self.formula, values)))
         if self.state == "generic":
-            return Decision(spec, made.choice, made.run, _paths(args, kwargs), made.writes, fallback=made.fallback)
+            return _resized(made, spec)
         rule = rules.lookup(func)   # priced: the sizes decide, the output sizes are known
-        try:
-            choice = select(rule, spec, made.aliases)
-        except ShapeError as e:
-            raise ShapeError(f"{_on_inputs(spec)}: {e}") from e
+        if self.found is None:      # the class's candidates (rule signatures, checks) are the same for all
+            try:
+                self.found = candidates(rule, spec, made.aliases)
+            except ShapeError as e:
+                raise ShapeError(f"{_on_inputs(spec)}: {e}") from e
+        found = self.found
+        choice = found if isinstance(found, Choice) else cheapest(spec, found, made.aliases)
         if choice is None:
-            return _fallback(spec, _paths(args, kwargs), made.writes)
-        return Decision(spec, choice, rule.run, _paths(args, kwargs), made.writes)
+            return _fallback(spec, made.paths, made.writes)
+        if choice == made.choice and not made.fallback:
+            return _resized(made, spec)
+        return Decision(spec, choice, rule.run, made.paths, made.writes)
+
+
+def _respec(first: OpSpec, args: tuple, kwargs: dict, leaves: list, sized: tuple) -> OpSpec:
+    """`first` (a call of a shape class, bound by `_bind`) for another call of its class: the same values
+    but the size arguments (`sized`: their (position, name)), the same input placements and dtypes, the
+    call's input shapes; the outputs are left to the caller. Equal to `_bind` of the call: in a class
+    everything else is equal (`sbp.ops.dispatch.class_key`)."""
+    inputs = tuple([TensorMeta(tuple(t.shape), m.dtype, m.placements, m.is_global)
+                    for t, m in zip(leaves, first.inputs)])
+    values = first.values
+    if sized:
+        values = dict(values)
+        for i, name in sized:
+            if i < len(args):
+                values[name] = _plain(args[i])
+            elif name in kwargs:
+                values[name] = _plain(kwargs[name])
+    return OpSpec(first.func, first.mesh_shape, values, inputs)
+
+
+def _plain(v: Any) -> Any:
+    """A non-tensor argument as `_bind` records it (lists as lists, finite non-zero floats as `FLOAT`)."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if type(v) is float and v != 0 and v - v == 0:
+        return FLOAT
+    return v
+
+
+_PER_CALL = ("spec", "out_shapes", "out_strides", "out_keys", "warned")
+_SHARED = tuple(name for name in Decision.__slots__ if name not in _PER_CALL)
+
+
+def _resized(made: Decision, spec: OpSpec) -> Decision:
+    """`made` for `spec`, a call of its shape class with the same choice: what depends on sizes (the spec,
+    output shapes, strides and spec tokens) made anew, the rest shared -- what `Decision(spec, ...)`
+    would compute, without recomputing what the class fixes (tests/ops/test_decision_classes.py compares
+    every slot with a cold decision's)."""
+    d = Decision.__new__(Decision)
+    for name in _SHARED:
+        setattr(d, name, getattr(made, name))
+    d.spec, d.warned = spec, False
+    outs, mesh_shape, placements = spec.outputs, spec.mesh_shape, made.choice.outputs
+    d.out_shapes = [None if o is None else o.shape for o in outs]
+    d.out_strides = [None if o is None else contiguous_strides(o.shape) for o in outs]
+    d.out_keys = [None if key is None else SPEC_TOKENS.token(placements[k], o.shape, o.dtype, mesh_shape)
+                  for k, (key, o) in enumerate(zip(made.out_keys, outs))]
+    return d
 
 
 def _out_shapes(decision: Decision) -> tuple:

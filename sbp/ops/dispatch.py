@@ -27,10 +27,11 @@ from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_
 from . import table as rules
 from .apply import refuse_mixed_meshes
 from .cache import DECISIONS, SPEC_TOKENS, SpecToken
-from .decide import Decision, DecisionClass, decide
+from .decide import SIZE_ARGS, Decision, DecisionClass, decide
 from .spec import FLOAT, B
 
 PLAIN_GRAD_HOOKED = WeakIdKeyDictionary()   # plain tensor -> True once it has the plain-gradient hook
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction   # decisions are pure: no torch function mode sees them
 
 
 # ---- the cache key -------------------------------------------------------------------------------------
@@ -88,11 +89,6 @@ def float_key(value: float) -> Any:
 
 
 # ---- shape classes -----------------------------------------------------------------------------------------
-SIZE_ARGS = frozenset({"size"})
-"""Int arguments that are sizes (``view(x, size)``, ``expand``, ``new_zeros``): symbols in a class key. Other
-ints (dims, indices, slice bounds) stay exact."""
-
-
 def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> tuple[tuple, list[int]]:
     """A call's shape-class key and its symbols' values: every size above the mesh's rank count `m` (of a
     tensor, or in a size argument) becomes a symbol, numbered by first appearance and kept with its
@@ -233,6 +229,9 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
     for t in leaves:   # before deciding: placements are read against the first tensor's mesh
         if isinstance(t, GlobalTensor) and t._mesh is not mesh and t._mesh != mesh:
             refuse_mixed_meshes(func, mesh, t)
-    # thread-ranks of one process share decisions: one decides, the others reuse it
-    decision = DECISIONS.decide_once(key, decide_by_class, func, args, kwargs, leaves, mesh)  # no closure: no cells
+    # thread-ranks of one process share decisions: one decides, the others reuse it. Deciding reads tensor
+    # properties (shapes, dtypes) and makes meta tensors: under a torch function mode (`sbp.nn.parallelize`'s
+    # `SplitBatchMatmul`, a user's) each of those would call the mode, about doubling a decision's time
+    with _NO_TORCH_FUNCTION():
+        decision = DECISIONS.decide_once(key, decide_by_class, func, args, kwargs, leaves, mesh)  # no closure
     return decision.execute(func, args, kwargs, leaves)

@@ -68,7 +68,7 @@ class Bounds:
     def _reduction(self, s: State, d: State) -> int:
         costing = self.costing
         q = groups = 1  # ranks along the axes still to reduce, and along the kept Partial axes
-        for n, p, y in zip(costing.mesh.shape, s, d):
+        for n, p, y in zip(costing.mesh_shape, s, d):
             if isinstance(p, Partial):
                 if p == y:
                     groups *= n
@@ -123,17 +123,9 @@ class Bounds:
         if not new:
             best = costing.lack(s, d)
         else:
-            have, best = costing.boxes(s), 0
-            for members, target, size in self._targets(d, new):
-                held, seen = 0, []
-                for i in members:
-                    b = have[i]
-                    if b not in seen:  # distinct blocks of a state are disjoint
-                        seen.append(b)
-                        held += _overlap(target, b)
-                lack = -(-(size - held) // len(members))
-                if lack > best:
-                    best = lack
+            # per group (ranks differing only on the new Partial axes), what none of them holds arrives
+            # at one of them: shared out, the busiest receives at least its share
+            best = -(-costing.group_lack(s, d, new) // costing.group_size(new))
         self._memo[key] = best * costing.itemsize
         return best * costing.itemsize
 
@@ -143,26 +135,3 @@ class Bounds:
         if out is None:
             out = self._memo[key] = tuple(a for a, y in enumerate(d) if isinstance(y, Partial))
         return out
-
-    def _targets(self, d: State, new: tuple[int, ...]) -> list[tuple[list[int], tuple, int]]:
-        """Per group of coords that differ only on `new` (the Partial axes of `d`): its members, their
-        common block of `d`, and that block's size."""
-        key = ("targets", d)
-        out = self._memo.get(key)
-        if out is None:
-            want = self.costing.boxes(d)
-            out = self._memo[key] = [(m, want[m[0]], _overlap(want[m[0]], want[m[0]]))
-                                     for m in self.costing.groups_across(new)]
-        return out
-
-
-def _overlap(a, b) -> int:
-    """Elements in both blocks (one (start, stop) per dim)."""
-    n = 1
-    for (alo, ahi), (blo, bhi) in zip(a, b):
-        lo = alo if alo > blo else blo
-        hi = ahi if ahi < bhi else bhi
-        if hi <= lo:
-            return 0
-        n *= hi - lo
-    return n

@@ -290,60 +290,143 @@ def reduce_schedule(members: list[tuple[int, ...]], src_blocks: list[Block], dst
     return owned, recv1, send1, recv2, send2
 
 
-def reduce_recv_elems(src_blocks: list[Block], dst_blocks: list[Block], contributions: int) -> list[int]:
-    """Per member, the elements it receives in `reduce_schedule` (both phases), from sizes alone: an
-    owner receives each slab's contributions but its own, every other member that needs it the result.
+def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributions: int) -> int:
+    """Elements the busiest member receives in `reduce_schedule` (both phases), from sizes alone.
 
-    >>> reduce_recv_elems([((0, 2),), ((2, 4),)] * 2, [((0, 2),)] * 2 + [((2, 4),)] * 2, 2)
-    [2, 2, 2, 2]
+    A member receives its target tile but the slabs it owns, and per slab it owns every contribution
+    but the one it holds. Slabs are balanced, so their sizes never grow along the owners' order: the
+    busiest member of a tile is the first holder of some source tile (its own slab the first one), or
+    the first member (of the slabs no member holds), so per tile only those are priced. Tiles that
+    meet the source grid alike (per dim, the lengths of the pieces; per needer, which piece it holds)
+    have the same answer, which is computed once.
+
+    >>> reduce_recv_max([((0, 2),), ((2, 4),)] * 2, [((0, 2),)] * 2 + [((2, 4),)] * 2, 2)
+    2
     """
-    recv = [0] * len(src_blocks)
-    per_tile: dict[int, list] = {}  # every member needing a tile receives all its slabs but those it owns
-    for need, o, slab, source in _slab_owners(src_blocks, dst_blocks):
-        k = block_numel(slab)
-        recv[o] += k * (contributions - (src_blocks[o] == source)) - k
-        total = per_tile.setdefault(id(need), [need, 0])
-        total[1] += k
-    for need, total in per_tile.values():
-        for i in need:
-            recv[i] += total
-    return recv
+    q, best = contributions, 0
+    grid = _SourceGrid(src_blocks)
+    done: set[tuple] = set()
+    for tile, need in _needers(dst_blocks).items():
+        per_dim = grid.met(tile)
+        if grid.complete:
+            ranges = [grid.ranges(d, r) for d, r in enumerate(tile)]
+            held = tuple(tuple(w.get(r) for (_, w), r in zip(ranges, src_blocks[i])) for i in need)
+            key = (tuple(lengths for lengths, _ in ranges), held)
+            if key in done:
+                continue
+            done.add(key)
+        pieces = grid.pieces(tile, per_dim)
+        first: dict[Block, int] = {}    # source held by a needer: the first needer's position
+        count: dict[Block, int] = {}    # ... and how many needers hold it
+        among: list[int] = []           # per needer, its place among those holding its block
+        for pos, i in enumerate(need):
+            b = src_blocks[i]
+            first.setdefault(b, pos)
+            among.append(count.get(b, 0))
+            count[b] = among[-1] + 1
+        total = sum(block_numel(piece) for _, piece in pieces)
+        unheld: dict[tuple[int, ...], int] = {}  # pieces no needer holds, counted by shape
+        for source, piece in pieces:
+            if source not in first:
+                shape = tuple(hi - lo for lo, hi in piece)
+                unheld[shape] = unheld.get(shape, 0) + 1
+        own = {source: piece for source, piece in pieces if source in first}
+        candidates = {0} | {pos for b, pos in first.items() if b in own}
+        if q < 2:  # owning a held slab lowers what a member receives: any member may be the busiest
+            candidates = range(len(need))
+        for pos in candidates:
+            recv = total + sum(n * _slab_numel(shape, len(need), pos) for shape, n in unheld.items()) * (q - 1)
+            b = src_blocks[need[pos]]
+            if b in own:  # its slab of the piece it holds, shared with the needers holding the same block
+                recv += _slab_numel(tuple(hi - lo for lo, hi in own[b]), count[b], among[pos]) * (q - 2)
+            best = max(best, recv)
+    return best
+
+
+def _slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
+    """Elements of slab `k` of `_slabs` (a piece of these per-dim lengths cut into `parts`), without
+    building the slabs."""
+    if parts == 1 or not lengths:
+        return math.prod(lengths) if k == 0 else 0
+    d = next((d for d, n in enumerate(lengths) if n >= parts), lengths.index(max(lengths)))
+    n = lengths[d]
+    return math.prod(lengths) // n * (n // parts + (k < n % parts)) if n else 0
+
+
+def _needers(dst_blocks: list[Block]) -> dict[Block, list[int]]:
+    """Per destination tile, the members needing it (in member order)."""
+    out: dict[Block, list[int]] = {}
+    for i, b in enumerate(dst_blocks):
+        out.setdefault(b, []).append(i)
+    return out
+
+
+class _SourceGrid:
+    """The distinct source tiles of a group. They are disjoint and tile the group's block as a grid (per
+    dim, a partition), so the tiles a destination tile meets are found per dim by bisection, not by
+    trying every tile; `complete` when every combination of per-dim ranges is a tile."""
+
+    def __init__(self, src_blocks: list[Block]) -> None:
+        self.sources = list(dict.fromkeys(src_blocks))
+        self.ndim = len(self.sources[0]) if self.sources else 0
+        self.cuts = [sorted({b[d] for b in self.sources}) for d in range(self.ndim)]  # per dim, in order
+        self.his = [[hi for _, hi in c] for c in self.cuts]
+        self.order = {b: k for k, b in enumerate(self.sources)}
+        self.complete = self.ndim > 0 and len(self.sources) == math.prod(map(len, self.cuts))
+        self._met_memo: dict[tuple, list] = {}
+        self._ranges: dict[tuple, tuple] = {}
+
+    def met(self, tile: Block) -> list[list[tuple[int, int]]]:
+        """Per dim, the non-empty source ranges that `tile`'s range meets."""
+        return [self._met(d, r) for d, r in enumerate(tile)]
+
+    def ranges(self, d: int, r: tuple[int, int]) -> tuple[tuple[int, ...], dict]:
+        """For range `r` of dim `d`: the lengths of its pieces (cut by the source ranges it meets), and
+        each of those ranges' place among them."""
+        key = (d, r)
+        out = self._ranges.get(key)
+        if out is None:
+            met = self._met(d, r)
+            lo, hi = r
+            out = self._ranges[key] = (tuple(min(hi, c) - max(lo, a) for a, c in met),
+                                       {m: k for k, m in enumerate(met)})
+        return out
+
+    def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:
+        out = self._met_memo.get((d, r))
+        if out is None:
+            lo, hi = r
+            c = self.cuts[d]
+            k = bisect.bisect_right(self.his[d], lo)
+            out = []
+            while k < len(c) and c[k][0] < hi:
+                if c[k][1] > c[k][0] and c[k][1] > lo:
+                    out.append(c[k])
+                k += 1
+            self._met_memo[(d, r)] = out
+        return out
+
+    def pieces(self, tile: Block, per_dim: list) -> list[tuple[Block, Block]]:
+        """The (source tile, non-empty piece) pairs `tile` is cut into, in the sources' first appearance."""
+        hits = [src for src in itertools.product(*per_dim) if src in self.order] if self.ndim else self.sources
+        out = []
+        for source in sorted(hits, key=self.order.__getitem__):
+            piece = tuple((max(a, b), min(c, e)) for (a, c), (b, e) in zip(tile, source))
+            if all(hi > lo for lo, hi in piece):
+                out.append((source, piece))
+        return out
 
 
 def _slab_owners(src_blocks: list[Block], dst_blocks: list[Block]) -> Iterator[tuple[list[int], int, Block, Block]]:
     """(members needing it, owner, slab, the source tile holding it) for every slab:
     each destination tile is cut by the source tiles into pieces, and each piece into balanced slabs,
-    one per member that needs it and holds a contribution of it (or, when none does, that needs it).
-
-    Distinct source tiles are disjoint and tile the group's block as a grid (per dim, a partition), so
-    the tiles a destination tile meets are found per dim by bisection, not by trying every tile."""
-    sources = list(dict.fromkeys(src_blocks))
+    one per member that needs it and holds a contribution of it (or, when none does, that needs it)."""
     holders: dict[Block, set[int]] = {}
     for i, b in enumerate(src_blocks):
         holders.setdefault(b, set()).add(i)
-    ndim = len(sources[0]) if sources else 0
-    cuts = [sorted({b[d] for b in sources}) for d in range(ndim)]   # per dim, its distinct ranges, in order
-    his = [[hi for _, hi in c] for c in cuts]
-    order = {b: k for k, b in enumerate(sources)}
-    needers: dict[Block, list[int]] = {}
-    for i, b in enumerate(dst_blocks):
-        needers.setdefault(b, []).append(i)
-    for tile, need in needers.items():
-        per_dim = []
-        for d, (lo, hi) in enumerate(tile):
-            c = cuts[d]
-            k = bisect.bisect_right(his[d], lo)
-            met = []
-            while k < len(c) and c[k][0] < hi:
-                if c[k][1] > c[k][0] and c[k][1] > lo:
-                    met.append(c[k])
-                k += 1
-            per_dim.append(met)
-        hits = [src for src in itertools.product(*per_dim) if src in order] if ndim else list(sources)
-        for source in sorted(hits, key=order.__getitem__):  # (in the order of first appearance, as before)
-            piece = tuple((max(a, b), min(c, e)) for (a, c), (b, e) in zip(tile, source))
-            if any(hi <= lo for lo, hi in piece):
-                continue
+    grid = _SourceGrid(src_blocks)
+    for tile, need in _needers(dst_blocks).items():
+        for source, piece in grid.pieces(tile, grid.met(tile)):
             held = holders[source]
             owners = [i for i in need if i in held] or need
             if len(owners) == 1:

@@ -4,9 +4,11 @@ model of `sbp.Topology` by least squares.
 Per axis (and for all axes flattened, the widest group the planner uses) every rank runs all_gathers of a
 few sizes; a ring all_gather over ``n`` members takes ``n - 1`` rounds and receives ``(n - 1) x piece``
 bytes, so ``time = (n - 1) x alpha + bytes / beta`` is a line in the received bytes: its intercept gives
-alpha, its slope beta. Each rank keeps the median of a few repeats; the medians are max-reduced over the
-mesh so that every rank fits the same numbers and so gets the same `Topology` (plans stay identical on
-every rank). `measure` returns the fits with their residuals; `calibrate` only the topology.
+alpha, its slope beta. The same with all_to_alls (every member sends a piece to every other, all posted
+together) gives the latency per peer of exchanges, `Topology.exchange_us`. Each rank keeps the median
+of a few repeats; the medians are max-reduced over the mesh so that every rank fits the same numbers and
+so gets the same `Topology` (plans stay identical on every rank). `measure` returns the fits with their
+residuals; `calibrate` only the topology.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)
 
 @dataclass(frozen=True, slots=True)
 class Fit:
-    """The least-squares line of one group of axes: per size, the received bytes, the measured and the
-    fitted time (µs); `alpha_us` = intercept / rounds, `beta_gbps` = 1 / slope (bytes per ns)."""
+    """The least-squares line of one group of axes and one collective (`kind`: all_gather or all_to_all):
+    per size, the received bytes, the measured and the fitted time (µs); `alpha_us` = intercept / rounds
+    (peers, for all_to_all), `beta_gbps` = 1 / slope (bytes per ns)."""
 
     axes: tuple[int, ...]
     members: int
@@ -37,6 +40,7 @@ class Fit:
     received: tuple[int, ...]
     measured_us: tuple[float, ...]
     fitted_us: tuple[float, ...]
+    kind: str = "all_gather"
 
     @property
     def residual(self) -> float:
@@ -59,11 +63,12 @@ class Calibration:
 
     def table(self) -> str:
         """The fits as a text table (axes, members, alpha, beta, residual, measured vs fitted per size)."""
-        rows = [f"{'axes':<10}{'n':>4}{'alpha us':>10}{'beta GB/s':>11}{'resid':>8}  measured / fitted us per size"]
+        rows = [f"{'axes':<10}{'kind':<12}{'n':>4}{'alpha us':>10}{'beta GB/s':>11}{'resid':>8}  "
+                "measured / fitted us per size"]
         for f in self.fits:
             pts = "  ".join(f"{m:.1f}/{p:.1f}" for m, p in zip(f.measured_us, f.fitted_us))
-            rows.append(f"{','.join(map(str, f.axes)):<10}{f.members:>4}{f.alpha_us:>10.2f}{f.beta_gbps:>11.3f}"
-                        f"{f.residual:>8.3f}  {pts}")
+            rows.append(f"{','.join(map(str, f.axes)):<10}{f.kind:<12}{f.members:>4}{f.alpha_us:>10.2f}"
+                        f"{f.beta_gbps:>11.3f}{f.residual:>8.3f}  {pts}")
         return "\n".join(rows)
 
 
@@ -83,7 +88,8 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 def measure(mesh: DeviceMesh, sizes: Sequence[int] = SIZES, repeats: int = 5,
             devices_per_host: Optional[int] = None, name: str = "calibrated") -> Calibration:
-    """Time all_gathers on every axis of the bound `mesh` (all ranks call it) and fit alpha and beta.
+    """Time all_gathers and all_to_alls on every axis of the bound `mesh` (all ranks call it) and fit
+    alpha and beta (all_gather) and the latency per peer of exchanges (all_to_all, `exchange_us`).
 
     `sizes` are bytes per member's piece; `devices_per_host` (optional) marks which axes cross hosts (as
     `Topology.for_mesh` does). Axes of size 1 never communicate: they get alpha 0 and the fastest beta.
@@ -106,43 +112,59 @@ def measure(mesh: DeviceMesh, sizes: Sequence[int] = SIZES, repeats: int = 5,
     groups = [(a,) for a in range(mesh.ndim) if mesh.shape[a] > 1]
     if len(groups) > 1:
         groups.append(tuple(a for (a,) in groups))
-    # every rank times every (group, size); medians in one tensor, max-reduced so every rank fits the same
-    medians = torch.zeros(len(groups) * len(sizes), dtype=torch.float64, device=device)
-    for g, axes in enumerate(groups):
-        for k, size in enumerate(sizes):
-            piece = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            comm.all_gather(piece, axes)  # warm up (connections, buffers)
-            runs = []
-            for _ in range(repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                comm.all_gather(piece, axes)
-                _sync(device)
-                runs.append((time.perf_counter() - t0) * 1e6)
-            medians[g * len(sizes) + k] = statistics.median(runs)
-    medians = comm.all_reduce(medians, tuple(range(mesh.ndim)), "max")
+    # every rank times every (kind, group, size); medians in one tensor, max-reduced so every rank fits the same
+    kinds = ("all_gather", "all_to_all")
+    medians = torch.zeros(len(kinds) * len(groups) * len(sizes), dtype=torch.float64, device=device)
+    for i, (kind, axes, size) in enumerate(_cases(kinds, groups, sizes)):
+        run = _collective(comm, kind, axes, max(1, size // 4), device)
+        run()  # warm up (connections, buffers)
+        runs = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            runs.append((time.perf_counter() - t0) * 1e6)
+        medians[i] = statistics.median(runs)
+    medians = comm.all_reduce(medians, tuple(range(mesh.ndim)), "max").cpu().tolist()
     fits = []
-    for g, axes in enumerate(groups):
+    for i, (kind, axes) in enumerate((k, g) for k in kinds for g in groups):
         n = 1
         for a in axes:
             n *= mesh.shape[a]
         received = tuple((n - 1) * max(1, s // 4) * 4 for s in sizes)
-        ys = tuple(float(v) for v in medians[g * len(sizes):(g + 1) * len(sizes)].cpu().tolist())
+        ys = tuple(float(v) for v in medians[i * len(sizes):(i + 1) * len(sizes)])
         a, b = fit_line(received, ys)
         alpha = max(0.0, a / (n - 1))
         beta = 1e-3 / b if b > 0 else 1e6   # µs per byte -> bytes per ns (GB/s); a flat line: no bandwidth limit
         fitted = tuple((n - 1) * alpha + x * 1e-3 / beta for x in received)
-        fits.append(Fit(axes, n, alpha, beta, received, ys, fitted))
-    per_axis = {f.axes[0]: f for f in fits if len(f.axes) == 1}
+        fits.append(Fit(axes, n, alpha, beta, received, ys, fitted, kind))
+    per_axis = {f.axes[0]: f for f in fits if len(f.axes) == 1 and f.kind == "all_gather"}
+    per_peer = {f.axes[0]: f for f in fits if len(f.axes) == 1 and f.kind == "all_to_all"}
     fastest = max((f.beta_gbps for f in per_axis.values()), default=1e6)
     alpha = tuple(per_axis[a].alpha_us if a in per_axis else 0.0 for a in range(mesh.ndim))
     beta = tuple(per_axis[a].beta_gbps if a in per_axis else fastest for a in range(mesh.ndim))
-    if devices_per_host is None:
-        topology = Topology(alpha, beta, None, name)
-    else:
+    peer = tuple(per_peer[a].alpha_us if a in per_peer else 0.0 for a in range(mesh.ndim))
+    spans = None
+    if devices_per_host is not None:
         spans = Topology.for_mesh(mesh.shape, devices_per_host, (0.0, 1.0), (0.0, 1.0)).spans_hosts
-        topology = Topology(alpha, beta, spans, name)
-    return Calibration(topology, tuple(fits))
+    return Calibration(Topology(alpha, beta, spans, name, peer), tuple(fits))
+
+
+def _cases(kinds: Sequence[str], groups: Sequence[tuple[int, ...]], sizes: Sequence[int]):
+    return [(k, g, s) for k in kinds for g in groups for s in sizes]
+
+
+def _collective(comm, kind: str, axes: tuple[int, ...], numel: int, device: str):
+    """A call of `kind` on the group along `axes`, each member sending `numel` floats to every other (all_to_all)
+    or to all (all_gather)."""
+    if kind == "all_gather":
+        piece = torch.ones(numel, dtype=torch.float32, device=device)
+        return lambda: comm.all_gather(piece, axes)
+    n = len(comm.members(axes))
+    inp = torch.ones(n * numel, dtype=torch.float32, device=device)
+    out = torch.empty_like(inp)
+    return lambda: comm.all_to_all_single(out, inp, (numel,) * n, (numel,) * n, axes)
 
 
 def calibrate(mesh: DeviceMesh, sizes: Sequence[int] = SIZES, repeats: int = 5,

@@ -163,7 +163,8 @@ def drain(comm: Any) -> None:
 class PendingTensor(torch.Tensor):
     """The result of asynchronous work, with its shape, dtype and device known ahead: the first ATen op on
     it (or `wait`) blocks for the value and runs on it; later ops run on the value directly. `then`
-    derives another pending value (a slice of this one, say) without waiting.
+    derives another pending value (a slice of this one, say) without waiting; so does ``detach`` (autograd
+    detaches each gradient it stores in a leaf's ``.grad``: a queued gradient reduction keeps running).
 
     >>> from concurrent.futures import Future
     >>> fut = Future(); fut.set_result((torch.arange(3.), None))
@@ -227,6 +228,10 @@ class PendingTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default and args[0]._value is None:
+            # autograd detaches every gradient it stores in a leaf's .grad: a pending one stays pending (its
+            # reduction keeps running behind the rest of backward) until the optimizer reads it
+            return args[0].then(torch.Tensor.detach, tuple(args[0].shape))
         unwrap = lambda a: a.wait() if isinstance(a, PendingTensor) else \
             type(a)(unwrap(x) for x in a) if isinstance(a, (list, tuple)) else a
         return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})

@@ -213,5 +213,38 @@ def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placem
     return _FromLocal.apply(local, mesh, pls, global_shape)
 
 
+class _LeafGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
+        ctx.mesh, ctx.want, ctx.global_shape = x._mesh, gt.grad_placements(x._placements), tuple(x.shape)
+        return gt.GlobalTensor(x._local.view_as(x._local), x._mesh, x._placements, tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if not isinstance(grad, gt.GlobalTensor):
+            return gt.GlobalTensor(gt.local_from_full(grad, ctx.mesh, ctx.want), ctx.mesh, ctx.want, ctx.global_shape)
+        if grad._placements == ctx.want:
+            return grad
+        return gt.redistribute_raw(grad, ctx.want)
+
+
+def leaf_grad(x: GlobalTensor) -> GlobalTensor:
+    """`x` unchanged (a view), whose gradient is laid out as the leaf rule lays out a leaf's `.grad`
+    (`gt.grad_placements(x.placements)`) in the backward pass itself. Used on parameters inside a compiled
+    region (`sbp.nn.parallelize`): the gradient's redistribution then is part of the compiled backward
+    graph (functional collectives a compiler may schedule), and the leaf's hook finds nothing to do.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     w = sbp.distribute(torch.ones(4), mesh, "B", requires_grad=True)
+    ...     x = sbp.distribute(torch.arange(4.), mesh, "S(0)")
+    ...     g = torch.autograd.grad((leaf_grad(w) * x).sum().full(), w)[0]   # w * x: S(0), a B leaf
+    ...     return g.placements, g.to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    ((B,), [0.0, 1.0, 2.0, 3.0])
+    """
+    return _LeafGrad.apply(x)
+
+
 def _sum_parts(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
     return tuple(Partial("sum") if isinstance(p, Partial) else p for p in pls)

@@ -1,5 +1,7 @@
 """The network as a pure value: per mesh axis a latency (alpha, µs per message round) and a bandwidth
-(beta, GB/s), and whether the axis's groups cross host boundaries.
+(beta, GB/s), and whether the axis's groups cross host boundaries; optionally a separate latency per peer
+for exchanges (all_to_all, transfers, reduce_transfers), whose messages to different peers are posted
+together rather than passed round a ring.
 
 `sbp.plan(..., topology=...)` prices a step as ``rounds x alpha + bytes / beta`` of the slowest link the
 step crosses (the largest alpha and the smallest beta over its axes): the alpha-beta model. Presets are
@@ -37,8 +39,13 @@ PRESETS: dict[str, tuple[float, float, float, float]] = {
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """Per mesh axis: `alpha_us` (µs per message round), `beta_gbps` (GB/s, i.e. bytes per ns) and
-    `spans_hosts` (the axis's groups cross host boundaries). Frozen, hashable, compared by value.
+    """Per mesh axis: `latency_us` (alpha: µs per message round), `bandwidth_gbps` (beta: GB/s, i.e. bytes
+    per ns) and `spans_hosts` (the axis's groups cross host boundaries); `exchange_us` (µs per peer of an
+    exchange: all_to_all, transfer, reduce_transfer), None when it equals the latency. Frozen, hashable,
+    compared by value; `alpha_us` and `beta_gbps` are the model's names for the first two.
+
+    >>> Topology(latency_us=(1.0, 5.0), bandwidth_gbps=(200.0, 25.0)).alpha_us
+    (1.0, 5.0)
 
     >>> t = Topology((1.0, 5.0), (200.0, 25.0))
     >>> t.link((0,)), t.link((0, 1))          # the slowest link a step over both axes crosses
@@ -47,23 +54,24 @@ class Topology:
     16000
     """
 
-    alpha_us: tuple[float, ...]
-    beta_gbps: tuple[float, ...]
+    latency_us: tuple[float, ...]
+    bandwidth_gbps: tuple[float, ...]
     spans_hosts: tuple[bool, ...] | None = None
     name: str = "custom"
+    exchange_us: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        alpha = _numbers(self.alpha_us, "alpha_us")
-        beta = _numbers(self.beta_gbps, "beta_gbps")
+        alpha = _numbers(self.latency_us, "latency_us")
+        beta = _numbers(self.bandwidth_gbps, "bandwidth_gbps")
         if not alpha:
-            raise PlanError("a topology needs at least one mesh axis; got alpha_us=()")
+            raise PlanError("a topology needs at least one mesh axis; got latency_us=()")
         if len(alpha) != len(beta):
-            raise PlanError(f"a topology needs one alpha and one beta per mesh axis; got {len(alpha)} alpha_us "
-                            f"{alpha} and {len(beta)} beta_gbps {beta}")
+            raise PlanError(f"a topology needs one latency and one bandwidth per mesh axis; got {len(alpha)} "
+                            f"latency_us {alpha} and {len(beta)} bandwidth_gbps {beta}")
         if any(a < 0 for a in alpha):
-            raise PlanError(f"topology alpha_us must be finite and >= 0 (µs per message round), got {alpha}")
+            raise PlanError(f"topology latency_us must be finite and >= 0 (µs per message round), got {alpha}")
         if any(b <= 0 for b in beta):
-            raise PlanError(f"topology beta_gbps must be finite and > 0 (GB/s), got {beta}")
+            raise PlanError(f"topology bandwidth_gbps must be finite and > 0 (GB/s), got {beta}")
         spans = (False,) * len(alpha) if self.spans_hosts is None else self.spans_hosts
         try:
             spans = tuple(spans)
@@ -73,9 +81,25 @@ class Topology:
             raise PlanError(f"topology spans_hosts must be one bool per axis ({len(alpha)}), got {spans}")
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"topology name must be a non-empty string, got {self.name!r}")
-        object.__setattr__(self, "alpha_us", alpha)
-        object.__setattr__(self, "beta_gbps", beta)
+        if self.exchange_us is not None:
+            peer = _numbers(self.exchange_us, "exchange_us")
+            if len(peer) != len(alpha) or any(a < 0 for a in peer):
+                raise PlanError(f"topology exchange_us must be one finite number >= 0 per mesh axis "
+                                f"({len(alpha)}; µs per peer of an exchange) or None, got {peer}")
+            object.__setattr__(self, "exchange_us", peer)
+        object.__setattr__(self, "latency_us", alpha)
+        object.__setattr__(self, "bandwidth_gbps", beta)
         object.__setattr__(self, "spans_hosts", spans)
+
+    @property
+    def alpha_us(self) -> tuple[float, ...]:
+        """`latency_us` under the model's name (alpha: µs per message round, per axis)."""
+        return self.latency_us
+
+    @property
+    def beta_gbps(self) -> tuple[float, ...]:
+        """`bandwidth_gbps` under the model's name (beta: GB/s, per axis)."""
+        return self.bandwidth_gbps
 
     @property
     def ndim(self) -> int:
@@ -122,26 +146,33 @@ class Topology:
         return cls.for_mesh(mesh_shape, devices_per_host, (ia, ib), (xa, xb), name)
 
     # ---- the model ---------------------------------------------------------------------------------
-    def link(self, axes: Sequence[int]) -> tuple[float, float]:
-        """(alpha µs, beta GB/s) of the slowest link a step over `axes` crosses (no axes: the fastest).
+    def link(self, axes: Sequence[int], exchange: bool = False) -> tuple[float, float]:
+        """(alpha µs, beta GB/s) of the slowest link a step over `axes` crosses (no axes: the fastest);
+        with `exchange`, the latency is the per-peer one of exchanges (`exchange_us`).
 
         >>> Topology((1.0, 5.0), (200.0, 25.0)).link(())
         (1.0, 200.0)
+        >>> Topology((1.0, 5.0), (200.0, 25.0), exchange_us=(0.5, 2.0)).link((0, 1), exchange=True)
+        (2.0, 25.0)
         """
+        alpha = self.exchange_us if exchange and self.exchange_us is not None else self.alpha_us
         if not axes:
-            return min(self.alpha_us), max(self.beta_gbps)
-        return max(self.alpha_us[a] for a in axes), min(self.beta_gbps[a] for a in axes)
+            return min(alpha), max(self.beta_gbps)
+        return max(alpha[a] for a in axes), min(self.beta_gbps[a] for a in axes)
 
-    def time_ns(self, axes: Sequence[int], rounds: int, nbytes: int) -> int:
+    def time_ns(self, axes: Sequence[int], rounds: int, nbytes: int, exchange: bool = False) -> int:
         """Modeled time of one step, in whole ns (rounded up): ``rounds x alpha + nbytes / beta`` of the
-        slowest link over `axes` (1 GB/s moves one byte per ns).
+        slowest link over `axes` (1 GB/s moves one byte per ns); for an `exchange` (rounds: its peers),
+        alpha is `exchange_us`.
 
         >>> Topology((2.0,), (10.0,)).time_ns((0,), 1, 1001)
         2101
+        >>> Topology((2.0,), (10.0,), exchange_us=(0.5,)).time_ns((0,), 3, 0, exchange=True)
+        1500
         """
         if rounds <= 0 and nbytes <= 0:
             return 0
-        alpha, beta = self.link(axes)
+        alpha, beta = self.link(axes, exchange)
         return math.ceil(rounds * alpha * 1000.0 + nbytes / beta)
 
     def bound_ns(self, nbytes: int, rounds: int) -> int:
@@ -153,7 +184,8 @@ class Topology:
         """
         if nbytes <= 0 and rounds <= 0:
             return 0
-        return math.floor(rounds * min(self.alpha_us) * 1000.0 + nbytes / max(self.beta_gbps))
+        alpha = min(self.alpha_us + (self.exchange_us or ()))
+        return math.floor(rounds * alpha * 1000.0 + nbytes / max(self.beta_gbps))
 
     def check(self, mesh_shape: Sequence[int]) -> "Topology":
         """This topology when it describes `mesh_shape` (one entry per axis), else a `PlanError`.
@@ -165,38 +197,50 @@ class Topology:
         """
         if len(mesh_shape) != self.ndim:
             raise PlanError(f"topology {self.name!r} describes {self.ndim} mesh axes but the mesh "
-                            f"{tuple(mesh_shape)} has {len(mesh_shape)}; give one alpha/beta per axis")
+                            f"{tuple(mesh_shape)} has {len(mesh_shape)}; give one latency/bandwidth per axis")
         return self
 
     # ---- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: the name and one record per axis.
+        """Plain JSON-ready data: the name and one record per axis (`exchange_us` in it when set).
 
         >>> Topology((1.0,), (2.0,)).to_dict()
-        {'name': 'custom', 'axes': [{'alpha_us': 1.0, 'beta_gbps': 2.0, 'spans_hosts': False}]}
+        {'name': 'custom', 'axes': [{'latency_us': 1.0, 'bandwidth_gbps': 2.0, 'spans_hosts': False}]}
         """
-        return {"name": self.name, "axes": [{"alpha_us": a, "beta_gbps": b, "spans_hosts": s}
-                                            for a, b, s in zip(self.alpha_us, self.beta_gbps, self.spans_hosts)]}
+        axes = [{"latency_us": a, "bandwidth_gbps": b, "spans_hosts": s}
+                for a, b, s in zip(self.alpha_us, self.beta_gbps, self.spans_hosts)]
+        if self.exchange_us is not None:
+            for rec, e in zip(axes, self.exchange_us):
+                rec["exchange_us"] = e
+        return {"name": self.name, "axes": axes}
 
     @classmethod
     def from_dict(cls, data: Any) -> "Topology":
-        """The topology of `to_dict`'s data; missing or malformed fields are a `PlanError` naming them.
+        """The topology of `to_dict`'s data (an axis's latency and bandwidth also under the model's names
+        `alpha_us`, `beta_gbps`); missing or malformed fields are a `PlanError` naming them.
 
-        >>> Topology.from_dict({"axes": [{"alpha_us": 1, "beta_gbps": 2}]}).beta_gbps
+        >>> Topology.from_dict({"axes": [{"latency_us": 1, "bandwidth_gbps": 2}]}).bandwidth_gbps
         (2.0,)
         """
         if not isinstance(data, dict) or not isinstance(data.get("axes"), list):
             raise PlanError(f"a topology is a JSON object with an 'axes' list (one record per mesh axis with "
-                            f"alpha_us, beta_gbps and optionally spans_hosts), got {str(data)[:200]!r}")
-        alpha, beta, spans = [], [], []
+                            f"latency_us, bandwidth_gbps and optionally spans_hosts, exchange_us), got "
+                            f"{str(data)[:200]!r}")
+        alpha, beta, spans, peer = [], [], [], []
         for i, rec in enumerate(data["axes"]):
-            if not isinstance(rec, dict) or "alpha_us" not in rec or "beta_gbps" not in rec:
-                raise PlanError(f"topology axis {i} must be an object with 'alpha_us' and 'beta_gbps', "
+            a = rec.get("latency_us", rec.get("alpha_us")) if isinstance(rec, dict) else None
+            b = rec.get("bandwidth_gbps", rec.get("beta_gbps")) if isinstance(rec, dict) else None
+            if a is None or b is None:
+                raise PlanError(f"topology axis {i} must be an object with 'latency_us' and 'bandwidth_gbps', "
                                 f"got {rec!r}")
-            alpha.append(rec["alpha_us"])
-            beta.append(rec["beta_gbps"])
+            alpha.append(a)
+            beta.append(b)
             spans.append(rec.get("spans_hosts", False))
-        return cls(tuple(alpha), tuple(beta), tuple(spans), data.get("name", "custom"))
+            peer.append(rec.get("exchange_us"))
+        if any(e is None for e in peer) and any(e is not None for e in peer):
+            raise PlanError(f"topology exchange_us must be given on every axis or on none, got {peer}")
+        return cls(tuple(alpha), tuple(beta), tuple(spans), data.get("name", "custom"),
+                   None if peer and peer[0] is None else tuple(peer))
 
     def to_json(self) -> str:
         """The topology as a JSON text (`from_json` reads it back).
@@ -210,7 +254,7 @@ class Topology:
     def from_json(cls, text: str) -> "Topology":
         """The topology of a JSON text written by `to_json`.
 
-        >>> Topology.from_json('{"axes": [{"alpha_us": 3, "beta_gbps": 4}]}').alpha_us
+        >>> Topology.from_json('{"axes": [{"latency_us": 3, "bandwidth_gbps": 4}]}').latency_us
         (3.0,)
         """
         try:

@@ -11,6 +11,7 @@ Worker functions are module-level (they travel pickled to the shared gloo pool).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -23,6 +24,7 @@ import sbp
 import sbp.nn
 import sbp.testing
 from sbp.nn import Colwise, Embedding, Rowwise, SequenceParallel
+from tests.runtime.test_compile import GraphRecorder
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=300)
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
@@ -151,3 +153,38 @@ def test_batch_size_change_recompiles_at_most_once() -> None:
     for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(run_batch_change, (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
         assert graphs <= 2, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 6"
+
+
+def run_step_collectives(mesh):
+    """Per plan (tp, sequence parallel): the functional collectives in the compiled forward and backward
+    graphs of one training step, and the collectives run eagerly during its backward (the leaf hooks)."""
+    out = {}
+    for sequence_parallel in (False, True):
+        model = _parallel_pair(mesh, sequence_parallel)[1]
+        recorder = GraphRecorder()
+        torch._dynamo.reset()
+        f = torch.compile(lambda i, t, m=model: m(i, t).full(), backend=recorder.backend, fullgraph=True)
+        loss = f(*_batch(0, 4, 6))
+        mesh.binding.counters.reset()
+        loss.backward()
+        eager = collections.Counter(c.collective for c in mesh.binding.counters.calls)
+        fw, bw = (dict(recorder.collectives(k)) for k in (0, 1))
+        out[sequence_parallel] = fw, bw, dict(eager)
+    return out
+
+
+def test_compiled_step_holds_every_collective_of_the_plan() -> None:
+    # Forward: one reduction per rowwise module and per embedding (all_reduce, or reduce_scatter under sequence
+    # parallelism: the rowwise linear computes its partial sums locally, never moving its input to the batch
+    # split), the LM head's gather. Backward: the gradient reductions of the colwise inputs (q/k/v share one)
+    # and, under sequence parallelism, the layer norms' P(sum) parameter gradients (the leaf rule, run
+    # in the compiled backward through sbp.tensor.autograd.leaf_grad). Nothing is left to the leaf hooks.
+    for rank, got in enumerate(spmd(run_step_collectives, (2,))):
+        fw, bw, eager = got[False]
+        assert fw == {"all_reduce": 3, "all_gather_into_tensor": 1, "wait_tensor": 4}, (rank, fw)
+        assert bw == {"all_reduce": 3, "wait_tensor": 3}, (rank, bw)
+        assert eager == {}, (rank, eager)
+        fw, bw, eager = got[True]
+        assert "all_to_all_single" not in fw and fw.get("reduce_scatter_tensor") == 3, (rank, fw)
+        assert "all_reduce" in bw, (rank, bw)
+        assert eager == {}, (rank, eager)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 import sbp
 import sbp.nn
 import sbp.testing
-from sbp.nn.fsdp import memory_report, schedule_log, unit_of
+from sbp.nn.fsdp import CompileNotSupported, memory_report, schedule_log, unit_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
 
@@ -72,8 +73,8 @@ def _model(shapes: dict) -> tuple[Net, torch.Tensor, torch.Tensor]:
 def _shard(net: Net, mesh, layout: str) -> Net:
     if layout in ("fsdp_tp", "hsdp"):
         sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="tp")
-    for block in net.blocks:   # the blocks are per-sample: "fsdp_local" runs them on plain local shares
-        sbp.nn.fully_shard(block, mesh, "dp", local_batch=layout == "fsdp_local")
+    for block in net.blocks:   # "fsdp": global tensors throughout; else the default (verified local shares)
+        sbp.nn.fully_shard(block, mesh, "dp", local_batch=False if layout == "fsdp" else None)
     return sbp.nn.fully_shard(net, mesh, "dp")
 
 
@@ -104,10 +105,10 @@ def _run(mesh, shapes: dict, layout: str):
                        tuple(state["exp_avg_sq"].to_local().shape)))
     stored_bytes = sum(p.to_local().numel() * p.element_size() for p in net.parameters())
     assert memory_report(net)["params"] == stored_bytes   # each rank keeps its shards only, no full copy
-    return losses, params, shards
+    return losses, params, shards, [unit_of(b).auto for b in net.blocks]
 
 
-MESHES = {"fsdp": ((4,), ("dp",)), "fsdp_local": ((4,), ("dp",)), "fsdp_tp": ((2, 2), ("dp", "tp")),
+MESHES = {"fsdp": ((4,), ("dp",)), "fsdp_auto": ((4,), ("dp",)), "fsdp_tp": ((2, 2), ("dp", "tp")),
           "hsdp": ((2, 1, 2), ("rep", "dp", "tp"))}
 
 
@@ -118,7 +119,11 @@ def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None
     shape, names = MESHES[layout]
     results = sbp.testing.spmd(functools.partial(_run, shapes=shapes, layout=layout), shape, names=names,
                                backend=backend)
-    for losses, params, shards in results:
+    # the blocks are per-sample: by default they are verified on the first step, then compute on local shares;
+    # tensor-parallel blocks (and local_batch=False) compute on global tensors
+    modes = {"fsdp": ["off", "off"], "fsdp_auto": ["local", "local"]}.get(layout, ["off", "off"])
+    for losses, params, shards, auto in results:
+        assert auto == modes, (layout, auto)
         assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
         for name, value in params.items():
             assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
@@ -131,9 +136,94 @@ def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shapes", [EVEN, UNEVEN], ids=["even", "uneven"])
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_local", "fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_auto", "fsdp_tp", "hsdp"])
 def test_training_matches_one_process(layout: str, shapes: dict) -> None:
     _check_training(layout, shapes)
+
+
+class Mixing(nn.Module):
+    """A block whose forward mixes samples (`kind="mean"`: minus half the batch mean) or reads the batch length as
+    a number (`kind="shape"`): its local run on one rank's share differs from the global one."""
+
+    def __init__(self, block: Block, kind: str) -> None:
+        super().__init__()
+        self.block, self.kind = block, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return y - 0.5 * y.mean(0) if self.kind == "mean" else y * (4.0 / y.shape[0])
+
+
+def _mixing_net(kind: str) -> tuple[Net, torch.Tensor, torch.Tensor]:
+    net, x, y = _model(EVEN)
+    net.blocks[1] = Mixing(net.blocks[1], kind)
+    return net, x, y
+
+
+def _mixing(mesh, kind: str):
+    net, x, y = _mixing_net(kind)
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp")
+    sbp.nn.fully_shard(net, mesh, "dp")
+    losses, _ = _train(net, x, y, mesh)
+    modes = [unit_of(b).auto for b in net.blocks]
+    verdicts = [e for e in schedule_log(net) if e[0] == "verify_local"]   # the last step: none left to verify
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}, modes, verdicts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mean", "shape"])
+def test_local_batch_default_keeps_sample_mixing_blocks_global(kind: str) -> None:
+    """local_batch=None verifies each block on its first forward: a block mixing samples (or using the batch
+    length as a number) differs on local shares, so it stays on global tensors -- training still equals one
+    process -- while the per-sample block computes locally."""
+    net, x, y = _mixing_net(kind)
+    ref_losses, _ = _train(net, x, y)
+    ref = dict(net.named_parameters())
+    for losses, params, modes, verdicts in sbp.testing.spmd(functools.partial(_mixing, kind=kind), (4,), names=("dp",)):
+        assert modes == ["local", "global"] and verdicts == []
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+
+
+def _compiled(mesh, backend: Optional[str], whole: bool = False):
+    net, x, y = _model(EVEN)
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp")
+        if backend is not None and not whole:
+            block.compile(backend=backend)   # each unit's compute compiles; its hooks run eagerly between graphs
+    sbp.nn.fully_shard(net, mesh, "dp")
+    model = torch.compile(net, backend=backend) if whole else net
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    target = sbp.distribute(y, mesh, "S(0)")
+    losses = []
+    for _ in range(3):   # step 1 on global tensors (the blocks are verified), then on local shares
+        opt.zero_grad(set_to_none=True)
+        loss = ((model(x) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager() -> None:
+    """fully_shard blocks under torch.compile (backend "eager") train as eagerly, 2 ranks; compiling the fully-sharded
+    root whole is a CompileNotSupported error naming the fix."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager = sbp.testing.spmd(functools.partial(_compiled, backend=None), (2,), names=("dp",))
+    compiled = sbp.testing.spmd(functools.partial(_compiled, backend="eager"), (2,), names=("dp",))
+    assert counters["stats"]["unique_graphs"] > 0   # the blocks' forwards really were captured
+    for (losses, params), (ref_losses, ref) in zip(compiled, eager):
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name], atol=1e-10, rtol=0), name
+    with pytest.raises(sbp.SbpError, match="compile each fully_shard block instead") as info:
+        sbp.testing.spmd(functools.partial(_compiled, backend="eager", whole=True), (2,), names=("dp",))
+    assert isinstance(info.value.__cause__, CompileNotSupported)
 
 
 def _schedule(mesh):
@@ -313,5 +403,5 @@ def test_bad_input(case: str, message: str) -> None:
 
 @pytest.mark.gloo
 def test_training_on_gloo() -> None:
-    _check_training("fsdp", UNEVEN, backend="gloo")
+    _check_training("fsdp_auto", UNEVEN, backend="gloo")   # step 1 global (verified on gloo), then local shares
     _check_training("fsdp_tp", EVEN, backend="gloo")

@@ -55,13 +55,14 @@ def _family_calls(rng: random.Random, mesh):
             "view": lambda: (g((a, b, c), partial=False),),
             "transpose": lambda: (g((a, b, c)),),
             "softmax": lambda: (g((a, b, c), partial=False),),
+            "embedding_backward": lambda: (g((a, c)), g((a,), partial=False, dtype=torch.long)),
             }[name]()
         specs = draws[name]
         shapes = {
             "add": ((a, b), (b,)), "mul_scalar_bcast": ((a, 1, c), (b, c)), "gelu": ((a, b, c),),
             "mm": ((a, b), (b, c)), "addmm": ((c,), (a, b), (b, c)), "bmm": ((a, b, c), (a, c, b)),
             "sum_dim": ((a, b, c),), "mean_keep": ((a, b, c),), "view": ((a, b, c),),
-            "transpose": ((a, b, c),), "softmax": ((a, b, c),),
+            "transpose": ((a, b, c),), "softmax": ((a, b, c),), "embedding_backward": ((a, c), (a,)),
         }[name]
         ts = [_global(shape, mesh, p, d) for shape, (_, p, d) in zip(shapes, specs)]
         func, args = {
@@ -76,6 +77,7 @@ def _family_calls(rng: random.Random, mesh):
             "view": (aten.view.default, (ts[0], [a * b, c])),
             "transpose": (aten.transpose.int, (ts[0], 0, 2)),
             "softmax": (aten._softmax.default, (ts[0], -1, False)),
+            "embedding_backward": (aten.embedding_dense_backward.default, (ts[0], ts[-1], b, -1, False)),
         }[name]
         return func, args, {}, ts
 
@@ -83,7 +85,7 @@ def _family_calls(rng: random.Random, mesh):
 
 
 FAMILIES = ("add", "mul_scalar_bcast", "gelu", "mm", "addmm", "bmm", "sum_dim", "mean_keep", "view", "transpose",
-            "softmax")
+            "softmax", "embedding_backward")
 
 
 def _values(rng: random.Random, m: int, residues: list[int]) -> list[int]:
@@ -98,12 +100,23 @@ def _outputs(d) -> tuple:
     return tuple(None if o is None else (tuple(o.shape), o.dtype) for o in d.spec.outputs)
 
 
+def _assert_same_decision(d, cold, context) -> None:
+    """Every slot of `Decision` equal: the spec (values, input and output metas), the choice, targets, run,
+    paths, output shapes, strides and spec tokens (one token object per spec), flags."""
+    for name in type(cold).__slots__:
+        mine, theirs = getattr(d, name), getattr(cold, name)
+        if name == "out_keys":
+            assert [k is c for k, c in zip(mine, theirs)] == [True] * len(theirs), (context, name, mine, theirs)
+        else:
+            assert mine == theirs, (context, name, mine, theirs)
+
+
 def test_class_decisions_equal_cold_decisions():
     """Per case: a random mesh, family and input placements; two cold decisions of one class (the second
     confirms it), then a third call of the class, from the class, against its cold decision."""
     rng = random.Random(22)
     from_class = {name: 0 for name in FAMILIES}
-    for case in range(330):
+    for case in range(360):
         name = FAMILIES[case % len(FAMILIES)]
         mesh = sbp.DeviceMesh(rng.choice(MESHES))
         m = math.prod(mesh.shape)
@@ -119,7 +132,7 @@ def test_class_decisions_equal_cold_decisions():
         cold = decide_mod.decide(func, args, kwargs, leaves, mesh)
         d = made[2]
         assert d.choice == cold.choice and _outputs(d) == _outputs(cold), (name, mesh.shape, d.choice, cold.choice)
-        assert d.run is cold.run and d.fallback == cold.fallback and d.targets == cold.targets
+        _assert_same_decision(d, cold, (name, mesh.shape))
         record = DECISIONS.class_get(keys[0])
         from_class[name] += record.state in ("generic", "priced")
     assert all(count >= 5 for count in from_class.values()), from_class   # every family is shared often
@@ -136,6 +149,7 @@ def test_priced_classes_choose_per_call():
         made = decide_by_class(aten.mm.default, (x, w), {}, [x, w], mesh)
         cold = decide_mod.decide(aten.mm.default, (x, w), {}, [x, w], mesh)
         assert made.choice == cold.choice and _outputs(made) == _outputs(cold)
+        _assert_same_decision(made, cold, a)
         choices.add(made.choice)
     key = class_key(aten.mm.default, (x, w), {}, mesh.shape)[0]
     assert DECISIONS.class_get(key).state == "priced" and len(choices) == 2

@@ -87,3 +87,81 @@ def test_split_broadcast_plans_at_16k_ranks_reach_the_lower_bound(mesh):
     for s, d in rng.sample([(s, d) for s in states for d in states if s != d], 25):
         p = sbp.plan((4096, 4096), mesh, s, d)
         assert p.bytes_per_rank == p.lower_bound, (s, d)
+
+
+def _random_case(rng, partial: bool):
+    mesh = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2, 3])))
+    nd = rng.choice([1, 2])
+    shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 8, 12]) for _ in range(nd))
+    one = [sbp.B] + [sbp.S(d) for d in range(nd)] + ([sbp.Partial()] if partial else [])
+    return shape, mesh, one
+
+
+def test_weighted_lack_equals_per_coord_brute_force():
+    # lack(s, t, weight=w): the most w * |t block| - |t block held| over ranks
+    rng = random.Random(7)
+    for _ in range(600):
+        shape, mesh, one = _random_case(rng, partial=False)
+        s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+        w = rng.choice([2, 3, 4])
+        want = 0
+        for coord in itertools.product(*map(range, mesh)):
+            have, need = block(shape, mesh, s, coord), block(shape, mesh, t, coord)
+            both = intersect(have, need)
+            want = max(want, w * block_numel(need) - (block_numel(both) if both else 0))
+        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == want, (shape, mesh, s, t, w)
+
+
+def test_partial_target_bound_equals_per_group_brute_force():
+    # Bounds.move for Partial targets: per group differing only on the new Partial axes, the elements of
+    # the group's target block that no member holds, shared out over the group
+    rng = random.Random(11)
+    checked = 0
+    while checked < 600:
+        shape, mesh, one = _random_case(rng, partial=True)
+        s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+        new = tuple(a for a, p in enumerate(t) if isinstance(p, sbp.Partial))
+        if not new:
+            continue
+        groups: dict = {}
+        for coord in itertools.product(*map(range, mesh)):
+            groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in new), []).append(coord)
+        want = 0
+        for members in groups.values():
+            target = block(shape, mesh, t, members[0])
+            held = sum(block_numel(intersect(target, b) or ((0, 0),))
+                       for b in {block(shape, mesh, s, m) for m in members})
+            want = max(want, -(-(block_numel(target) - held) // len(members)))
+        assert Bounds(Costing(shape, mesh, 4)).move(s, t) == 4 * want, (shape, mesh, s, t)
+        checked += 1
+
+
+def test_reduce_transfer_price_equals_its_schedule():
+    # the price of a reduce_transfer (closed forms per dim, or per tile: `reduce_recv_max`) equals the
+    # busiest rank's receptions in the schedule the executor runs (`reduce_exchange`, slab by slab)
+    from sbp.planning.exchange import reduce_exchange, reduce_recv_max, reducible
+    rng = random.Random(5)
+    # the busiest member owns a later slab of a piece no needer holds (found in a 4,000-case search)
+    hard = [((8, 2), (2, 3, 3), (sbp.S(0), sbp.S(1), sbp.Partial()), (sbp.S(1), sbp.B, sbp.S(0)), (0, 1, 2))]
+    checked = 0
+    while checked < 400:
+        if hard:
+            shape, mesh, s, t, axes = hard.pop()
+        else:
+            shape, mesh, one = _random_case(rng, partial=True)
+            s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+            axes = tuple(a for a in range(len(mesh)) if s[a] != t[a] or rng.random() < 0.3)
+        if not axes or not reducible(s, t, axes):
+            continue
+        q = math.prod(mesh[a] for a in axes if isinstance(s[a], sbp.Partial))
+        groups: dict = {}
+        for coord in itertools.product(*map(range, mesh)):
+            groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in axes), []).append(coord)
+        expect = 0
+        for group in groups.values():
+            busiest = reduce_exchange(shape, mesh, s, t, axes, group[0]).max_recv_elems
+            assert reduce_recv_max([block(shape, mesh, s, c) for c in group],
+                                   [block(shape, mesh, t, c) for c in group], q) == busiest
+            expect = max(expect, busiest)
+        assert Costing(shape, mesh, 4).reduce_transfer_recv(s, t, axes) == expect, (shape, mesh, s, t, axes)
+        checked += 1

@@ -83,19 +83,25 @@ def test_link_is_the_slowest_axis_of_the_step():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: sbp.Topology((-1.0,), (10.0,)), ["alpha_us", ">= 0", "-1.0"]),
-    (lambda: sbp.Topology((1.0,), (0.0,)), ["beta_gbps", "> 0"]),
-    (lambda: sbp.Topology((1.0,), (-3.0,)), ["beta_gbps", "-3.0"]),
-    (lambda: sbp.Topology((float("nan"),), (1.0,)), ["alpha_us", "finite"]),
-    (lambda: sbp.Topology((1.0, 2.0), (10.0,)), ["one alpha and one beta per mesh axis", "2 alpha_us", "1 beta_gbps"]),
+    (lambda: sbp.Topology((-1.0,), (10.0,)), ["latency_us", ">= 0", "-1.0"]),
+    (lambda: sbp.Topology((1.0,), (0.0,)), ["bandwidth_gbps", "> 0"]),
+    (lambda: sbp.Topology(latency_us=(1.0,), bandwidth_gbps=(-3.0,)), ["bandwidth_gbps", "-3.0"]),
+    (lambda: sbp.Topology((float("nan"),), (1.0,)), ["latency_us", "finite"]),
+    (lambda: sbp.Topology((1.0, 2.0), (10.0,)),
+     ["one latency and one bandwidth per mesh axis", "2 latency_us", "1 bandwidth_gbps"]),
     (lambda: sbp.Topology((), ()), ["at least one mesh axis"]),
     (lambda: sbp.Topology((1.0,), (1.0,), spans_hosts=(True, False)), ["spans_hosts", "one bool per axis"]),
-    (lambda: sbp.Topology(("fast",), (1.0,)), ["alpha_us", "numbers"]),
+    (lambda: sbp.Topology(("fast",), (1.0,)), ["latency_us", "numbers"]),
     (lambda: sbp.Topology.preset("dgx-z9000", (2, 8)), ["unknown topology preset", "dgx-h100"]),
     (lambda: sbp.Topology.preset("dgx-h100", (2, 8), devices_per_host=0), ["devices_per_host", "positive"]),
     (lambda: sbp.Topology.from_json("{not json"), ["JSON"]),
     (lambda: sbp.Topology.from_json('{"name": "x"}'), ["'axes' list"]),
-    (lambda: sbp.Topology.from_json('{"axes": [{"alpha_us": 1}]}'), ["axis 0", "beta_gbps"]),
+    (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1}]}'), ["axis 0", "bandwidth_gbps"]),
+    (lambda: sbp.Topology((1.0, 1.0), (1.0, 1.0), exchange_us=(1.0,)), ["exchange_us", "one finite number", "(1.0,)"]),
+    (lambda: sbp.Topology((1.0,), (1.0,), exchange_us=(-2.0,)), ["exchange_us", ">= 0", "-2.0"]),
+    (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1, "bandwidth_gbps": 1, "exchange_us": 1}, '
+                                    '{"latency_us": 1, "bandwidth_gbps": 1}]}'),
+     ["exchange_us", "every axis or on none"]),
     (lambda: sbp.plan((8, 8), (2, 2), "S(0), B", "B, B", topology=sbp.Topology((1.0,), (1.0,))),
      ["describes 1 mesh axes", "(2, 2) has 2"]),
     (lambda: sbp.plan((8, 8), (2,), "S(0)", "B", topology={"axes": []}), ["sbp.Topology", "dict"]),
@@ -160,6 +166,32 @@ def test_time_objective_prefers_two_rings_to_a_many_peer_exchange_on_a_high_late
     # with bandwidth dominating (tiny alpha), the time objective agrees with the bytes objective
     fast = sbp.Topology((0.001, 0.001), (1.0, 1.0))
     assert [s.kind for s in sbp.plan(shape, mesh, src, dst, topology=fast).steps] == ["transfer"]
+
+
+def test_topology_takes_the_contract_keywords_and_reads_the_model_names():
+    # DESIGN.md: Topology(latency_us=..., bandwidth_gbps=...); alpha_us / beta_gbps name the same values
+    t = sbp.Topology(latency_us=(1.0, 5.0), bandwidth_gbps=(200.0, 25.0))
+    assert t == sbp.Topology((1.0, 5.0), (200.0, 25.0))
+    assert (t.alpha_us, t.beta_gbps) == (t.latency_us, t.bandwidth_gbps) == ((1.0, 5.0), (200.0, 25.0))
+    assert json.loads(t.to_json())["axes"][0] == {"latency_us": 1.0, "bandwidth_gbps": 200.0, "spans_hosts": False}
+    # files written with the model's names load too
+    old = '{"axes": [{"alpha_us": 1, "beta_gbps": 200}, {"alpha_us": 5, "beta_gbps": 25}]}'
+    assert sbp.Topology.from_json(old) == t
+
+
+def test_exchange_latency_prices_exchanges_apart_from_rings():
+    # exchanges post their messages to all peers together: a calibrated latency per peer below the ring's
+    # round latency makes the 7-peer exchange the faster plan again (what gloo on one host measures)
+    shape, mesh, src, dst = (64, 64), (2, 4), "S(0), S(0)", "S(1), B"
+    rings = sbp.Topology((50.0, 50.0), (1.0, 1.0))
+    posted = sbp.Topology((50.0, 50.0), (1.0, 1.0), exchange_us=(2.0, 2.0))
+    assert [s.kind for s in sbp.plan(shape, mesh, src, dst, topology=rings).steps] == ["all_gather", "all_to_all"]
+    by_time = sbp.plan(shape, mesh, src, dst, topology=posted)
+    assert [s.kind for s in by_time.steps] == ["transfer"]
+    # 7 peers x 2 µs + the bytes at 1 GB/s
+    assert by_time.steps[0].time_ns == 7 * 2000 + by_time.steps[0].bytes
+    assert by_time.lower_bound_time_us <= by_time.time_us
+    assert sbp.Topology.from_json(posted.to_json()) == posted and posted != rings
 
 
 def test_time_objective_keeps_traffic_off_the_slow_axis():

@@ -20,7 +20,7 @@ def _calibrated(mesh):
     cal = measure(mesh, sizes=(256, 4096, 65536), repeats=2)
     t = cal.topology
     plan = sbp.plan((64, 64), mesh, "S(0), S(1)", "B, B", topology=t)
-    return t.to_json(), [(f.axes, f.members, len(f.measured_us)) for f in cal.fits], plan.time_us
+    return t.to_json(), [(f.kind, f.axes, f.members, len(f.measured_us)) for f in cal.fits], plan.time_us
 
 
 def _check(results, mesh_shape):
@@ -29,9 +29,13 @@ def _check(results, mesh_shape):
     t = sbp.Topology.from_json(topologies.pop())
     assert t.ndim == len(mesh_shape)
     assert all(math.isfinite(a) and a >= 0 for a in t.alpha_us) and all(b > 0 for b in t.beta_gbps)
+    # the latency per peer of exchanges, fitted from all_to_alls
+    assert t.exchange_us is not None and len(t.exchange_us) == len(mesh_shape)
+    assert all(math.isfinite(a) and a >= 0 for a in t.exchange_us)
     axes = [(a,) for a in range(len(mesh_shape))]
     axes += [tuple(range(len(mesh_shape)))] if len(mesh_shape) > 1 else []
-    assert results[0][1] == [(ax, math.prod(mesh_shape[a] for a in ax), 3) for ax in axes]
+    assert results[0][1] == [(kind, ax, math.prod(mesh_shape[a] for a in ax), 3)
+                             for kind in ("all_gather", "all_to_all") for ax in axes]
     assert all(r[2] > 0 for r in results)
 
 

@@ -38,10 +38,10 @@ def test_json_file_round_trips_and_changes_the_plan(tmp_path, capsys):
 
 def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"axes": [{"alpha_us": -1, "beta_gbps": 1}, {"alpha_us": 1, "beta_gbps": 1}]}')
+    bad.write_text('{"axes": [{"latency_us": -1, "bandwidth_gbps": 1}, {"latency_us": 1, "bandwidth_gbps": 1}]}')
     three = tmp_path / "three.json"
     three.write_text(sbp.Topology((1.0,) * 3, (1.0,) * 3).to_json())
-    for value, words in [("no-such-preset", "neither a preset"), (str(bad), "alpha_us"),
+    for value, words in [("no-such-preset", "neither a preset"), (str(bad), "latency_us"),
                          (str(three), "describes 3 mesh axes")]:
         rc, out, err = run(ARGS + ["--topology", value], capsys)
         assert rc == 2 and out == "" and err.count("\n") == 1, err

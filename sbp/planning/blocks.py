@@ -1,0 +1,356 @@
+"""Block maths for the planner: what every rank holds of a tensor in a state, and what the busiest one lacks.
+
+Blocks are kept factored: a dim's range at a coord depends only on the coord's digits on the axes splitting
+that dim (its *chain*, nested in axis order), so each dim keeps one range per piece of its chain (`spans`),
+not one per coord, and an axis splits at most one dim of a state. Sizes and what ranks lack come from
+these per-dim pieces: closed forms for even splits, a few probe coords, or per-dim tables over the digits
+of the axes involved, joined on the axes that couple dims. The work grows with the pieces of the chains
+involved, not with the number of ranks (`work` counts it). `sbp.planning.cost.Costing` prices steps on
+top of these; `sbp.planning.bounds` bounds plans with them.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+from ..values.layout import split_range
+from ..values.placement import Broadcast, Split
+from .states import State
+
+
+class Blocks:
+    """The blocks of one (global_shape, mesh_shape) in any state, cached per state, per layout (states
+    that differ only in Broadcast/Partial axes share their blocks) and per pair of layouts.
+
+    >>> from sbp import S, B
+    >>> b = Blocks((8, 8), (2, 2), 4)
+    >>> b.lack((S(0), S(1)), (S(1), S(0))), b.total_numel((S(0), B))
+    (16, 128)
+    """
+
+    __slots__ = ("shape", "mesh_shape", "itemsize", "ndim", "size", "work", "_states",
+                 "_layouts", "_dim", "_lack", "_memo", "_tiles", "_tables")
+
+    def __init__(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int) -> None:
+        self.shape = shape
+        self.mesh_shape = tuple(mesh_shape)
+        self.itemsize = itemsize
+        self.ndim = len(shape)
+        self.size = math.prod(self.mesh_shape)
+        self.work = 0  # pieces, table entries, probes and group members listed: planning work, for tests
+        # per (dim, chain): the range of every piece of the chain (row-major over the chain's axes); the
+        # very same tuple is shared between states, so comparisons can stop at identity
+        self._dim: dict[tuple[int, tuple[int, ...]], tuple[tuple[int, int], ...]] = {}
+        self._states: dict[State, tuple] = {}
+        self._layouts: dict[tuple, tuple] = {}  # per layout key, see `_state`
+        self._lack: dict[tuple[tuple, tuple], int] = {}
+        self._memo: dict[tuple, object] = {}  # reduce_transfer prices, group lacks
+        self._tiles: dict[tuple, int] = {}  # per (dim, chain, chain): see `Costing.rounds`
+        self._tables: dict[tuple, list] = {}  # per (dim, chain, chain): see `_table`
+
+    def max_local_bytes(self, s: State) -> int:
+        """The largest local tensor of state `s`, in bytes.
+
+        >>> from sbp import S, B
+        >>> Blocks((7, 4), (2,), 4).max_local_bytes((S(0),))
+        64
+        """
+        return self._state(s)[1] * self.itemsize
+
+    def _state(self, s: State) -> tuple:
+        """(per dim (pieces, even piece length or None), largest numel, layout key) of a state, in one
+        lookup. States that split the same dims by the same axes (whatever their Broadcast or Partial
+        axes) share one record, found by the layout key: per dim, its chain (a tuple of ints, cheap to
+        hash). A dim split evenly needs no list of its pieces: they are all ``length / pieces`` long."""
+        out = self._states.get(s)
+        if out is None:
+            spl: list[list[int]] = [[] for _ in range(self.ndim)]
+            for a, p in enumerate(s):
+                if isinstance(p, Split):
+                    spl[p.dim].append(a)
+            layout = tuple(map(tuple, spl))
+            out = self._layouts.get(layout)
+            if out is None:
+                dims = []
+                for d, chain in enumerate(layout):
+                    n = math.prod(self.mesh_shape[a] for a in chain)
+                    dims.append((n, self.shape[d] // n if self.shape[d] % n == 0 else None))
+                # the dims' pieces vary on disjoint axes: the largest block is the product of the largest pieces
+                largest = math.prod(self._longest(d, chain, even)
+                                    for d, (chain, (_, even)) in enumerate(zip(layout, dims)))
+                out = self._layouts[layout] = (tuple(dims), largest, layout)
+            self._states[s] = out
+        return out
+
+    def _longest(self, d: int, chain: tuple[int, ...], even: Optional[int]) -> int:
+        """The longest piece: the first at every level of balanced splits."""
+        if even is not None:
+            return even
+        lo, hi = self._piece(d, chain, lambda a: 0)
+        return hi - lo
+
+    def _piece(self, d: int, chain: tuple[int, ...], digit) -> tuple[int, int]:
+        """The range of dim `d` held where each axis `a` of `chain` has coord ``digit(a)``."""
+        lo, hi = 0, self.shape[d]
+        for a in chain:
+            lo, hi = split_range(lo, hi, self.mesh_shape[a], digit(a))
+        return lo, hi
+
+    def _spans(self, d: int, chain: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The range of every piece of dim `d` split by `chain` (row-major over the chain's axes)."""
+        key = (d, chain)
+        out = self._dim.get(key)
+        if out is None:
+            # nested balanced splits, one level per splitting axis (axis order: outermost first)
+            spans = [(0, self.shape[d])]
+            for a in chain:
+                n = self.mesh_shape[a]
+                spans = [split_range(lo, hi, n, i) for lo, hi in spans for i in range(n)]
+            self.work += len(spans)
+            out = self._dim[key] = tuple(spans)
+        return out
+
+    def total_numel(self, s: State) -> int:
+        """Local elements summed over all ranks, from the pieces: each dim's pieces add up to its length,
+        repeated over the ranks off its chain.
+
+        >>> from sbp import S, B
+        >>> Blocks((7, 5), (2, 3), 4).total_numel((S(0), B))
+        105
+        """
+        dims, _, _ = self._state(s)
+        out = self.size
+        for length, (n, _) in zip(self.shape, dims):
+            out = out // n * length
+        return out
+
+    def layout_key(self, s: State) -> tuple:
+        """Per dim, the axes splitting it: states with the same key hold the same blocks everywhere.
+
+        >>> from sbp import S, B, Partial
+        >>> c = Blocks((8, 8), (2, 2), 4)
+        >>> c.layout_key((S(1), B)), c.layout_key((S(1), Partial())) is c.layout_key((S(1), B))
+        (((), (0,)), True)
+        """
+        return self._state(s)[2]
+
+    def lack(self, s: State, t: State, weight: int = 1) -> int:
+        """Elements of its `t` block that the busiest rank does not hold in `s`; with a `weight` ``w``,
+        the most ``w * |t block| - |t block held in s|`` over ranks (what a rank receives when each of
+        its target elements arrives ``w`` times but for the one it holds: a reduce_transfer with ``w``
+        contributions, see `sbp.planning.cost.Costing.reduce_transfer_recv`).
+
+        Per dim, a table over the digits of the axes of both chains gives (target length, overlap);
+        dims coupled by an axis (splitting one dim in `s`, another in `t`) are joined on that axis'
+        digit, every other choice is free, so only the best (longest, least overlapping) pairs of each
+        dim are kept (`_best`).
+
+        >>> from sbp import S, B
+        >>> c = Blocks((8, 8), (2, 2), 4)
+        >>> c.lack((S(0), S(1)), (S(1), S(0))), c.lack((S(0), S(1)), (S(1), S(0)), weight=2)
+        (16, 32)
+        """
+        have_dims, _, have_layout = self._state(s)
+        want_dims, want_largest, want_layout = self._state(t)
+        key = (have_layout, want_layout, weight)
+        out = self._lack.get(key)
+        if out is None:
+            if have_layout == want_layout:
+                out = (weight - 1) * want_largest  # same splitters everywhere: the same blocks
+            elif all(e is not None for _, e in have_dims + want_dims):
+                out = self._even_lack(have_layout, want_layout, have_dims, want_dims, want_largest, weight)
+            elif not self._diverging(have_layout, want_layout):
+                out = self._nested_lack(have_layout, want_layout, weight)
+            elif self._misses(have_layout, want_layout, want_largest):
+                out = weight * want_largest
+            else:
+                out = self._max_lack(have_layout, want_layout, weight)
+            self._lack[key] = out
+        return out
+
+    def _even_lack(self, have: tuple, want: tuple, have_dims: tuple, want_dims: tuple, largest: int,
+                   weight: int) -> int:
+        """`lack` when every dim is split evenly in both states: pieces lie on uniform grids. A dim whose
+        chains diverge (neither is a prefix of the other, axes of size 1 aside) has a rank whose pieces
+        miss each other (first part of one axis against the last part of another); such a rank lacks
+        its whole block, and the other dims do not constrain it (their pieces all have one length).
+        Otherwise each dim's overlap is the shorter piece everywhere. No work per piece or per rank."""
+        if largest == 0:
+            return 0
+        common = 1
+        for p, q, (_, hl), (_, wl) in zip(have, want, have_dims, want_dims):
+            p = tuple(a for a in p if self.mesh_shape[a] > 1)
+            q = tuple(a for a in q if self.mesh_shape[a] > 1)
+            k = min(len(p), len(q))
+            if p[:k] != q[:k]:
+                return weight * largest
+            common *= min(hl, wl)
+        return weight * largest - common
+
+    def _diverging(self, have: tuple, want: tuple) -> bool:
+        """Whether some dim's chains diverge: neither is a prefix of the other (axes of size 1 aside)."""
+        for p, q in zip(have, want):
+            p = tuple(a for a in p if self.mesh_shape[a] > 1)
+            q = tuple(a for a in q if self.mesh_shape[a] > 1)
+            k = min(len(p), len(q))
+            if p[:k] != q[:k]:
+                return True
+        return False
+
+    def _nested_lack(self, have: tuple, want: tuple, weight: int) -> int:
+        """`lack` when no dim's chains diverge: in every dim one piece nests in the other, so overlaps
+        are lengths, and lengths depend on a coord only through classes of its digits. After a dim is
+        split into ``K`` pieces every piece has ``L // K`` or ``L // K + 1`` elements, so the next split
+        in ``n`` gives the first ``m % n`` parts one element more, for ``m`` one of those two lengths:
+        the digits of an axis fall into at most five intervals between those boundaries (over its two
+        chains), and one coord per combination of intervals covers every case."""
+        reps: dict[int, list[int]] = {}
+        for chains in (have, want):
+            for d, chain in enumerate(chains):
+                k = 1
+                for a in chain:
+                    n = self.mesh_shape[a]
+                    m = self.shape[d] // k
+                    reps.setdefault(a, [0]).extend(e for e in (m % n, (m + 1) % n) if e > 0)
+                    k *= n
+        axes = tuple(reps)
+        combos = list(itertools.product(*(sorted(set(reps[a])) for a in axes)))
+        self.work += len(combos)
+        out = 0
+        for digits in combos:
+            at = dict(zip(axes, digits)).__getitem__
+            n = o = 1
+            for d, (p, q) in enumerate(zip(have, want)):
+                (hl, hh), (wl, wh) = self._piece(d, p, at), self._piece(d, q, at)
+                n *= wh - wl
+                o *= max(0, min(hh, wh) - max(hl, wl))
+            out = max(out, weight * n - o)
+        return out
+
+    def _misses(self, have: tuple, want: tuple, largest: int) -> bool:
+        """Whether a probe coord finds a rank that holds none of a largest target block: every axis of the
+        chains at its first or last coord (first and last parts of two diverging splits miss each other;
+        first parts are the longest). Then `lack` is the largest target block, found with at most
+        ``2 ** axes`` probes and no work per piece."""
+        mesh = self.mesh_shape
+        axes = sorted({a for chains in (have, want) for c in chains for a in c if mesh[a] > 1})
+        for ends in itertools.product(*((0, mesh[a] - 1) for a in axes)):
+            at = dict(zip(axes, ends)).get
+            digit = lambda a: at(a, 0)
+            self.work += 1
+            n = o = 1
+            for d, (p, q) in enumerate(zip(have, want)):
+                (hl, hh), (wl, wh) = self._piece(d, p, digit), self._piece(d, q, digit)
+                n *= wh - wl
+                o *= max(0, min(hh, wh) - max(hl, wl))
+            if n == largest and o == 0:
+                return True
+        return False
+
+    def _max_lack(self, have: tuple, want: tuple, weight: int, free: tuple[int, ...] = ()) -> int:
+        """The most ``weight * N - O`` over coords, N a target block's size and O what is held of it: by
+        one rank, or with `free` axes, by the ranks that differ from it only there (`_table`)."""
+        shared, per_dim = self._joined_tables(have, want, free, _best)
+        out = 0
+        for x in self._shared_digits(shared):
+            pairs = [(1, 1)]
+            for pos, best in per_dim:
+                pairs = _best([(n * m, o * p) for n, o in pairs for m, p in best[tuple(x[i] for i in pos)]])
+            out = max(out, max(weight * n - o for n, o in pairs))
+        return out
+
+    def _max_per_rank(self, have: tuple, want: tuple, value) -> int:
+        """The most ``value(lengths, overlaps)`` over coords (per dim, the length of the rank's target
+        piece and how much of it the rank holds), for any `value`: per dim, every distinct pair."""
+        shared, per_dim = self._joined_tables(have, want, (), lambda pairs: sorted(set(pairs)))
+        out = 0
+        for x in self._shared_digits(shared):
+            for pairs in itertools.product(*(best[tuple(x[i] for i in pos)] for pos, best in per_dim)):
+                out = max(out, value(tuple(n for n, _ in pairs), tuple(o for _, o in pairs)))
+        return out
+
+    def _joined_tables(self, have: tuple, want: tuple, free: tuple[int, ...], keep) -> tuple:
+        """Per dim, its `_table` grouped by the digits of the axes it shares with other dims, each group
+        reduced by `keep`; and the shared axes. Dims that share no axis are chosen freely."""
+        dims = [tuple(sorted((set(p) | set(q)) - set(free))) for p, q in zip(have, want)]
+        seen: dict[int, int] = {}
+        for axes in dims:
+            for a in axes:
+                seen[a] = seen.get(a, 0) + 1
+        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        per_dim = []
+        for d, axes in enumerate(dims):
+            table = self._table(d, have[d], want[d], tuple(a for a in have[d] if a in free))
+            where = [axes.index(a) for a in shared if a in axes]
+            groups: dict[tuple, list] = {}
+            for digits, n, o in table:
+                groups.setdefault(tuple(digits[i] for i in where), []).append((n, o))
+            per_dim.append(([shared.index(axes[i]) for i in where], {k: keep(v) for k, v in groups.items()}))
+        return shared, per_dim
+
+    def _shared_digits(self, shared: tuple[int, ...]) -> list[tuple[int, ...]]:
+        combos = list(itertools.product(*(range(self.mesh_shape[a]) for a in shared)))
+        self.work += len(combos)
+        return combos
+
+    def _table(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...] = ()) -> list:
+        """(digits on the axes of both chains but `free` (sorted), target length, overlap) for dim `d`, over
+        every digit combination of those axes; the overlap is summed over the digits of the `free` axes
+        of `have` (the pieces they tell apart are disjoint)."""
+        key = (d, have, want, free)
+        out = self._tables.get(key)
+        if out is None:
+            hs, ws = self._spans(d, have), self._spans(d, want)
+            axes = tuple(sorted((set(have) | set(want)) - set(free)))
+            loose = list(itertools.product(*(range(self.mesh_shape[a]) for a in free)))
+            out = []
+            for digits in itertools.product(*(range(self.mesh_shape[a]) for a in axes)):
+                j = 0
+                for a in want:
+                    j = j * self.mesh_shape[a] + digits[axes.index(a)]
+                wl, wh = ws[j]
+                held = 0
+                for extra in loose:
+                    i = 0
+                    for a in have:
+                        i = i * self.mesh_shape[a] + (extra[free.index(a)] if a in free else digits[axes.index(a)])
+                    hl, hh = hs[i]
+                    held += max(0, min(hh, wh) - max(hl, wl))
+                out.append((digits, wh - wl, held))
+            self.work += len(out) * len(loose)
+            self._tables[key] = out
+        return out
+
+    def group_lack(self, s: State, t: State, free: tuple[int, ...]) -> int:
+        """The most elements of a `t` block that no rank of its group holds in `s`, a group being the
+        ranks that differ only on the `free` axes (which must not split any dim in `t`).
+
+        >>> from sbp import S, B, Partial
+        >>> c = Blocks((8, 8), (2, 2), 4)
+        >>> c.group_lack((S(0), S(1)), (B, Partial()), (1,)), c.group_lack((S(0), S(1)), (B, Partial()), (0,))
+        (32, 32)
+        """
+        have_layout, want_layout = self.layout_key(s), self.layout_key(t)
+        key = ("group_lack", have_layout, want_layout, free)
+        out = self._memo.get(key)
+        if out is None:
+            if all(a in free for chain in have_layout for a in chain[next(
+                    (k for k, a in enumerate(chain) if a in free), len(chain)):]):
+                # free axes last in their chains: the group's pieces of a dim together are the piece of the
+                # chain without them, so the group holds one rank's block of `s` with those axes Broadcast
+                out = self.lack(tuple(Broadcast() if a in free else p for a, p in enumerate(s)), t)
+            else:
+                out = self._max_lack(have_layout, want_layout, 1, free)
+            self._memo[key] = out
+        return out
+
+
+def _best(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pairs (length, overlap) no other pair beats on both (longer and less overlapping): for positive
+    factors, the largest ``N - O`` over products is reached among these."""
+    out: list[tuple[int, int]] = []
+    for n, o in sorted(set(pairs), key=lambda p: (-p[0], p[1])):
+        if not out or o < out[-1][1]:
+            out.append((n, o))
+    return out
