@@ -88,6 +88,7 @@ def bucket_gradients(module: nn.Module, mesh: DeviceMesh, axes: tuple[int, ...],
     ...     m = sbp.nn.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), mesh,
     ...                            {"0": "colwise", "1": "rowwise"}, tp_axis="tp", dp_bucket_bytes=1 << 20)
     ...     m(torch.ones(2, 4)).sum().backward()
+    ...     _ = [p.grad.wait() for p in m.parameters()]   # the bucket's all_reduce runs behind backward
     ...     return sum(c.collective == "all_reduce" and c.axes == (0,) for c in mesh.binding.counters.calls)
     >>> sbp.testing.spmd(fn, (2, 2), names=("dp", "tp"))[0]    # one for the four parameters' gradients
     1
