@@ -37,13 +37,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
-import os
 import pathlib
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -56,7 +53,7 @@ FRAMEWORKS = ("sbp", "dtensor", "torch")   # torch: the whole model unsharded on
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from tp_step import example, free_port  # noqa: E402  (the example loader and port picker of the TP benchmark)
+from tp_step import example, free_port, init_worker  # noqa: E402  (the example loader and port picker of the TP benchmark)
 
 
 class MLPBlock(nn.Module):
@@ -213,11 +210,7 @@ def run_model(name: str, args, ex) -> dict:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    init_worker(rank, port, WORLD)
     ex = example()
     for name in args.models:
         result = run_model(name, args, ex)

@@ -184,14 +184,19 @@ def fixed_mmap_threshold(size: int = 128 * 1024) -> None:
         pass
 
 
-def worker(rank: int, port: int, mode: str, args, queue) -> None:
-    if mode != "time":  # timings keep the default allocator (mmap per buffer costs page faults)
-        fixed_mmap_threshold()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def init_worker(rank: int, port: int, world: int) -> None:
+    """Join a gloo world of `world` ranks on 127.0.0.1:`port`, one thread per rank, quiet."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def worker(rank: int, port: int, mode: str, args, queue) -> None:
+    if mode != "time":  # timings keep the default allocator (mmap per buffer costs page faults)
+        fixed_mmap_threshold()
+    init_worker(rank, port, WORLD)
     ex = example()
     for dim in args.dims:
         result = time_case(ex, dim, args) if mode == "time" else memory_case(mode, ex, dim, args)

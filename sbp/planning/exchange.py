@@ -307,7 +307,6 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
     grid = _SourceGrid(src_blocks)
     done: set[tuple] = set()
     for tile, need in _needers(dst_blocks).items():
-        per_dim = grid.met(tile)
         if grid.complete:
             ranges = [grid.ranges(d, r) for d, r in enumerate(tile)]
             held = tuple(tuple(w.get(r) for (_, w), r in zip(ranges, src_blocks[i])) for i in need)
@@ -315,7 +314,7 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
             if key in done:
                 continue
             done.add(key)
-        pieces = grid.pieces(tile, per_dim)
+        pieces = grid.pieces(tile, grid.met(tile))
         first: dict[Block, int] = {}    # source held by a needer: the first needer's position
         count: dict[Block, int] = {}    # ... and how many needers hold it
         among: list[int] = []           # per needer, its place among those holding its block
