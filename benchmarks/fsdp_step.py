@@ -8,6 +8,9 @@ processes, steps interleaved (sbp, FSDP2, sbp, ...).
 Figures per layout (rank 0; medians over the timed steps):
 
 - step ms: forward + backward + optimizer step;
+- CPU ms: the process's CPU time over the step (all its threads: the training thread, sbp's communication
+  queue, gloo's), a figure the machine's load moves less than the wall time: with 4 ranks on fewer cores
+  the step time follows the CPU time the ranks need;
 - exposed comm ms: time the training thread is blocked on communication -- sbp: on its ordered queue
   (`CommQueue.blocked_s`: waiting for gathers and reduce_scatters); FSDP2: inside its collectives and their
   waits (`dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`, timed by wrappers);
@@ -179,13 +182,14 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
     dp_size, dp_coord = shape[0], mesh.coord[0]
     times = {"sbp": [], "fsdp2": []}
     exposed = {"sbp": [], "fsdp2": []}
+    cpu = {"sbp": [], "fsdp2": []}
     for step, (idx, targets) in enumerate(batches(data, args.batch, cfg.block, args.warmup + args.steps, 0)):
         per = idx.shape[0] // dp_size
         local = slice(dp_coord * per, (dp_coord + 1) * per)
         for who in ("sbp", "fsdp2"):
             torch.distributed.barrier()
             blocked0, coll0 = queue.blocked_s, timed.seconds
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if who == "sbp":
                 loss = ours(idx, targets).full()
                 opt_ours.zero_grad(set_to_none=True)
@@ -196,9 +200,10 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
                 opt_theirs.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_theirs.step()
-            seconds = time.perf_counter() - t0
+            seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
             if step >= args.warmup:
                 times[who].append(seconds)
+                cpu[who].append(cpu_s)
                 exposed[who].append(queue.blocked_s - blocked0 if who == "sbp" else timed.seconds - coll0)
     for name, fn in timed.saved.items():
         setattr(timed.dist, name, fn)
@@ -211,6 +216,7 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
     ms = lambda xs: 1000 * statistics.median(xs)
     return {"layout": ("FSDP (4,)" if not two_d else "FSDP x TP (2, 2)") + (" global" if local_batch is False else ""),
             "sbp_ms": ms(times["sbp"]), "fsdp2_ms": ms(times["fsdp2"]),
+            "sbp_cpu_ms": ms(cpu["sbp"]), "fsdp2_cpu_ms": ms(cpu["fsdp2"]),
             "sbp_exposed_ms": ms(exposed["sbp"]), "fsdp2_exposed_ms": ms(exposed["fsdp2"]),
             "sbp_peak": report["total"], "fsdp2_peak": fsdp2_peak,
             "sbp_gathered": report["peak_gathered"], "fsdp2_gathered": probe.peak}
@@ -227,10 +233,12 @@ def worker(rank: int, world: int, port: int, args) -> None:
     if rank == 0:
         print(f"model: GPT dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.block}; "
               f"{args.steps} timed steps after {args.warmup} warm-up, 4 gloo ranks")
-        print(f"{'layout':22} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'sbp exposed':>12} {'FSDP2 exposed':>14} "
+        print(f"{'layout':22} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'CPU ms sbp/FSDP2':>17} {'ratio':>6} "
+              f"{'sbp exposed':>12} {'FSDP2 exposed':>14} "
               f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15} {'gathered KiB sbp/FSDP2':>23}")
         for r in rows:
             print(f"{r['layout']:22} {r['sbp_ms']:8.1f} {r['fsdp2_ms']:9.1f} {r['sbp_ms'] / r['fsdp2_ms']:6.2f} "
+                  f"{r['sbp_cpu_ms']:8.1f}/{r['fsdp2_cpu_ms']:<8.1f} {r['sbp_cpu_ms'] / r['fsdp2_cpu_ms']:6.2f} "
                   f"{r['sbp_exposed_ms']:10.1f}ms {r['fsdp2_exposed_ms']:12.1f}ms {r['sbp_peak'] / 2**20:13.3f} "
                   f"{r['fsdp2_peak'] / 2**20:15.3f} {r['sbp_gathered'] / 2**10:11.1f}/"
                   f"{r['fsdp2_gathered'] / 2**10:.1f}", flush=True)

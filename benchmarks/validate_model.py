@@ -1,14 +1,17 @@
 """Does the time model predict what gloo does here? Calibrate, then compare predicted and measured time per plan.
 
-Launches gloo ranks on 127.0.0.1 (4 by default). `sbp.calibrate` fits alpha and beta per axis of the (4,) and
-(2, 2) meshes; then for every case of benchmarks/redistribute.py (both shapes) the plan made under the
-calibrated topology is executed (median over iterations of the slowest rank's time, barrier before each) and
-its `plan.time_us` is the prediction. Prints per case predicted, measured and their ratio, then Spearman's rank
-correlation over the cases and the median / spread of measured / predicted.
+Launches gloo ranks on 127.0.0.1 (4 by default). `sbp.calibrate` fits the cost per call and alpha and beta per
+axis of the (4,) and (2, 2) meshes; then for every case of benchmarks/redistribute.py (both shapes) the plan
+made under the calibrated topology is executed (median over iterations of the slowest rank's time, barrier
+before each) and its `plan.time_us` is the prediction. The same for the classic fit of the same measurements
+(no cost per call, plain least squares: each axis's intercept / rounds is its alpha, as before `call_us`), the
+plans of both timed together.
+Prints per case predicted (both models), measured and their ratio, then per model Spearman's rank correlation
+over the cases and the median / spread of measured / predicted.
 
 With ``--disagree`` (8 ranks): the (2, 4) change S(0), S(0) -> S(1), B of a 64x64 tensor, where bytes pick one
-exact exchange with 7 peers and time (under the calibrated topology) two ring collectives; both plans are run
-and timed, so the table shows which is faster here.
+exact exchange with 7 peers and a time model may pick two ring collectives; the plans of the bytes objective,
+the calibrated model and the classic fit are run interleaved and timed, so the table shows which is faster here.
 
     python benchmarks/validate_model.py [--iters 30] [--disagree]
 """
@@ -25,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sbp
-from sbp.runtime.calibrate import measure
+from sbp.planning.cost import Costing, Pricing
+from sbp.runtime.calibrate import fit_line, measure
 from sbp.runtime.executor import execute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,16 +38,54 @@ from redistribute import CASES, SHAPES, free_port  # noqa: E402  (the same cases
 
 def timed(plan: sbp.Plan, local: torch.Tensor, mesh: sbp.DeviceMesh, iters: int) -> float:
     """Median over iterations of the slowest rank's time (µs) to run `plan`."""
-    runs = []
+    return timed_together([plan], local, mesh, iters)[0]
+
+
+def timed_together(plans: list[sbp.Plan], local: torch.Tensor, mesh: sbp.DeviceMesh, iters: int) -> list[float]:
+    """Per plan, the median over iterations of the slowest rank's time (µs) to run it; the plans take turns
+    within each iteration, so they see the same load."""
+    runs: list[list[float]] = [[] for _ in plans]
     for i in range(iters + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        execute(plan, local, mesh)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= 3:
-            runs.append(t.item() * 1e6)
-    return statistics.median(runs)
+        for plan, out in zip(plans, runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            execute(plan, local, mesh)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= 3:
+                out.append(t.item() * 1e6)
+    return [statistics.median(r) for r in runs]
+
+
+def classic(cal) -> sbp.Topology:
+    """The topology the same measurements gave before the cost per call: per axis, the plain least-squares
+    line of its own group (no relative weights), intercept / rounds as alpha (all_gather) and latency per
+    peer (all_to_all), 1 / slope as beta (all_gather); no `call_us`."""
+    t = cal.topology
+    own = {}
+    for f in cal.fits:
+        if len(f.axes) == 1:
+            a, b = fit_line(f.received, f.measured_us)
+            own[f.kind, f.axes[0]] = (max(0.0, a / (f.members - 1)), 1e-3 / b if b > 0 else 1e6)
+    fastest = max((own[k][1] for k in own if k[0] == "all_gather"), default=1e6)
+    return sbp.Topology(tuple(own.get(("all_gather", a), (0.0,))[0] for a in range(t.ndim)),
+                        tuple(own.get(("all_gather", a), (0.0, fastest))[1] for a in range(t.ndim)), t.spans_hosts,
+                        "classic", tuple(own.get(("all_to_all", a), (0.0,))[0] for a in range(t.ndim)))
+
+
+def modeled_us(plan: sbp.Plan, topology: sbp.Topology) -> float:
+    """`plan`'s modeled time (µs) under `topology` (the plan may have been made under another)."""
+    pricing = Pricing(Costing(plan.global_shape, plan.mesh_shape, plan.itemsize), 0, topology)
+    return sum(pricing.time_ns(s) for s in plan.steps) / 1000
+
+
+def key(plan: sbp.Plan) -> tuple:
+    """What `plan` runs (its steps without their modeled times): plans with equal keys are timed once."""
+    return tuple((s.kind, s.axes, s.src, s.dst, s.dims, s.op) for s in plan.steps)
+
+
+def steps_of(plan: sbp.Plan) -> str:
+    return "+".join(f"{s.kind}{list(s.axes)}" for s in plan.steps if s.kind != "local") or "-"
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -80,47 +122,57 @@ def validate(iters: int) -> None:
     torch.set_num_threads(1)
     meshes = {(4,): sbp.init_mesh((4,), device_type="cpu"), (2, 2): sbp.init_mesh((2, 2), device_type="cpu")}
     cal = {m: measure(mesh, repeats=7) for m, mesh in meshes.items()}
+    old = {m: classic(c) for m, c in cal.items()}
     if rank == 0:
         for m, c in cal.items():
-            print(f"calibration of mesh {m} (gloo, 127.0.0.1): {c.topology}\n{c.table()}\n")
-        print(f"{'mesh':<5} {'shape':<10} {'change':<26} {'steps':<34} {'predicted us':>12} {'measured us':>12} "
-              f"{'meas/pred':>9}")
-    pred, meas = [], []
+            print(f"calibration of mesh {m} (gloo, 127.0.0.1): {c.topology}\n{c.table()}\nclassic fit: {old[m]}\n")
+        print(f"{'model':<8} {'mesh':<5} {'shape':<10} {'change':<26} {'steps':<44} {'predicted us':>12} "
+              f"{'measured us':>12} {'meas/pred':>9}")
+    pred: dict[str, list[float]] = {"call": [], "classic": []}
+    meas: dict[str, list[float]] = {"call": [], "classic": []}
     for shape in SHAPES:
         for mesh_shape, src, dst in CASES:
             mesh = meshes[mesh_shape]
-            plan = sbp.plan(shape, mesh, src, dst, topology=cal[mesh_shape].topology)
-            m = timed(plan, local_of(mesh, shape, plan.src), mesh, iters)
-            pred.append(plan.time_us)
-            meas.append(m)
-            if rank == 0:
-                steps = "+".join(f"{s.kind}{list(s.axes)}" for s in plan.steps if s.kind != "local") or "-"
-                print(f"{'x'.join(map(str, mesh_shape)):<5} {'x'.join(map(str, shape)):<10} "
-                      f"{f'[{src}]->[{dst}]':<26} {steps:<34} {plan.time_us:12.1f} {m:12.1f} {m / plan.time_us:9.2f}",
-                      flush=True)
+            plans = {"call": sbp.plan(shape, mesh, src, dst, topology=cal[mesh_shape].topology),
+                     "classic": sbp.plan(shape, mesh, src, dst, topology=old[mesh_shape])}
+            distinct = list({key(p): p for p in plans.values()}.values())
+            times = dict(zip(map(key, distinct),
+                             timed_together(distinct, local_of(mesh, shape, plans["call"].src), mesh, iters)))
+            for model, plan in plans.items():
+                m = times[key(plan)]
+                pred[model].append(plan.time_us)
+                meas[model].append(m)
+                if rank == 0:
+                    print(f"{model:<8} {'x'.join(map(str, mesh_shape)):<5} {'x'.join(map(str, shape)):<10} "
+                          f"{f'[{src}]->[{dst}]':<26} {steps_of(plan):<44} {plan.time_us:12.1f} {m:12.1f} "
+                          f"{m / plan.time_us:9.2f}", flush=True)
     if rank == 0:
-        ratios = sorted(m / p for m, p in zip(meas, pred))
-        print(f"\nSpearman rank correlation (predicted vs measured, {len(pred)} plans): {spearman(pred, meas):.3f}")
-        print(f"measured / predicted: median {statistics.median(ratios):.2f}, min {ratios[0]:.2f}, "
-              f"max {ratios[-1]:.2f}")
+        print()
+        for model in ("classic", "call"):
+            ratios = sorted(m / p for m, p in zip(meas[model], pred[model]))
+            print(f"{model:<8} Spearman rank correlation (predicted vs measured, {len(ratios)} plans): "
+                  f"{spearman(pred[model], meas[model]):.3f}; measured / predicted: median "
+                  f"{statistics.median(ratios):.2f}, min {ratios[0]:.2f}, max {ratios[-1]:.2f}")
 
 
 def disagree(iters: int) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     mesh = sbp.init_mesh((2, 4), device_type="cpu")
-    topo = measure(mesh, repeats=7).topology
+    cal = measure(mesh, repeats=7)
+    topo, old = cal.topology, classic(cal)
     shape, src, dst = (64, 64), "S(0), S(0)", "S(1), B"
-    by_bytes = sbp.plan(shape, mesh, src, dst)
-    by_time = sbp.plan(shape, mesh, src, dst, topology=topo)
-    local = local_of(mesh, shape, by_bytes.src)
-    rows = [(label, p, timed(p, local, mesh, iters)) for label, p in (("bytes", by_bytes), ("time", by_time))]
+    plans = {"bytes": sbp.plan(shape, mesh, src, dst), "time": sbp.plan(shape, mesh, src, dst, topology=topo),
+             "classic": sbp.plan(shape, mesh, src, dst, topology=old)}
+    distinct = list({key(p): p for p in plans.values()}.values())
+    local = local_of(mesh, shape, plans["bytes"].src)
+    times = dict(zip(map(key, distinct), timed_together(distinct, local, mesh, iters)))
     if rank == 0:
-        print(f"calibrated {topo}")
-        print(f"{'objective':<10} {'steps':<40} {'bytes':>7} {'measured us':>12}")
-        for label, p, m in rows:
-            steps = "+".join(f"{s.kind}{list(s.axes)}" for s in p.steps if s.kind != "local")
-            print(f"{label:<10} {steps:<40} {p.bytes_per_rank:>7} {m:12.1f}")
+        print(f"calibrated {topo}\n{cal.table()}\nclassic fit {old}")
+        print(f"{'objective':<10} {'steps':<40} {'bytes':>7} {'model us':>10} {'classic us':>10} {'measured us':>12}")
+        for label, p in plans.items():
+            print(f"{label:<10} {steps_of(p):<40} {p.bytes_per_rank:>7} {modeled_us(p, topo):10.1f} "
+                  f"{modeled_us(p, old):10.1f} {times[key(p)]:12.1f}")
 
 
 def _launch(rank: int, port: int, world: int, iters: int, what: str) -> None:

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..runtime import pending
 from ..runtime.pending import PendingTensor
+from ..tensor.autograd import from_local_autograd
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
 from ..values.errors import MeshError, SbpError
@@ -82,6 +83,11 @@ class Unit:
         self.replicate_axes = tuple(range(axis))
         self.slots: list[_Slot] = []
         self.width = 0
+        # the flat slots split on dim 0 in equal pieces (`even_rows`), in buffer order: the buffer's first
+        # `even_width` columns of every member's segment, packed and gathered by one op each way
+        self.even: list[_Slot] = []
+        self.even_width = 0
+        self.numels: list[int] = []   # each member's elements in the flat buffer
         self.state = "sharded"        # sharded -> gathering -> gathered -> sharded
         self.gathering: Optional[PendingTensor] = None
         self.planned: list[Optional[GlobalTensor]] = []
@@ -111,11 +117,17 @@ class Unit:
         comm, n = self.mesh.binding, self.mesh.shape[self.axis]
         dtype = self.param_dtype or self.slots[0].param.dtype
         flat = [s for s in self.slots if s.flat]
-        send = torch.zeros(self.width, dtype=dtype, device=comm_device_of(self.mesh))
-        for s in flat:   # this rank's shards, one after another, each padded to the longest member's
-            local = s.param._local
-            send[s.offset:s.offset + local.numel()].copy_(local.reshape(-1))
-        numels = [sum(s.sizes[m] for s in flat) for m in range(n)]
+        even, rest, ew = self.even, [s for s in flat if not s.even_rows], self.even_width
+        if even and not rest:   # no padding anywhere: the shards side by side, one op
+            send = torch.cat([s.param._local.reshape(-1) for s in even]).to(dtype)
+        else:   # this rank's shards, one after another, each padded to the longest member's
+            send = torch.zeros(self.width, dtype=dtype, device=comm_device_of(self.mesh))
+            if even:
+                torch.cat([s.param._local.reshape(-1) for s in even], out=send[:ew])
+            for s in rest:
+                local = s.param._local
+                send[s.offset:s.offset + local.numel()].copy_(local.reshape(-1))
+        numels = self.numels
         log, name = self.schedule.log, self.name
 
         def run() -> torch.Tensor:
@@ -125,10 +137,11 @@ class Unit:
                 comm.all_gather(send, (self.axis,), numels=numels, out=buf)
             log.append(("all_gather", name, phase, tuple(comm.counters.calls[before:])))
             rows = buf.view(n, self.width)
-            for s in flat:   # copy out into the gathered locals (their storage again, when freed)
-                if s.even_rows:   # split on dim 0 in equal pieces: the members' rows, one copy
-                    _refill(s, rows[:, s.offset:s.offset + s.sizes[0]], rows=n)
-                    continue
+            if even:   # split on dim 0 in equal pieces: each gathered local is the members' rows, one op for all
+                with torch.no_grad():
+                    torch.split_with_sizes_copy(rows[:, :ew], [s.sizes[0] for s in even], dim=1,
+                                                out=[_refill_target(s, buf, n) for s in even])
+            for s in rest:   # copy out into the gathered locals (their storage again, when freed)
                 pieces = [buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]) for m in range(n)]
                 _refill(s, torch.cat(pieces, dim=s.dim))
             return send.new_empty(0)   # nothing of the buffer outlives the copy-out
@@ -188,8 +201,21 @@ class Unit:
         flat = [(k, s) for k, s in enumerate(self.slots) if s.flat]
         out: list[Optional[torch.Tensor]] = [None] * len(self.slots)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
-        buf = torch.zeros(n * self.width, dtype=dtype, device=comm_device_of(self.mesh))
+        index = {id(s): k for k, s in flat}
+        even = [(index[id(s)], s) for s in self.even]
+        packed = bool(even) and all(grads[k] is not None for k, _ in even)
+        if packed:   # split on dim 0 in equal pieces: member m's piece of each is the m-th run of its gradient
+            parts = torch.cat([self._grad_parts(s, grads[k], local).to(dtype).reshape(n, s.sizes[0])
+                               for k, s in even], dim=1)   # (n, even_width)
+        if packed and self.even_width == self.width:
+            buf = parts.reshape(-1)
+        else:
+            buf = torch.zeros(n * self.width, dtype=dtype, device=comm_device_of(self.mesh))
+            if packed:
+                buf.view(n, self.width)[:, :self.even_width].copy_(parts)
         for k, s in flat:
+            if packed and s.even_rows:
+                continue
             g = self._grad_parts(s, grads[k], local)
             if g is None:
                 continue
@@ -207,7 +233,7 @@ class Unit:
                 g = _as_global(grads[k], self.mesh, s)
                 out[k] = _cast(redistribute_raw(g, s.stored, async_op=True), s.param.dtype)
         log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
-        numels = [sum(s.sizes[m] for _, s in flat) for m in range(n)]
+        numels = self.numels
 
         def run() -> torch.Tensor:
             before = len(comm.counters.calls)
@@ -319,20 +345,25 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def _refill(s: _Slot, value: torch.Tensor, rows: int = 0) -> None:
+def _refill(s: _Slot, value: torch.Tensor) -> None:
     """Put `value` into the slot's gathered local, reusing its storage (grown back after a reshard): tensors
-    that backward saved hold that storage object. `rows`: `value` is the local's flat elements as that many
-    rows (the members' pieces of a dim-0 split)."""
+    that backward saved hold that storage object."""
     if s.local is None or s.local.dtype != value.dtype:
-        if not rows:
-            s.local = value.contiguous()
-            return
-        s.local = value.new_empty(_compute_shape(s))
+        s.local = value.contiguous()
+        return
+    with torch.no_grad():
+        _refill_target(s, value, 0).copy_(value)
+
+
+def _refill_target(s: _Slot, like: torch.Tensor, rows: int) -> torch.Tensor:
+    """The slot's gathered local (its storage grown back after a reshard; made on first use, with `like`'s
+    dtype and device), as `rows` rows if given: where the members' pieces of a dim-0 split are copied to."""
+    if s.local is None or s.local.dtype != like.dtype:
+        s.local = like.new_empty(_compute_shape(s))
     storage = s.local.untyped_storage()
     if storage.nbytes() == 0:
         storage.resize_(s.local.numel() * s.local.element_size())
-    with torch.no_grad():
-        (s.local.view(rows, -1) if rows else s.local).copy_(value)
+    return s.local.view(rows, -1) if rows else s.local
 
 
 def comm_device_of(mesh: DeviceMesh) -> torch.device:
@@ -570,9 +601,8 @@ def _layout_buffer(unit: Unit) -> None:
         raise SbpError(f"fully_shard: the unit's parameters have dtypes {dtypes}; its one gather buffer needs one "
                        f"(convert the module, e.g. module.float(), or pass param_dtype=...)")
     offset, seen = 0, {}
-    for s in unit.slots:
-        if not s.flat:
-            continue
+    flat = [s for s in unit.slots if s.flat]
+    for s in [s for s in flat if s.even_rows] + [s for s in flat if not s.even_rows]:   # the even block first
         if id(s.param) in seen:   # a tied parameter: one place in the buffer
             s.offset = seen[id(s.param)]
             continue
@@ -588,6 +618,10 @@ def _layout_buffer(unit: Unit) -> None:
         out.append(s)
     unit.tied = {(id(s.owner), s.name): next(f for f in out if f.param is s.param) for s in unit.slots}
     unit.slots = out
+    unit.even = sorted((s for s in out if s.flat and s.even_rows), key=lambda s: s.offset)
+    unit.even_width = sum(s.sizes[0] for s in unit.even)
+    n = unit.mesh.shape[unit.axis]
+    unit.numels = [sum(s.sizes[m] for s in out if s.flat) for m in range(n)]
 
 
 def _install_hooks(unit: Unit) -> None:
@@ -755,7 +789,10 @@ def _global_outputs(unit: Unit, out: Any) -> Any:
         if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor) or t.ndim == 0:
             return t
         n = unit.batch_lengths.get(t.shape[0])
-        return from_local(t, unit.mesh, batch, global_shape=None if n is None else (n,) + tuple(t.shape[1:]))
+        if n is None:   # not the batch length seen at the inputs: from_local infers (and checks) the global one
+            return from_local(t, unit.mesh, batch)
+        # this rank's rows of a global batch of n, as at the inputs: the layout holds by construction
+        return from_local_autograd(t, unit.mesh, batch, (n,) + tuple(t.shape[1:]))
 
     return tree_map(wrap, out)
 

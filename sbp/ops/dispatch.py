@@ -1,15 +1,16 @@
 """The op handler: key the call, look up (or make) its decision, run it -- the one op path of sbp.
 
-For every ATen op on a `GlobalTensor`, `handle` builds a cache key from the op and its inputs'
-(placements, global shape, dtype, mesh shape) -- as one token per tensor, see `tensor_key` and
-`sbp.ops.cache.SPEC_TOKENS` -- plus the non-tensor arguments (a non-zero float only by type, so a
-changing learning rate reuses the decision; 0.0 and bools kept apart because they promote dtypes
-differently). A hit in `sbp.ops.cache.DECISIONS` runs the decision; a miss looks the op up in the rule
-table: a composite rule (``_foreach_*``, in-place views) runs the call itself, any other rule -- or
-none, the fallback -- makes the decision once (`sbp.ops.decide.decide`: rule signatures, planner prices,
-cheapest wins). A plain tensor that requires grad gets a hook that turns the global gradient the rules
-produce into the plain full gradient (DESIGN: a plain tensor mixed in is Broadcast); which plain tensors
-have it is kept in `PLAIN_GRAD_HOOKED`, a weak identity map (nothing is written into the tensor). A
+For every ATen op on a `GlobalTensor`, `handle` builds a cache key from the op and its inputs' (placements,
+global shape, dtype, mesh shape) -- as one token per tensor, see `tensor_key` and
+`sbp.ops.cache.SPEC_TOKENS` -- plus the non-tensor arguments (a non-zero float only by type, so a changing
+learning rate reuses the decision; 0.0 and bools kept apart because they promote dtypes differently). A hit
+in `sbp.ops.cache.DECISIONS` runs the decision; a miss looks the op up in the rule table: a composite rule
+(``_foreach_*``, in-place views) runs the call itself (a ``_foreach_*`` call with autograd off goes there
+before any keying: the optimizer's lists are keyed by their parts only when they do not line up), any other
+rule -- or none, the fallback -- makes the decision once (`sbp.ops.decide.decide`: rule signatures, planner
+prices, cheapest wins). A plain tensor that requires grad gets a hook that turns the global gradient the
+rules produce into the plain full gradient (DESIGN: a plain tensor mixed in is Broadcast); which plain
+tensors have it is kept in `PLAIN_GRAD_HOOKED`, a weak identity map (nothing is written into the tensor). A
 global leaf that requires grad without the leaf rule (``torch.zeros_like(x, requires_grad=True)``: torch
 sets the flag in C++, past `GlobalTensor.requires_grad_`) gets it at its first op, when its key is first
 made (factories leave their outputs' keys unmade for this).
@@ -32,6 +33,7 @@ from .spec import FLOAT, B
 
 PLAIN_GRAD_HOOKED = WeakIdKeyDictionary()   # plain tensor -> True once it has the plain-gradient hook
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction   # decisions are pure: no torch function mode sees them
+_grad_enabled = torch.is_grad_enabled
 
 
 # ---- the cache key -------------------------------------------------------------------------------------
@@ -199,6 +201,12 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
     >>> sbp.testing.spmd(fn, (2,))
     [((P(sum),), 8.0), ((P(sum),), 8.0)]
     """
+    if args and type(args[0]) is list and not _grad_enabled():   # a list-taking op (``_foreach_*``), no autograd
+        rule = rules.lookup(func)
+        if rule is not None and rule.composite is not None:   # its parts are keyed (and cached) one by one:
+            out = rule.composite(func, args, kwargs)         # keying the whole lists first would be wasted
+            if out is not NotImplemented:
+                return out
     leaves: list = []
     try:
         key = [func]

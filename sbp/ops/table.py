@@ -160,11 +160,24 @@ def lookup(func) -> Optional[Rule]:
     """
     rule = TABLE.get(func)
     if rule is None:
-        if pointwise.is_pointwise(func):
-            return pointwise.POINTWISE
-        if optim.is_foreach(func):
-            return optim.FOREACH
+        rule = _FAMILY.get(func, _UNSEEN)
+        if rule is _UNSEEN:
+            rule = _FAMILY[func] = _family(func)
     return rule
+
+
+def _family(func) -> Optional[Rule]:
+    if pointwise.is_pointwise(func):
+        return pointwise.POINTWISE
+    if optim.is_foreach(func):
+        return optim.FOREACH
+    return None
+
+
+# an op's family follows from its tags and name alone, so it is found once per op (a cache of `_family`;
+# the table itself is read on every lookup: `register` and direct edits of TABLE take effect at once)
+_FAMILY: dict[Any, Optional[Rule]] = {}
+_UNSEEN = object()
 
 
 def register(func, rule: Optional[Rule]) -> Optional[Rule]:

@@ -59,27 +59,30 @@ class Blocks:
         return self._state(s)[1] * self.itemsize
 
     def _state(self, s: State) -> tuple:
-        """(per dim (pieces, even piece length or None), largest numel, layout key) of a state, in one
-        lookup. States that split the same dims by the same axes (whatever their Broadcast or Partial
+        """(per dim (pieces, even piece length or None), largest numel, layout key, every dim even) of a
+        state, in one lookup. States that split the same dims by the same axes (whatever their Broadcast or Partial
         axes) share one record, found by the layout key: per dim, its chain (a tuple of ints, cheap to
         hash). A dim split evenly needs no list of its pieces: they are all ``length / pieces`` long."""
         out = self._states.get(s)
         if out is None:
             spl: list[list[int]] = [[] for _ in range(self.ndim)]
             for a, p in enumerate(s):
-                if isinstance(p, Split):
+                if p.__class__ is Split:  # (placements are interned, final classes)
                     spl[p.dim].append(a)
             layout = tuple(map(tuple, spl))
             out = self._layouts.get(layout)
             if out is None:
-                dims = []
+                dims, largest, mesh, shape = [], 1, self.mesh_shape, self.shape
                 for d, chain in enumerate(layout):
-                    n = math.prod(self.mesh_shape[a] for a in chain)
-                    dims.append((n, self.shape[d] // n if self.shape[d] % n == 0 else None))
-                # the dims' pieces vary on disjoint axes: the largest block is the product of the largest pieces
-                largest = math.prod(self._longest(d, chain, even)
-                                    for d, (chain, (_, even)) in enumerate(zip(layout, dims)))
-                out = self._layouts[layout] = (tuple(dims), largest, layout)
+                    n = 1
+                    for a in chain:
+                        n *= mesh[a]
+                    even = shape[d] // n if shape[d] % n == 0 else None
+                    dims.append((n, even))
+                    # the dims' pieces vary on disjoint axes: the largest block is the product of the largest
+                    largest *= even if even is not None else self._longest(d, chain, None)
+                out = self._layouts[layout] = (tuple(dims), largest, layout,
+                                               all(even is not None for _, even in dims))
             self._states[s] = out
         return out
 
@@ -119,7 +122,7 @@ class Blocks:
         >>> Blocks((7, 5), (2, 3), 4).total_numel((S(0), B))
         105
         """
-        dims, _, _ = self._state(s)
+        dims = self._state(s)[0]
         out = self.size
         for length, (n, _) in zip(self.shape, dims):
             out = out // n * length
@@ -151,14 +154,19 @@ class Blocks:
         >>> c.lack((S(0), S(1)), (S(1), S(0))), c.lack((S(0), S(1)), (S(1), S(0)), weight=2)
         (16, 32)
         """
-        have_dims, _, have_layout = self._state(s)
-        want_dims, want_largest, want_layout = self._state(t)
+        states = self._states
+        return self._lack_of(states.get(s) or self._state(s), states.get(t) or self._state(t), weight)
+
+    def _lack_of(self, have: tuple, want: tuple, weight: int) -> int:
+        """`lack` on the `_state` records of the two states."""
+        have_dims, _, have_layout, have_even = have
+        want_dims, want_largest, want_layout, want_even = want
         key = (have_layout, want_layout, weight)
         out = self._lack.get(key)
         if out is None:
             if have_layout == want_layout:
                 out = (weight - 1) * want_largest  # same splitters everywhere: the same blocks
-            elif all(e is not None for _, e in have_dims + want_dims):
+            elif have_even and want_even:
                 out = self._even_lack(have_layout, want_layout, have_dims, want_dims, want_largest, weight)
             elif not self._diverging(have_layout, want_layout):
                 out = self._nested_lack(have_layout, want_layout, weight)
@@ -178,21 +186,24 @@ class Blocks:
         Otherwise each dim's overlap is the shorter piece everywhere. No work per piece or per rank."""
         if largest == 0:
             return 0
-        common = 1
+        common, mesh, ones = 1, self.mesh_shape, 1 in self.mesh_shape
         for p, q, (_, hl), (_, wl) in zip(have, want, have_dims, want_dims):
-            p = tuple(a for a in p if self.mesh_shape[a] > 1)
-            q = tuple(a for a in q if self.mesh_shape[a] > 1)
+            if ones:
+                p = tuple(a for a in p if mesh[a] > 1)
+                q = tuple(a for a in q if mesh[a] > 1)
             k = min(len(p), len(q))
             if p[:k] != q[:k]:
                 return weight * largest
-            common *= min(hl, wl)
+            common *= hl if hl < wl else wl
         return weight * largest - common
 
     def _diverging(self, have: tuple, want: tuple) -> bool:
         """Whether some dim's chains diverge: neither is a prefix of the other (axes of size 1 aside)."""
+        mesh, ones = self.mesh_shape, 1 in self.mesh_shape
         for p, q in zip(have, want):
-            p = tuple(a for a in p if self.mesh_shape[a] > 1)
-            q = tuple(a for a in q if self.mesh_shape[a] > 1)
+            if ones:
+                p = tuple(a for a in p if mesh[a] > 1)
+                q = tuple(a for a in q if mesh[a] > 1)
             k = min(len(p), len(q))
             if p[:k] != q[:k]:
                 return True

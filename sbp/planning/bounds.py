@@ -96,7 +96,7 @@ class Bounds:
         128
         """
         for p, q in zip(s, d):
-            if isinstance(q, Partial) and p != q:
+            if q.__class__ is Partial and p is not q:  # (placements are interned: equal ones are one object)
                 return self.move(s, d)
         return self.costing.lack(s, d) * self.costing.itemsize
 

@@ -14,8 +14,8 @@ layouts) and the prices of reduce_transfers. Lower bounds, built on the same blo
 
 `Pricing` turns a priced step into the search's objective: without a topology exactly the bytes
 objective (received bytes + `latency_bytes` per call); with a `sbp.Topology`, the modeled time of the
-busiest rank in ns (`Costing.rounds` x alpha + bytes / beta of the slowest link the step crosses), the
-bytes objective breaking ties.
+busiest rank in ns (calls x `call_us` + `Costing.rounds` x alpha + bytes / beta of the slowest link the step
+crosses), the bytes objective breaking ties.
 """
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ import math
 from typing import Optional
 
 from ..values.placement import Partial, Split
-from ..values.steps import Step
+from ..values.steps import STEP_KINDS, Step
 from ..values.topology import Topology
 from .blocks import Blocks
 from .exchange import reduce_recv_max
 from .states import State
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
+_CALLS = {kind: Step(kind, (), (), ()).calls for kind in STEP_KINDS}  # communication calls per step kind
 """Steps whose messages to different peers are posted together (`sbp.Topology.exchange_us` prices them)."""
 
 
@@ -50,16 +51,20 @@ class Costing(Blocks):
 
     __slots__ = ()
 
-    def _gathers_in_place(self, s: State, t: State, dim: int) -> bool:
-        dims, _, _ = self._state(s)
-        if not (all(even is not None for _, even in dims) or any(even == 0 for _, even in dims)):
+    def _gathers_in_place(self, rs: tuple, rt: tuple, dim: int) -> bool:
+        """Whether equal pieces gathered along dim `dim` land in the output itself (every dim before it
+        whole or of length 1 in the output); `rs`, `rt`: the `_state` records of input and output."""
+        if not (rs[3] or any(even == 0 for _, even in rs[0])):
             return False  # local sizes differ between ranks (a dim not split evenly has unequal pieces)
-        tdims, _, tlayout = self._state(t)
+        tdims, tlayout = rt[0], rt[2]
         return all(self._longest(e, tlayout[e], tdims[e][1]) <= 1 for e in range(dim))
 
     def group_size(self, axes: tuple[int, ...]) -> int:
         """Number of ranks in one group along `axes`."""
-        return math.prod(self.mesh_shape[a] for a in axes)
+        n, mesh = 1, self.mesh_shape
+        for a in axes:
+            n *= mesh[a]
+        return n
 
     def step(self, kind: str, axes: tuple[int, ...], s: State, t: State, dims: tuple[int, ...] = (),
              op: Optional[str] = None) -> Step:
@@ -70,41 +75,54 @@ class Costing(Blocks):
         >>> Costing((8, 8), (4,), 4).step("all_to_all", (0,), (S(0),), (S(1),), dims=(0, 1)).bytes
         48
         """
-        _, max_in, _ = self._state(s)
-        _, max_out, _ = self._state(t)
-        match kind:
-            case "local":
-                recv, buffer = 0, 0
-            case "all_gather":
-                recv = self._gather_recv(s, t, dims[0])
-                # equal pieces gathered along the outermost dim land in the output itself
-                buffer = 0 if self._gathers_in_place(s, t, dims[0]) else max_out
-            case "reduce_scatter":
-                recv = (self.group_size(axes) - 1) * max_out
-                buffer = max_in  # the input cut into the members' pieces
-            case "all_reduce":
-                # ring: reduce_scatter then all_gather of balanced pieces; the rank with the
-                # largest piece receives (n - 1) pieces of its size plus everything else once
-                # (increasing in the piece: the largest decides)
-                n = self.group_size(axes)
-                recv = -(-max_in // n) * (n - 2) + max_in if n > 1 else 0
-                buffer = 0
-            case "all_to_all" | "transfer":
-                # inside a self-contained group every missing piece is held by some member
-                recv = buffer = self.lack(s, t)
-            case "reduce_transfer":
-                # contributions arrive at the owners, then results at the other members that need them
-                recv = buffer = self.reduce_transfer_recv(s, t, axes)
-            case _:  # pragma: no cover
-                raise ValueError(kind)
-        peak = (max_in + max_out + buffer) * self.itemsize
-        return Step(kind, axes, s, t, dims, op, recv * self.itemsize, peak)
+        return Step(kind, axes, s, t, dims, op, *self.price_move(kind, axes, s, t, dims))
 
-    def _gather_recv(self, s: State, t: State, d: int) -> int:
-        """The most elements a rank gains in an all_gather of dim `d`: only `d`'s pieces change, and the
-        other dims' pieces vary on other axes, so the largest of them multiply the largest gain."""
-        in_dims, _, in_layout = self._state(s)
-        out_dims, _, out_layout = self._state(t)
+    def price_move(self, kind: str, axes: tuple[int, ...], s: State, t: State, dims: tuple[int, ...] = ()
+                   ) -> tuple[int, int]:
+        """(bytes the busiest rank receives, peak bytes) of the move `step` would make, without making the
+        `Step` (the search prices many moves and keeps few).
+
+        >>> from sbp import S, B
+        >>> Costing((8, 8), (4,), 4).price_move("all_gather", (0,), (S(0),), (B,), dims=(0,))
+        (192, 320)
+        """
+        states = self._states  # (the records are looked up once per move)
+        rs = states.get(s) or self._state(s)
+        rt = states.get(t) or self._state(t)
+        max_in, max_out = rs[1], rt[1]
+        if kind == "local":
+            recv = buffer = 0
+        elif kind == "all_gather":
+            recv = self._gather_recv(rs, rt, dims[0])
+            # equal pieces gathered along the outermost dim land in the output itself
+            buffer = 0 if self._gathers_in_place(rs, rt, dims[0]) else max_out
+        elif kind == "all_to_all" or kind == "transfer":
+            # inside a self-contained group every missing piece is held by some member
+            recv = buffer = self._lack_of(rs, rt, 1)
+        elif kind == "reduce_scatter":
+            recv = (self.group_size(axes) - 1) * max_out
+            buffer = max_in  # the input cut into the members' pieces
+        elif kind == "all_reduce":
+            # ring: reduce_scatter then all_gather of balanced pieces; the rank with the
+            # largest piece receives (n - 1) pieces of its size plus everything else once
+            # (increasing in the piece: the largest decides)
+            n = self.group_size(axes)
+            recv = -(-max_in // n) * (n - 2) + max_in if n > 1 else 0
+            buffer = 0
+        elif kind == "reduce_transfer":
+            # contributions arrive at the owners, then results at the other members that need them
+            recv = buffer = self.reduce_transfer_recv(s, t, axes)
+        else:  # pragma: no cover
+            raise ValueError(kind)
+        itemsize = self.itemsize
+        return recv * itemsize, (max_in + max_out + buffer) * itemsize
+
+    def _gather_recv(self, rs: tuple, rt: tuple, d: int) -> int:
+        """The most elements a rank gains in an all_gather of dim `d` (`rs`, `rt`: the `_state` records of
+        input and output): only `d`'s pieces change, and the other dims' pieces vary on other axes, so the
+        largest of them multiply the largest gain."""
+        in_dims, in_layout = rs[0], rs[2]
+        out_dims, out_layout = rt[0], rt[2]
         if in_dims[d][1] is not None and out_dims[d][1] is not None:
             gain = out_dims[d][1] - in_dims[d][1]
         else:
@@ -129,7 +147,7 @@ class Costing(Blocks):
             q = self.group_size(tuple(a for a in axes if isinstance(s[a], Partial)))
             # groups hold the same blocks when they agree on the axes splitting a dim outside the group
             outside = [a for a, p in enumerate(s) if a not in axes and isinstance(p, Split)]
-            if all(even is not None for _, even in self._state(s)[0] + self._state(t)[0]):
+            if self._state(s)[3] and self._state(t)[3]:
                 outside = []  # even splits: every group is a translate of the first, with the same schedule
             have, want = self.layout_key(s), self.layout_key(t)
             out = 0
@@ -209,7 +227,7 @@ class Costing(Blocks):
         """The most source tiles of `s` one target block of `t` meets: per dim, the most distinct
         source ranges one target range meets, multiplied over dims (an upper bound)."""
         out = 1
-        (hdims, _, hlayout), (wdims, _, wlayout) = self._state(s), self._state(t)
+        (hdims, _, hlayout, _), (wdims, _, wlayout, _) = self._state(s), self._state(t)
         for d, ((hn, he), (wn, we)) in enumerate(zip(hdims, wdims)):
             key = (d, hlayout[d], wlayout[d])
             met = self._tiles.get(key)
@@ -250,20 +268,38 @@ class Pricing:
         self.costing, self.latency, self.topology = costing, latency_bytes, topology
 
     def time_ns(self, step: Step) -> int:
-        """Modeled time of `step` (needs a topology): `Costing.rounds` x alpha + bytes / beta, slowest link.
+        """Modeled time of `step` (needs a topology): `Step.calls` x call cost + `Costing.rounds` x alpha +
+        bytes / beta, slowest link (`sbp.Topology.time_ns`; the call cost is 0 without `call_us`).
 
         >>> from sbp import S, B
         >>> c = Costing((8, 8), (2,), 4)
-        >>> Pricing(c, 0, Topology((1.0,), (8.0,))).time_ns(c.step("all_gather", (0,), (S(0),), (B,), dims=(0,)))
+        >>> step = c.step("all_gather", (0,), (S(0),), (B,), dims=(0,))
+        >>> Pricing(c, 0, Topology((1.0,), (8.0,))).time_ns(step)
         1016
+        >>> Pricing(c, 0, Topology((1.0,), (8.0,), call_us=(5.0,))).time_ns(step)   # one call: 5 µs more
+        6016
         """
         return self.topology.time_ns(step.axes, self.costing.rounds(step), step.bytes,
-                                     step.kind in EXCHANGE_KINDS)
+                                     step.kind in EXCHANGE_KINDS, step.calls)
 
     def price(self, step: Step) -> tuple[int, int]:
         """(primary, secondary) of a priced step."""
         weighted = step.bytes + self.latency * step.calls
         return (weighted, 0) if self.topology is None else (self.time_ns(step), weighted)
+
+    def price_of(self, kind: str, axes: tuple[int, ...], s: State, t: State, dims: tuple[int, ...],
+                 op: Optional[str], nbytes: int, peak: int) -> tuple[int, int]:
+        """`price` of the step a move makes, from its priced bytes and peak (`Costing.price_move`); the
+        `Step` is made only when a topology needs it.
+
+        >>> from sbp import S, B
+        >>> c = Costing((8, 8), (2,), 4)
+        >>> Pricing(c, 10).price_of("all_gather", (0,), (S(0),), (B,), (0,), None, 128, 384)
+        (138, 0)
+        """
+        if self.topology is None:
+            return nbytes + self.latency * _CALLS[kind], 0
+        return self.price(Step(kind, axes, s, t, dims, op, nbytes, peak))
 
     def least(self, calls: int) -> tuple[int, int]:
         """What a move of `calls` calls costs at least before it is priced (nothing for bytes or rounds)."""
@@ -272,7 +308,7 @@ class Pricing:
     def estimate(self, nbytes: int, calls: int) -> tuple[int, int]:
         """A lower bound of what is left when the busiest rank must still receive `nbytes` in `calls`
         calls at least: over the fastest link, one round per call (when bytes move: a step that moves
-        nothing may take no round)."""
+        nothing may take no round), and the cheapest call cost once (`sbp.Topology.bound_ns`)."""
         weighted = nbytes + self.latency * calls
         if self.topology is None:
             return weighted, 0

@@ -78,10 +78,11 @@ class _Origin:
         self.last = [-1] * ndim
         self.by_op: dict[str, list[int]] = {}  # Partial axes per op
         for a, p in enumerate(s):
-            if isinstance(p, Split):
+            kind = p.__class__  # (placements are interned, final classes)
+            if kind is Split:
                 self.splitters[p.dim].append(a)
                 self.last[p.dim] = a
-            elif isinstance(p, Partial):
+            elif kind is Partial:
                 self.by_op.setdefault(p.op, []).append(a)
         self.pending = pending(s, dst)
         self.splits = splits(ndim)
@@ -189,8 +190,9 @@ def _reduce_transfers(o: _Origin, out: list[Candidate]) -> None:
     s, dst = o.s, o.dst
     naxes = len(s)
     for op in o.by_op:  # (in axis order of first appearance)
-        pax = [a for a in range(naxes) if s[a] == Partial(op) and not isinstance(dst[a], Partial)
-               and not any(isinstance(s[b], Partial) and s[b].op != op for b in range(a + 1, naxes))]
+        mine = Partial(op)
+        pax = [a for a in range(naxes) if s[a] is mine and not isinstance(dst[a], Partial)
+               and not any(isinstance(s[b], Partial) and s[b] is not mine for b in range(a + 1, naxes))]
         if not pax:
             continue
         movable = [a for a in range(naxes) if not isinstance(s[a], Partial) and not isinstance(dst[a], Partial)]

@@ -110,66 +110,65 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
         lack = bounds.heuristic(state, dst)
         return (*estimate(lack, int(lack > 0)), int(lack > 0))
 
-    def least(cost: tuple, kind: str) -> tuple:
-        """The cost after a move of `kind` with no bytes and no more peak memory."""
-        calls = _CALLS[kind]
-        lp, ls = least_of(calls)
-        p2p = kind in POINT_TO_POINT_KINDS
-        return cost[0] + lp, cost[1] + ls, cost[2] + calls, cost[3] + p2p, cost[4], cost[5] + 1
-
     # never materialise the whole tensor on a rank in passing (unless an end point holds it already)
     whole = math.prod(costing.shape) * costing.itemsize
     whole_cap = max(costing.max_local_bytes(src), costing.max_local_bytes(dst), whole - 1)
     # costs: (primary, secondary, calls, point-to-point steps, peak bytes, steps)
     start = (0, 0, 0, 0, costing.max_local_bytes(src), 0)
     best: dict[State, tuple] = {src: start}
-    back: dict[State, tuple[State, Step]] = {}
+    back: dict[State, tuple[State, tuple]] = {}  # per state: the state before it and the fields of its Step
     # entries: (key, order, cost so far, state, its heuristic or None while only a bound is known,
     #           None or an unpriced move out of the state)
     heap: list = [(start, 0, start, src, None, None)]
     order = itertools.count(1)  # among equal keys the oldest entry first
     done = None  # best[dst] once reached
-    p2p_least = least_of(1)
+    leasts = {calls: least_of(calls) for calls in set(_CALLS.values())}  # per number of calls
+    p2p_least = leasts[1]
+    push, pop = heapq.heappush, heapq.heappop
     while heap:
-        key, _, cost, state, est, move = heapq.heappop(heap)
+        key, _, cost, state, est, move = pop(heap)
         if best.get(state) != cost:  # reached more cheaply since (its moves are queued again)
             continue
         if (move is None and state == dst) or (done is not None and key >= done):  # nothing left beats dst
             state, out = dst, []
             while state != src:
-                state, step = back[state]
-                out.append(step)
+                state, fields = back[state]
+                out.append(Step(*fields))
             return out[::-1]
         if move is not None and move is not _DEFERRED:  # price the move now
             kind, axes, t, dims, op = move
             old = best.get(t)
-            if old is not None and old <= least(cost, kind):
-                continue
-            step = costing.step(kind, axes, state, t, dims, op)
-            if whole_off and step.peak_bytes > whole_cap and t != dst and costing.max_local_bytes(t) > whole_cap:
+            if old is not None:  # no better than `old` even at no bytes and no more peak memory: skip
+                calls = _CALLS[kind]
+                lp, ls = leasts[calls]
+                if old <= (cost[0] + lp, cost[1] + ls, cost[2] + calls, cost[3] + (kind in POINT_TO_POINT_KINDS),
+                           cost[4], cost[5] + 1):
+                    continue
+            nbytes, peak = costing.price_move(kind, axes, state, t, dims)  # (a Step only for the plan found)
+            if whole_off and peak > whole_cap and t != dst and costing.max_local_bytes(t) > whole_cap:
                 continue  # (the new local is part of the peak: a peak within whole_cap needs no lookup)
-            if cap is not None and step.peak_bytes > cap:
+            if cap is not None and peak > cap:
                 if capped is not None and not capped:
                     capped.append(True)   # the cap changed the search: its plan may not be the cheapest
                 continue
-            coll = step.calls
-            sp, ss = pricing.price(step)
+            coll = _CALLS[kind]
+            sp, ss = pricing.price_of(kind, axes, state, t, dims, op, nbytes, peak)
             new = (cost[0] + sp, cost[1] + ss, cost[2] + coll, cost[3] + (kind in POINT_TO_POINT_KINDS),
-                   max(cost[4], step.peak_bytes), cost[5] + 1)
+                   max(cost[4], peak), cost[5] + 1)
             if old is None or new < old:
                 best[t] = new
-                back[t] = (state, step)
+                back[t] = (state, (kind, axes, state, t, dims, op, nbytes, peak))
                 if t == dst:
                     done = new
-                heapq.heappush(heap, ((new[0] + max(0, est[0] - sp), new[1] + max(0, est[1] - ss),
+                push(heap, ((new[0] + max(0, est[0] - sp), new[1] + max(0, est[1] - ss),
                                        new[2] + max(0, est[2] - coll), *new[3:5], new[5] + (t != dst)),
-                                      next(order), new, t, None, None))
+                            next(order), new, t, None, None))
             continue
         if est is None:  # (never for a deferred family: its state was expanded already)
             est = h(state)
             exact = (cost[0] + est[0], cost[1] + est[1], cost[2] + est[2], *cost[3:5], cost[5] + 1)  # not dst
             if exact > key:  # queue it again under its own heuristic
-                heapq.heappush(heap, (exact, next(order), cost, state, est, None))
+                push(heap, (exact, next(order), cost, state, est, None))
                 continue
         if move is _DEFERRED:  # the point-to-point moves out of the state, deferred until now
             family = candidates(costing, state, dst, point_to_point=True)
@@ -178,12 +177,17 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
             # what any point-to-point move costs at least: one call, one transfer
             key = (cost[0] + max(p2p_least[0], est[0]), cost[1] + max(p2p_least[1], est[1]),
                    cost[2] + max(1, est[2]), cost[3] + 1, cost[4], cost[5] + 1)
-            heapq.heappush(heap, (key, next(order), cost, state, est, _DEFERRED))
-        for move in family:  # keyed by what they cost at least: their collectives, and the parent's heuristic
-            kind = move[0]
-            calls = _CALLS[kind]
-            lp, ls = least_of(calls)
-            key = (cost[0] + max(lp, est[0]), cost[1] + max(ls, est[1]), cost[2] + max(calls, est[2]),
-                   cost[3] + (kind in POINT_TO_POINT_KINDS), cost[4], cost[5] + 1 + (move[2] != dst))
-            heapq.heappush(heap, (key, next(order), cost, state, est, move))
+            push(heap, (key, next(order), cost, state, est, _DEFERRED))
+        # each move keyed by what it costs at least: its calls, and the parent's heuristic (one family is all
+        # point-to-point or none; the key's head depends on the move only through its number of calls)
+        heads: dict[int, tuple] = {}
+        p2p, steps = cost[3] + (move is _DEFERRED), cost[5] + 1
+        for move in family:
+            calls = _CALLS[move[0]]
+            head = heads.get(calls)
+            if head is None:
+                lp, ls = leasts[calls]
+                head = heads[calls] = (cost[0] + max(lp, est[0]), cost[1] + max(ls, est[1]),
+                                       cost[2] + max(calls, est[2]), p2p, cost[4])
+            push(heap, ((*head, steps + (move[2] != dst)), next(order), cost, state, est, move))
     return None

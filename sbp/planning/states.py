@@ -58,7 +58,7 @@ def pending(s: State, dst: State) -> bool:
     (True, False)
     """
     for p, q in zip(s, dst):  # (a plain loop: the search asks for every state it reaches)
-        if isinstance(p, Partial) and p != q:
+        if p.__class__ is Partial and p is not q:  # (placements are interned: equal ones are one object)
             return True
     return False
 

@@ -15,71 +15,90 @@ from .errors import PlacementError
 REDUCE_OPS = ("sum", "min", "max")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Split:
     """`S(dim)`: the logical tensor is the concatenation along `dim` of the coords' local tensors.
 
-    >>> Split(0)
-    S(0)
+    Placements are interned values: equal placements are the same object (``Split(0) is Split(0)``), so
+    they compare and hash by identity, at C speed (placements key the planner's and dispatch's caches).
+
+    >>> Split(0), Split(0) is Split(0), Split(0) == Split(1)
+    (S(0), True, False)
     """
 
     dim: int
 
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise PlacementError(f"Split dim must be an int, got {self.dim!r} ({type(self.dim).__name__})")
+    def __new__(cls, dim: int) -> "Split":
+        if type(dim) is int:
+            found = _SPLITS.get(dim)
+            if found is not None:
+                return found
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise PlacementError(f"Split dim must be an int, got {dim!r} ({type(dim).__name__})")
+        dim = int(dim)  # (an int subclass, e.g. an IntEnum member, is kept as its plain int)
+        out = object.__new__(cls)
+        object.__setattr__(out, "dim", dim)
+        return _SPLITS.setdefault(dim, out)
 
     def __repr__(self) -> str:
         return f"S({self.dim})"
-
-    def __hash__(self) -> int:  # (the generated one builds a tuple per call; placements key the planner's caches)
-        return self.dim
 
     def __reduce__(self) -> tuple:  # pickles as a call of the class (loads under torch.load(weights_only=True))
         return Split, (self.dim,)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Broadcast:
-    """`B`: every coord holds the whole (sub)tensor.
+    """`B`: every coord holds the whole (sub)tensor. One object (``Broadcast() is B``).
 
-    >>> Broadcast()
-    B
+    >>> Broadcast(), Broadcast() is Broadcast()
+    (B, True)
     """
+
+    def __new__(cls) -> "Broadcast":
+        global _BROADCAST
+        if _BROADCAST is None:
+            _BROADCAST = object.__new__(cls)
+        return _BROADCAST
 
     def __repr__(self) -> str:
         return "B"
-
-    def __hash__(self) -> int:
-        return -1000
 
     def __reduce__(self) -> tuple:
         return Broadcast, ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class Partial:
     """`P(op)`: the logical tensor is the element-wise `op` reduction over the coords' local tensors.
+    One object per op (``Partial() is Partial("sum")``).
 
-    >>> Partial("max")
-    P(max)
+    >>> Partial("max"), Partial() is Partial("sum")
+    (P(max), True)
     """
 
     op: str = "sum"
 
-    def __post_init__(self) -> None:
-        if self.op not in REDUCE_OPS:
-            raise PlacementError(f"Partial op must be one of {REDUCE_OPS}, got {self.op!r}")
+    def __new__(cls, op: str = "sum") -> "Partial":
+        found = _PARTIALS.get(op) if type(op) is str else None
+        if found is None:
+            raise PlacementError(f"Partial op must be one of {REDUCE_OPS}, got {op!r}")
+        return found
 
     def __repr__(self) -> str:
         return f"P({self.op})"
 
-    def __hash__(self) -> int:
-        return hash(self.op)
-
     def __reduce__(self) -> tuple:
         return Partial, (self.op,)
 
+
+_SPLITS: dict[int, Split] = {}
+_BROADCAST: "Broadcast | None" = None
+_PARTIALS: dict[str, Partial] = {}
+for _op in REDUCE_OPS:
+    _PARTIALS[_op] = object.__new__(Partial)
+    object.__setattr__(_PARTIALS[_op], "op", _op)
+del _op
 
 Placement = Union[Split, Broadcast, Partial]
 """Any one placement on one mesh axis: a `Split`, `Broadcast` or `Partial` value.

@@ -1,10 +1,11 @@
 """The network as a pure value: per mesh axis a latency (alpha, µs per message round) and a bandwidth
 (beta, GB/s), and whether the axis's groups cross host boundaries; optionally a separate latency per peer
 for exchanges (all_to_all, transfers, reduce_transfers), whose messages to different peers are posted
-together rather than passed round a ring.
+together rather than passed round a ring; optionally a fixed cost per collective call, whatever its group size.
 
-`sbp.plan(..., topology=...)` prices a step as ``rounds x alpha + bytes / beta`` of the slowest link the
-step crosses (the largest alpha and the smallest beta over its axes): the alpha-beta model. Presets are
+`sbp.plan(..., topology=...)` prices a step as ``calls x call + rounds x alpha + bytes / beta`` of the
+slowest link the step crosses (the largest call cost and alpha, the smallest beta over its axes): the
+alpha-beta model, with a per-call term (0 unless `call_us` is given). Presets are
 named by hardware (`PRESETS`, values from the public sources cited in docs/scale.md); `Topology.for_mesh`
 places a mesh on hosts of ``devices_per_host`` devices (row-major, innermost axes inside a host) and
 gives the axes inside a host the intra-host link, the others the inter-host link. `sbp.calibrate` measures
@@ -41,8 +42,10 @@ PRESETS: dict[str, tuple[float, float, float, float]] = {
 class Topology:
     """Per mesh axis: `latency_us` (alpha: µs per message round), `bandwidth_gbps` (beta: GB/s, i.e. bytes
     per ns) and `spans_hosts` (the axis's groups cross host boundaries); `exchange_us` (µs per peer of an
-    exchange: all_to_all, transfer, reduce_transfer), None when it equals the latency. Frozen, hashable,
-    compared by value; `alpha_us` and `beta_gbps` are the model's names for the first two.
+    exchange: all_to_all, transfer, reduce_transfer), None when it equals the latency; `call_us` (µs per
+    collective call, whatever its group size: the fixed cost of entering and finishing a call), None for
+    none. Frozen, hashable, compared by value; `alpha_us` and `beta_gbps` are the model's names for the
+    first two.
 
     >>> Topology(latency_us=(1.0, 5.0), bandwidth_gbps=(200.0, 25.0)).alpha_us
     (1.0, 5.0)
@@ -52,6 +55,8 @@ class Topology:
     ((1.0, 200.0), (5.0, 25.0))
     >>> t.time_ns((1,), rounds=3, nbytes=25_000)   # 3 x 5 µs + 25,000 B / 25 GB/s
     16000
+    >>> Topology((1.0, 5.0), (200.0, 25.0), call_us=(10.0, 30.0)).time_ns((1,), rounds=3, nbytes=25_000)
+    46000
     """
 
     latency_us: tuple[float, ...]
@@ -59,6 +64,7 @@ class Topology:
     spans_hosts: tuple[bool, ...] | None = None
     name: str = "custom"
     exchange_us: tuple[float, ...] | None = None
+    call_us: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         alpha = _numbers(self.latency_us, "latency_us")
@@ -81,12 +87,14 @@ class Topology:
             raise PlanError(f"topology spans_hosts must be one bool per axis ({len(alpha)}), got {spans}")
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"topology name must be a non-empty string, got {self.name!r}")
-        if self.exchange_us is not None:
-            peer = _numbers(self.exchange_us, "exchange_us")
-            if len(peer) != len(alpha) or any(a < 0 for a in peer):
-                raise PlanError(f"topology exchange_us must be one finite number >= 0 per mesh axis "
-                                f"({len(alpha)}; µs per peer of an exchange) or None, got {peer}")
-            object.__setattr__(self, "exchange_us", peer)
+        for field, unit in (("exchange_us", "µs per peer of an exchange"), ("call_us", "µs per collective call")):
+            given = getattr(self, field)
+            if given is not None:  # optional per-axis latencies: one number >= 0 per axis
+                values = _numbers(given, field)
+                if len(values) != len(alpha) or any(v < 0 for v in values):
+                    raise PlanError(f"topology {field} must be one finite number >= 0 per mesh axis "
+                                    f"({len(alpha)}; {unit}) or None, got {values}")
+                object.__setattr__(self, field, values)
         object.__setattr__(self, "latency_us", alpha)
         object.__setattr__(self, "bandwidth_gbps", beta)
         object.__setattr__(self, "spans_hosts", spans)
@@ -160,32 +168,51 @@ class Topology:
             return min(alpha), max(self.beta_gbps)
         return max(alpha[a] for a in axes), min(self.beta_gbps[a] for a in axes)
 
-    def time_ns(self, axes: Sequence[int], rounds: int, nbytes: int, exchange: bool = False) -> int:
-        """Modeled time of one step, in whole ns (rounded up): ``rounds x alpha + nbytes / beta`` of the
-        slowest link over `axes` (1 GB/s moves one byte per ns); for an `exchange` (rounds: its peers),
-        alpha is `exchange_us`.
+    def call_cost_us(self, axes: Sequence[int]) -> float:
+        """µs per collective call over `axes`: the largest `call_us` of its axes (no axes: the smallest),
+        0 without `call_us`.
+
+        >>> Topology((1.0, 1.0), (1.0, 1.0), call_us=(3.0, 8.0)).call_cost_us((0, 1))
+        8.0
+        >>> Topology((1.0,), (1.0,)).call_cost_us((0,))
+        0.0
+        """
+        if self.call_us is None:
+            return 0.0
+        return max(self.call_us[a] for a in axes) if axes else min(self.call_us)
+
+    def time_ns(self, axes: Sequence[int], rounds: int, nbytes: int, exchange: bool = False, calls: int = 1) -> int:
+        """Modeled time of one step, in whole ns (rounded up): ``calls x call + rounds x alpha + nbytes / beta``
+        of the slowest link over `axes` (1 GB/s moves one byte per ns; call: `call_cost_us`); for an
+        `exchange` (rounds: its peers), alpha is `exchange_us`. A step with no rounds and no bytes is free.
 
         >>> Topology((2.0,), (10.0,)).time_ns((0,), 1, 1001)
         2101
         >>> Topology((2.0,), (10.0,), exchange_us=(0.5,)).time_ns((0,), 3, 0, exchange=True)
         1500
+        >>> Topology((2.0,), (10.0,), call_us=(4.0,)).time_ns((0,), 1, 1001, calls=2)   # 2 calls x 4 µs more
+        10101
         """
         if rounds <= 0 and nbytes <= 0:
             return 0
         alpha, beta = self.link(axes, exchange)
-        return math.ceil(rounds * alpha * 1000.0 + nbytes / beta)
+        return math.ceil((calls * self.call_cost_us(axes) + rounds * alpha) * 1000.0 + nbytes / beta)
 
     def bound_ns(self, nbytes: int, rounds: int) -> int:
         """A lower bound on the time of any steps that receive `nbytes` at the busiest rank over at least
-        `rounds` rounds: the fastest link everywhere, rounded down.
+        `rounds` rounds: the fastest link everywhere, rounded down; with `call_us`, one call of the cheapest
+        axis when there is a round (a round is in some call; one call may hold all of them).
 
         >>> Topology((2.0, 1.0), (10.0, 100.0)).bound_ns(1000, 1)
         1010
+        >>> Topology((2.0, 1.0), (10.0, 100.0), call_us=(5.0, 3.0)).bound_ns(1000, 2)   # + 1 call x 3 µs
+        5010
         """
         if nbytes <= 0 and rounds <= 0:
             return 0
         alpha = min(self.alpha_us + (self.exchange_us or ()))
-        return math.floor(rounds * alpha * 1000.0 + nbytes / max(self.beta_gbps))
+        call = min(self.call_us) if self.call_us is not None and rounds > 0 else 0.0
+        return math.floor((call + rounds * alpha) * 1000.0 + nbytes / max(self.beta_gbps))
 
     def check(self, mesh_shape: Sequence[int]) -> "Topology":
         """This topology when it describes `mesh_shape` (one entry per axis), else a `PlanError`.
@@ -202,16 +229,17 @@ class Topology:
 
     # ---- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data: the name and one record per axis (`exchange_us` in it when set).
+        """Plain JSON-ready data: the name and one record per axis (`exchange_us`, `call_us` in it when set).
 
         >>> Topology((1.0,), (2.0,)).to_dict()
         {'name': 'custom', 'axes': [{'latency_us': 1.0, 'bandwidth_gbps': 2.0, 'spans_hosts': False}]}
         """
         axes = [{"latency_us": a, "bandwidth_gbps": b, "spans_hosts": s}
                 for a, b, s in zip(self.alpha_us, self.beta_gbps, self.spans_hosts)]
-        if self.exchange_us is not None:
-            for rec, e in zip(axes, self.exchange_us):
-                rec["exchange_us"] = e
+        for field in ("exchange_us", "call_us"):
+            if getattr(self, field) is not None:
+                for rec, e in zip(axes, getattr(self, field)):
+                    rec[field] = e
         return {"name": self.name, "axes": axes}
 
     @classmethod
@@ -224,9 +252,9 @@ class Topology:
         """
         if not isinstance(data, dict) or not isinstance(data.get("axes"), list):
             raise PlanError(f"a topology is a JSON object with an 'axes' list (one record per mesh axis with "
-                            f"latency_us, bandwidth_gbps and optionally spans_hosts, exchange_us), got "
+                            f"latency_us, bandwidth_gbps and optionally spans_hosts, exchange_us, call_us), got "
                             f"{str(data)[:200]!r}")
-        alpha, beta, spans, peer = [], [], [], []
+        alpha, beta, spans, peer, call = [], [], [], [], []
         for i, rec in enumerate(data["axes"]):
             a = rec.get("latency_us", rec.get("alpha_us")) if isinstance(rec, dict) else None
             b = rec.get("bandwidth_gbps", rec.get("beta_gbps")) if isinstance(rec, dict) else None
@@ -237,10 +265,12 @@ class Topology:
             beta.append(b)
             spans.append(rec.get("spans_hosts", False))
             peer.append(rec.get("exchange_us"))
-        if any(e is None for e in peer) and any(e is not None for e in peer):
-            raise PlanError(f"topology exchange_us must be given on every axis or on none, got {peer}")
+            call.append(rec.get("call_us"))
+        for field, values in (("exchange_us", peer), ("call_us", call)):
+            if any(e is None for e in values) and any(e is not None for e in values):
+                raise PlanError(f"topology {field} must be given on every axis or on none, got {values}")
         return cls(tuple(alpha), tuple(beta), tuple(spans), data.get("name", "custom"),
-                   None if peer and peer[0] is None else tuple(peer))
+                   None if peer and peer[0] is None else tuple(peer), None if call and call[0] is None else tuple(call))
 
     def to_json(self) -> str:
         """The topology as a JSON text (`from_json` reads it back).

@@ -141,6 +141,52 @@ def test_training_matches_one_process(layout: str, shapes: dict) -> None:
     _check_training(layout, shapes)
 
 
+class Spare(nn.Module):
+    """A block with a parameter its forward never reads: its gradient arrives as zeros (autograd materializes
+    the unused output of the unit's gather), reduced with the others; it trains as on one process."""
+
+    def __init__(self, block: Block, d: int) -> None:
+        super().__init__()
+        self.block, self.spare = block, nn.Linear(d, d).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def _spare_net() -> tuple[Net, torch.Tensor, torch.Tensor]:
+    with _BUILD:   # one init for every rank (thread-ranks share torch's global generator)
+        net, x, y = _template(tuple(sorted(EVEN.items())))
+        net = copy.deepcopy(net)
+        torch.manual_seed(1)
+        net.blocks[0] = Spare(net.blocks[0], EVEN["d"])
+        return net, x, y
+
+
+_SPARE = _spare_net()
+
+
+def _spare(mesh, local_batch):
+    net = copy.deepcopy(_SPARE[0])
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp", local_batch=local_batch)
+    sbp.nn.fully_shard(net, mesh, "dp")
+    losses, _ = _train(net, *_SPARE[1:], mesh)
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("local_batch", [None, False], ids=["local", "global"])
+def test_unused_parameter_trains_as_one_process(local_batch) -> None:
+    net = copy.deepcopy(_SPARE[0])
+    ref_losses, _ = _train(net, *_SPARE[1:])
+    ref = dict(net.named_parameters())
+    for losses, params in sbp.testing.spmd(functools.partial(_spare, local_batch=local_batch), (4,), names=("dp",)):
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+        assert torch.equal(params["blocks.0.spare.weight"], _SPARE[0].blocks[0].spare.weight.detach())
+
+
 class Mixing(nn.Module):
     """A block whose forward mixes samples (`kind="mean"`: minus half the batch mean) or reads the batch length as
     a number (`kind="shape"`): its local run on one rank's share differs from the global one."""

@@ -36,6 +36,28 @@ def test_json_file_round_trips_and_changes_the_plan(tmp_path, capsys):
     assert [s["kind"] for s in json.loads(out)["steps"]] == ["transfer"] and "time_us" not in json.loads(out)
 
 
+def test_json_file_with_a_call_cost_plans_one_call(tmp_path, capsys):
+    # the same network with and without its cost per call (3 ms a call on this mesh's host, folded into the
+    # rounds of the classic fit): the call cost makes the one-call exchange win, and the file keeps it
+    folded = sbp.Topology((5500.0, 3500.0), (0.1, 0.1), exchange_us=(4000.0, 2000.0), name="folded")
+    per_call = sbp.Topology((2500.0, 2500.0), (0.1, 0.1), exchange_us=(1000.0, 1000.0), call_us=(3000.0, 3000.0),
+                            name="per-call")
+    kinds = {}
+    for t in (folded, per_call):
+        path = tmp_path / f"{t.name}.json"
+        path.write_text(t.to_json())
+        rc, out, _ = run(ARGS + ["--topology", str(path), "--json"], capsys)
+        data = json.loads(out)
+        assert rc == 0 and sbp.Topology.from_dict(data["topology"]) == t
+        kinds[t.name] = [s["kind"] for s in data["steps"]]
+    assert kinds == {"folded": ["all_gather", "all_to_all"], "per-call": ["transfer"]}
+    bad = tmp_path / "bad_call.json"
+    bad.write_text('{"axes": [{"latency_us": 1, "bandwidth_gbps": 1, "call_us": -3}, '
+                   '{"latency_us": 1, "bandwidth_gbps": 1, "call_us": 1}]}')
+    rc, out, err = run(ARGS + ["--topology", str(bad)], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "call_us" in err and "-3.0" in err
+
+
 def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"axes": [{"latency_us": -1, "bandwidth_gbps": 1}, {"latency_us": 1, "bandwidth_gbps": 1}]}')

@@ -120,6 +120,28 @@ def test_pickle_and_copy_round_trip(p):
     assert pickle.loads(pickle.dumps(p)) == p
     assert copy.deepcopy(p) == p
     assert copy.copy(p) == p
+    # interned: every way of making an equal placement gives the one object
+    assert pickle.loads(pickle.dumps(p)) is p and copy.deepcopy(p) is p and copy.copy(p) is p
+
+
+def test_placements_are_interned():
+    """Equal placements are one object however they are made (constructor, alias, parser, replace, an int
+    subclass as dim), so identity, equality and hash agree."""
+    import enum
+
+    class Dim(enum.IntEnum):
+        ONE = 1
+
+    assert sbp.S(1) is sbp.Split(1) is parse_placement("S1") is dataclasses.replace(sbp.S(0), dim=1)
+    assert sbp.S(Dim.ONE) is sbp.S(1) and type(sbp.S(Dim.ONE).dim) is int
+    assert sbp.Broadcast() is sbp.B and sbp.Partial() is sbp.PartialSum() is sbp.Partial(op="sum")
+    assert sbp.Partial("max") is sbp.PartialMax() and sbp.Partial("max") is not sbp.Partial("min")
+    assert sbp.placements("S(0), P(min)") == (sbp.S(0), sbp.PartialMin())
+    assert all(a is b for a, b in zip(sbp.placements("S(0), P(min)"), (sbp.S(0), sbp.PartialMin())))
+    # a refused value never reaches the interned objects
+    with pytest.raises(sbp.PlacementError):
+        sbp.S(True)
+    assert sbp.S(1).dim == 1 and type(sbp.S(1).dim) is int
 
 
 def test_is_partial():
