@@ -86,6 +86,7 @@ class Unit:
         # the flat slots split on dim 0 in equal pieces (`even_rows`), in buffer order: the buffer's first
         # `even_width` columns of every member's segment, packed and gathered by one op each way
         self.even: list[_Slot] = []
+        self.even_at: list[int] = []  # their positions in `slots` (where their gradients come in backward)
         self.even_width = 0
         self.numels: list[int] = []   # each member's elements in the flat buffer
         self.state = "sharded"        # sharded -> gathering -> gathered -> sharded
@@ -201,8 +202,7 @@ class Unit:
         flat = [(k, s) for k, s in enumerate(self.slots) if s.flat]
         out: list[Optional[torch.Tensor]] = [None] * len(self.slots)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
-        index = {id(s): k for k, s in flat}
-        even = [(index[id(s)], s) for s in self.even]
+        even = list(zip(self.even_at, self.even))
         packed = bool(even) and all(grads[k] is not None for k, _ in even)
         if packed:   # split on dim 0 in equal pieces: member m's piece of each is the m-th run of its gradient
             parts = torch.cat([self._grad_parts(s, grads[k], local).to(dtype).reshape(n, s.sizes[0])
@@ -619,6 +619,8 @@ def _layout_buffer(unit: Unit) -> None:
     unit.tied = {(id(s.owner), s.name): next(f for f in out if f.param is s.param) for s in unit.slots}
     unit.slots = out
     unit.even = sorted((s for s in out if s.flat and s.even_rows), key=lambda s: s.offset)
+    position = {id(s): k for k, s in enumerate(out)}
+    unit.even_at = [position[id(s)] for s in unit.even]
     unit.even_width = sum(s.sizes[0] for s in unit.even)
     n = unit.mesh.shape[unit.axis]
     unit.numels = [sum(s.sizes[m] for s in out if s.flat) for m in range(n)]

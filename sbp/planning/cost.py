@@ -25,14 +25,13 @@ import math
 from typing import Optional
 
 from ..values.placement import Partial, Split
-from ..values.steps import STEP_KINDS, Step
+from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
 from .blocks import Blocks
 from .exchange import reduce_recv_max
 from .states import State
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
-_CALLS = {kind: Step(kind, (), (), ()).calls for kind in STEP_KINDS}  # communication calls per step kind
 """Steps whose messages to different peers are posted together (`sbp.Topology.exchange_us` prices them)."""
 
 
@@ -298,7 +297,7 @@ class Pricing:
         (138, 0)
         """
         if self.topology is None:
-            return nbytes + self.latency * _CALLS[kind], 0
+            return nbytes + self.latency * STEP_CALLS[kind], 0
         return self.price(Step(kind, axes, s, t, dims, op, nbytes, peak))
 
     def least(self, calls: int) -> tuple[int, int]:

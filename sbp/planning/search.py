@@ -19,7 +19,7 @@ from functools import lru_cache
 from typing import Optional
 
 from ..values.errors import PlanError
-from ..values.steps import STEP_KINDS, Plan, Step
+from ..values.steps import STEP_CALLS, Plan, Step
 from ..values.topology import Topology
 from .bounds import Bounds
 from .cost import Costing, Pricing
@@ -27,7 +27,6 @@ from .moves import POINT_TO_POINT_KINDS, candidates
 from .states import State, pending
 
 _DEFERRED = ("point-to-point moves",)  # a queue entry standing for all of them out of one state
-_CALLS = {kind: Step(kind, (), (), ()).calls for kind in STEP_KINDS}
 
 
 @lru_cache(maxsize=4096)
@@ -122,7 +121,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
     heap: list = [(start, 0, start, src, None, None)]
     order = itertools.count(1)  # among equal keys the oldest entry first
     done = None  # best[dst] once reached
-    leasts = {calls: least_of(calls) for calls in set(_CALLS.values())}  # per number of calls
+    leasts = {calls: least_of(calls) for calls in set(STEP_CALLS.values())}  # per number of calls
     p2p_least = leasts[1]
     push, pop = heapq.heappush, heapq.heappop
     while heap:
@@ -139,7 +138,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
             kind, axes, t, dims, op = move
             old = best.get(t)
             if old is not None:  # no better than `old` even at no bytes and no more peak memory: skip
-                calls = _CALLS[kind]
+                calls = STEP_CALLS[kind]
                 lp, ls = leasts[calls]
                 if old <= (cost[0] + lp, cost[1] + ls, cost[2] + calls, cost[3] + (kind in POINT_TO_POINT_KINDS),
                            cost[4], cost[5] + 1):
@@ -151,7 +150,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
                 if capped is not None and not capped:
                     capped.append(True)   # the cap changed the search: its plan may not be the cheapest
                 continue
-            coll = _CALLS[kind]
+            coll = STEP_CALLS[kind]
             sp, ss = pricing.price_of(kind, axes, state, t, dims, op, nbytes, peak)
             new = (cost[0] + sp, cost[1] + ss, cost[2] + coll, cost[3] + (kind in POINT_TO_POINT_KINDS),
                    max(cost[4], peak), cost[5] + 1)
@@ -183,7 +182,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
         heads: dict[int, tuple] = {}
         p2p, steps = cost[3] + (move is _DEFERRED), cost[5] + 1
         for move in family:
-            calls = _CALLS[move[0]]
+            calls = STEP_CALLS[move[0]]
             head = heads.get(calls)
             if head is None:
                 lp, ls = leasts[calls]

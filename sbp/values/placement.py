@@ -56,9 +56,6 @@ class Broadcast:
     """
 
     def __new__(cls) -> "Broadcast":
-        global _BROADCAST
-        if _BROADCAST is None:
-            _BROADCAST = object.__new__(cls)
         return _BROADCAST
 
     def __repr__(self) -> str:
@@ -93,7 +90,7 @@ class Partial:
 
 
 _SPLITS: dict[int, Split] = {}
-_BROADCAST: "Broadcast | None" = None
+_BROADCAST = object.__new__(Broadcast)
 _PARTIALS: dict[str, Partial] = {}
 for _op in REDUCE_OPS:
     _PARTIALS[_op] = object.__new__(Partial)

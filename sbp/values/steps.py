@@ -33,6 +33,10 @@ from .topology import Topology
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer", "reduce_transfer")
 
+STEP_CALLS = {kind: 0 if kind == "local" else 2 if kind == "reduce_transfer" else 1 for kind in STEP_KINDS}
+"""Communication calls a step of each kind makes at most (`Step.calls`): none for ``local``, two for
+``reduce_transfer`` (contributions to the owners, then results from them), one for every other kind."""
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -78,7 +82,7 @@ class Step:
         >>> Step("reduce_transfer", (0,), (), ()).calls, Step("all_reduce", (0,), (), ()).calls
         (2, 1)
         """
-        return 0 if self.kind == "local" else 2 if self.kind == "reduce_transfer" else 1
+        return STEP_CALLS[self.kind]
 
     def to_dict(self) -> dict:
         """The step as plain JSON-ready data (`calls` as in `Step.calls`).
