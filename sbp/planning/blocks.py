@@ -267,7 +267,12 @@ class Blocks:
         for x in self._shared_digits(shared):
             pairs = [(1, 1)]
             for pos, best in per_dim:
-                pairs = _best([(n * m, o * p) for n, o in pairs for m, p in best[tuple(x[i] for i in pos)]])
+                options = best[tuple(x[i] for i in pos)]
+                if len(pairs) == 1 and len(options) == 1:  # (even pieces: one best pair per group)
+                    (n, o), (m, p) = pairs[0], options[0]
+                    pairs = [(n * m, o * p)]
+                else:
+                    pairs = _best([(n * m, o * p) for n, o in pairs for m, p in options])
             out = max(out, max(weight * n - o for n, o in pairs))
         return out
 
@@ -312,6 +317,8 @@ class Blocks:
         key = (d, have, want, free)
         out = self._tables.get(key)
         if out is None:
+            out = self._tables[key] = self._even_table(d, have, want, free)
+        if out is None:
             hs, ws = self._spans(d, have), self._spans(d, want)
             axes = tuple(sorted((set(have) | set(want)) - set(free)))
             loose = list(itertools.product(*(range(self.mesh_shape[a]) for a in free)))
@@ -332,6 +339,71 @@ class Blocks:
             self.work += len(out) * len(loose)
             self._tables[key] = out
         return out
+
+    def _even_table(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...]
+                    ) -> Optional[list]:
+        """`_table` with no work per piece or per digit of the `free` axes, when dim `d` splits evenly
+        in both chains and one grid nests in the other, aligned: a target piece inside one source piece,
+        or covering the source pieces that share their leading digits and a range of the next one (the
+        pieces per target a product of the last radices of `have` times a divisor of the next). What the
+        source pieces with given digits off `free` hold of a target piece is then all of it, a fixed count
+        of whole pieces, or nothing. Else None."""
+        mesh, length = self.mesh_shape, self.shape[d]
+        nh, nw = math.prod(mesh[a] for a in have), math.prod(mesh[a] for a in want)
+        if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
+            return None
+        axes = tuple(sorted((set(have) | set(want)) - set(free)))
+        where = {a: k for k, a in enumerate(axes)}
+        if nh >= nw:
+            cover = self._covering(have, nh // nw)
+            if cover is None:
+                return None  # target pieces not aligned on the source digits
+            front, part, u, back = cover
+            whole = length // nh * math.prod(mesh[a] for a in back if a in free)
+        out = []
+        for digits in itertools.product(*(range(mesh[a]) for a in axes)):
+            j = 0
+            for a in want:
+                j = j * mesh[a] + digits[where[a]]
+            if nh >= nw:
+                held, k = whole, j
+                if part is not None:
+                    k, c = divmod(k, mesh[part] // u)
+                    if part in free:
+                        held *= u
+                    elif not c * u <= digits[where[part]] < (c + 1) * u:
+                        held = 0
+                for a in reversed(front):
+                    k, digit = divmod(k, mesh[a])
+                    if a not in free and digits[where[a]] != digit:
+                        held = 0
+                        break
+            else:  # the target piece lies in source piece i
+                held, k = length // nw, j // (nw // nh)
+                for a in reversed(have):
+                    k, digit = divmod(k, mesh[a])
+                    if a not in free and digits[where[a]] != digit:
+                        held = 0
+                        break
+            out.append((digits, length // nw, held))
+        self.work += len(out)
+        return out
+
+    def _covering(self, chain: tuple[int, ...], r: int) -> Optional[tuple]:
+        """How ``r`` consecutive pieces of `chain` (the ``j``-th run of them, ``r`` dividing their count)
+        lie on its digits, when aligned: (front, part, u, back) with every digit of the `back` axes (the
+        last ones), ``u`` digits ``c u .. c u + u - 1`` of axis `part` (None when ``u`` is 1), and on the
+        `front` axes the digits ``j // (size(part) / u)`` spells, ``c`` its remainder. None when the run
+        is not such a product of digit ranges."""
+        mesh, lead = self.mesh_shape, len(chain)
+        while lead and r > 1 and r % mesh[chain[lead - 1]] == 0:
+            lead -= 1
+            r //= mesh[chain[lead]]
+        if r == 1:
+            return chain[:lead], None, 1, chain[lead:]
+        if lead == 0 or mesh[chain[lead - 1]] % r:
+            return None
+        return chain[:lead - 1], chain[lead - 1], r, chain[lead:]
 
     def group_lack(self, s: State, t: State, free: tuple[int, ...]) -> int:
         """The most elements of a `t` block that no rank of its group holds in `s`, a group being the

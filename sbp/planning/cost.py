@@ -28,7 +28,7 @@ from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
 from .blocks import Blocks
-from .exchange import reduce_recv_max
+from .exchange import reduce_recv_max, slab_numel
 from .states import State
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
@@ -141,7 +141,11 @@ class Costing(Blocks):
         key = ("reduce_transfer", s, t, axes)
         out = self._memo.get(key)
         if out is None:
-            out = self._memo[key] = self._reduce_recv_closed(s, t, axes)
+            if self._state(s)[3] and self._state(t)[3]:
+                out = self._reduce_recv_even(s, t, axes)
+            if out is None:
+                out = self._reduce_recv_closed(s, t, axes)
+            self._memo[key] = out
         if out is None:
             q = self.group_size(tuple(a for a in axes if isinstance(s[a], Partial)))
             # groups hold the same blocks when they agree on the axes splitting a dim outside the group
@@ -194,6 +198,169 @@ class Costing(Blocks):
         h = math.prod(self.mesh_shape[a] for a in shared if not isinstance(s[a], Split))
         value = lambda lengths, overlaps: math.prod(lengths) + (q - 2) * _first_slab(overlaps, h)
         return self._max_per_rank(self.layout_key(s), self.layout_key(t), value)
+
+    def _reduce_recv_even(self, s: State, t: State, axes: tuple[int, ...]) -> Optional[int]:
+        """`reduce_transfer_recv` when every dim is split evenly in `s` and `t` and, inside the group, each
+        dim's source and target grids nest (one piece count divides the other); else None. No work per
+        member: every group is a translate of the first, and inside it every piece of a target tile ``T``
+        has one shape ``P`` (per dim the shorter of a source and a target piece).
+
+        The axes of the group Split in `t` (*fixed*) choose ``T``; its ``n`` needers differ on the others,
+        in row-major order. A source tile is held by a needer when its digits on the fixed axes are
+        ``T``'s: a condition per axis, so per dim, of the ``m`` pieces of ``T`` (``m`` the product over
+        dims), ``H`` are held, and the first needer whose source piece meets ``T`` sits at a position that
+        adds up over dims. Per dim a table over the digits of the fixed axes of both chains gives both;
+        dims are joined on the axes they share. With ``q`` contributions and ``h`` needers per held tile,
+        the busiest receives ``|T|`` plus ``(q-1) U slab(P, n, k)`` for its slabs of the ``U = m - H``
+        pieces no needer holds (``k`` its position) plus ``(q-2) slab(P, h, 0)`` when it holds a piece: the
+        larger of the first needer's and the first holder's sum (`sbp.planning.exchange.reduce_recv_max`).
+        """
+        q = self.group_size(tuple(a for a in axes if isinstance(s[a], Partial)))
+        if q < 2:
+            return None
+        if 0 in self.shape:
+            return 0
+        (sdims, _, slayout, _), (tdims, tlargest, tlayout, _) = self._state(s), self._state(t)
+        fixed = tuple(a for a in axes if isinstance(t[a], Split))
+        needers = tuple(a for a in axes if a not in fixed)
+        chains = [(tuple(a for a in schain if a in axes), tuple(a for a in tchain if a in axes))
+                  for schain, tchain in zip(slayout, tlayout)]
+        shape, per_dim, tables = [], [], []
+        for e, (cs, ct) in enumerate(chains):
+            ns, nt = self.group_size(cs), self.group_size(ct)
+            if ns % nt and nt % ns:
+                return None
+            shape.append(min(sdims[e][1], tdims[e][1]))
+            per_dim.append(ns // nt if ns >= nt else 1)
+            # the target axes of this dim that no other chain names only move T along it
+            private = not any(a in cs or any(a in c + d for f, (c, d) in enumerate(chains) if f != e) for a in ct)
+            tables.append(self._even_holds(cs, ct, fixed, needers, private))
+        nneed = self.group_size(needers)
+        h = self.group_size(tuple(a for a in needers if not isinstance(s[a], Split)))
+        lengths, m = tuple(shape), math.prod(per_dim)
+        first = slab_numel(lengths, nneed, 0)
+        own = (q - 2) * slab_numel(lengths, h, 0)
+        best = 0
+        for held, pos in self._join_options(tables):
+            if held == 0:
+                value = (q - 1) * m * first
+            else:
+                value = max((q - 1) * (m - held) * first,
+                            (q - 1) * (m - held) * slab_numel(lengths, nneed, pos) + own)
+            best = max(best, value)
+        return tlargest + best
+
+    def _even_holds(self, cs: tuple[int, ...], ct: tuple[int, ...], fixed: tuple[int, ...],
+                    needers: tuple[int, ...], private: bool) -> tuple[tuple, dict]:
+        """For one dim of `_reduce_recv_even` (source chain `cs` and target chain `ct` inside the group):
+        the fixed axes of both chains and, per digits of them, the set of (pieces of ``T`` held by some
+        needer, the least position a needer holding one adds from its digits on the `needers` axes of
+        `cs`); missing digits hold nothing. With `private`, no other dim names an axis of `ct`, and the
+        table is over the fixed axes of `cs` only, each entry the options of every ``T`` along the dim."""
+        key = ("even_holds", cs, ct, fixed, needers, private)
+        out = self._memo.get(key)
+        if out is not None:
+            return out
+        mesh = self.mesh_shape
+        keys = tuple(sorted(a for a in set(cs + ct) if a in fixed))
+        stride = {a: math.prod(mesh[b] for b in needers if b > a) for a in needers}
+        ns, nt = self.group_size(cs), self.group_size(ct)
+        cover = self._covering(cs, ns // nt) if ns >= nt else ()
+        table: dict[tuple, set] = {}
+        if private and cover is not None:
+            # T moves along the dim over every run of source pieces (ns >= nt) or every source piece: the
+            # first needer's digits can be 0 wherever they are not fixed; T elsewhere holds nothing
+            front, part, u, back = cover or (cs, None, 1, ())
+            keys = tuple(sorted(a for a in cs if a in fixed))
+            held = (u if part is not None and part not in fixed else 1) * math.prod(
+                mesh[a] for a in back if a not in fixed)
+            spelled = [a for a in front if a in fixed] + ([part] if part in fixed else [])
+            misses = any(mesh[a] > (u if a == part else 1) for a in spelled)
+            options = {(held, 0), (0, 0)} if misses else {(held, 0)}
+            table = {digits: options for digits in itertools.product(*(range(mesh[a]) for a in keys))}
+            self.work += len(table)
+            out = self._memo[key] = (keys, table)
+            return out
+        if cover is None:  # not aligned: piece by piece
+            for i in range(ns):
+                digits, k = {}, i
+                for a in reversed(cs):
+                    k, digits[a] = divmod(k, mesh[a])
+                pos = sum(digits[a] * stride[a] for a in cs if a in stride)
+                at, k = dict(digits), i // (ns // nt)
+                for a in reversed(ct):
+                    k, at[a] = divmod(k, mesh[a])
+                if any(at[a] != digits[a] for a in cs if a in ct):
+                    continue  # the target piece's digits on an axis of both chains differ: not this piece
+                kk = tuple(at[a] for a in keys)
+                held, least = table.get(kk, (0, pos))
+                table[kk] = (held + 1, min(least, pos))
+            table = {kk: {option} for kk, option in table.items()}
+            self.work += ns
+        else:  # per target digits: the held pieces are a product of digit ranges
+            front, part, u, back = cover or (cs, None, 1, ())
+            spread = math.prod(mesh[a] for a in back if a not in fixed)
+            if not cover:  # target pieces inside one source piece: the last target digits do not count
+                inner = self._covering(ct, nt // ns)
+                if inner is not None and inner[1] is None:
+                    keys = tuple(a for a in keys if a not in inner[3] or a in cs)
+            where = {a: k for k, a in enumerate(keys)}
+            for digits in itertools.product(*(range(mesh[a]) for a in keys)):
+                j = 0
+                for a in ct:
+                    j = j * mesh[a] + (digits[where[a]] if a in where else 0)
+                held, pos, k = spread, 0, j if cover else j // (nt // ns)
+                if part is not None:
+                    k, c = divmod(k, mesh[part] // u)
+                    if part not in fixed:
+                        held, pos = held * u, c * u * stride[part]
+                    elif not c * u <= digits[where[part]] < (c + 1) * u:
+                        continue
+                for a in reversed(front):
+                    k, digit = divmod(k, mesh[a])
+                    if a not in fixed:
+                        pos += digit * stride[a]
+                    elif digits[where[a]] != digit:
+                        break
+                else:
+                    table[digits] = {(held, pos)}
+            self.work += math.prod(mesh[a] for a in keys)
+        out = self._memo[key] = (keys, table)
+        return out
+
+    def _join_options(self, tables: list[tuple[tuple, dict]]) -> set[tuple[int, int]]:
+        """Every (pieces held, least position of a needer holding one) a target tile can have, from the
+        per-dim tables of `_even_holds` (digits missing there: nothing held) joined on the axes several
+        dims' tables share: held pieces multiply, positions add; dominated pairs (more held, a later
+        position) are dropped."""
+        seen: dict[int, int] = {}
+        for keys, _ in tables:
+            for a in keys:
+                seen[a] = seen.get(a, 0) + 1
+        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        mesh = self.mesh_shape
+        grouped = []
+        for keys, table in tables:
+            where = [keys.index(a) for a in shared if a in keys]
+            groups: dict[tuple, set] = {}
+            counts: dict[tuple, int] = {}
+            for digits, options in table.items():
+                part = tuple(digits[i] for i in where)
+                groups.setdefault(part, set()).update(options)
+                counts[part] = counts.get(part, 0) + 1
+            per_part = math.prod(mesh[a] for k, a in enumerate(keys) if k not in where)
+            for part, n in counts.items():
+                if n < per_part:
+                    groups[part].add((0, 0))  # some digits of this part hold nothing
+            grouped.append(([shared.index(keys[i]) for i in where], groups))
+        out: set[tuple[int, int]] = set()
+        for x in self._shared_digits(shared):
+            combos = {(1, 0)}
+            for pos, groups in grouped:
+                options = groups.get(tuple(x[i] for i in pos), {(0, 0)})
+                combos = _pareto({(n * k, p + r) if n * k else (0, 0) for n, p in combos for k, r in options})
+            out.update(combos)
+        return out
 
     def rounds(self, step: Step) -> int:
         """Message rounds of a step on the busiest rank, for the alpha term of the time model: ``n - 1``
@@ -317,6 +484,17 @@ class Pricing:
         """The objective of a list of steps (the sum of their prices)."""
         prices = [self.price(s) for s in steps]
         return sum(p for p, _ in prices), sum(q for _, q in prices)
+
+
+def _pareto(pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The (held, position) pairs no other pair beats on both (fewer held, an earlier position); a pair
+    with nothing held is kept apart (its position does not count)."""
+    out, least = {(0, 0)} if any(n == 0 for n, _ in pairs) else set(), None
+    for n, p in sorted(p for p in pairs if p[0]):
+        if least is None or p < least:
+            out.add((n, p))
+            least = p
+    return out
 
 
 def _first_slab(lengths: tuple[int, ...], parts: int) -> int:

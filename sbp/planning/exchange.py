@@ -334,15 +334,15 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
         if q < 2:  # owning a held slab lowers what a member receives: any member may be the busiest
             candidates = range(len(need))
         for pos in candidates:
-            recv = total + sum(n * _slab_numel(shape, len(need), pos) for shape, n in unheld.items()) * (q - 1)
+            recv = total + sum(n * slab_numel(shape, len(need), pos) for shape, n in unheld.items()) * (q - 1)
             b = src_blocks[need[pos]]
             if b in own:  # its slab of the piece it holds, shared with the needers holding the same block
-                recv += _slab_numel(tuple(hi - lo for lo, hi in own[b]), count[b], among[pos]) * (q - 2)
+                recv += slab_numel(tuple(hi - lo for lo, hi in own[b]), count[b], among[pos]) * (q - 2)
             best = max(best, recv)
     return best
 
 
-def _slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
+def slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
     """Elements of slab `k` of `_slabs` (a piece of these per-dim lengths cut into `parts`), without
     building the slabs."""
     if parts == 1 or not lengths:

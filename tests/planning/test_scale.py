@@ -112,6 +112,18 @@ def test_weighted_lack_equals_per_coord_brute_force():
         assert Costing(shape, mesh, 4).lack(s, t, weight=w) == want, (shape, mesh, s, t, w)
 
 
+def _unheld_per_group(shape, mesh, s, t, free):
+    """Per group of ranks differing only on the `free` axes: (elements of its `t` block that no member
+    holds in `s`, members)."""
+    groups: dict = {}
+    for coord in itertools.product(*map(range, mesh)):
+        groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in free), []).append(coord)
+    for members in groups.values():
+        target = block(shape, mesh, t, members[0])
+        held = sum(block_numel(intersect(target, b) or ((0, 0),)) for b in {block(shape, mesh, s, m) for m in members})
+        yield block_numel(target) - held, len(members)
+
+
 def test_partial_target_bound_equals_per_group_brute_force():
     # Bounds.move for Partial targets: per group differing only on the new Partial axes, the elements of
     # the group's target block that no member holds, shared out over the group
@@ -123,15 +135,7 @@ def test_partial_target_bound_equals_per_group_brute_force():
         new = tuple(a for a, p in enumerate(t) if isinstance(p, sbp.Partial))
         if not new:
             continue
-        groups: dict = {}
-        for coord in itertools.product(*map(range, mesh)):
-            groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in new), []).append(coord)
-        want = 0
-        for members in groups.values():
-            target = block(shape, mesh, t, members[0])
-            held = sum(block_numel(intersect(target, b) or ((0, 0),))
-                       for b in {block(shape, mesh, s, m) for m in members})
-            want = max(want, -(-(block_numel(target) - held) // len(members)))
+        want = max(-(-unheld // members) for unheld, members in _unheld_per_group(shape, mesh, s, t, new))
         assert Bounds(Costing(shape, mesh, 4)).move(s, t) == 4 * want, (shape, mesh, s, t)
         checked += 1
 
@@ -164,4 +168,77 @@ def test_reduce_transfer_price_equals_its_schedule():
                                    [block(shape, mesh, t, c) for c in group], q) == busiest
             expect = max(expect, busiest)
         assert Costing(shape, mesh, 4).reduce_transfer_recv(s, t, axes) == expect, (shape, mesh, s, t, axes)
+        checked += 1
+
+
+def _even_case(rng, sizes, partial=True):
+    """A random (shape, mesh, s, t) where every dim splits evenly in both states."""
+    mesh = tuple(rng.choice(sizes) for _ in range(rng.choice([1, 2, 3])))
+    nd = rng.choice([1, 2, 3])
+    one = [sbp.B] + [sbp.S(d) for d in range(nd)] + ([sbp.Partial()] if partial else [])
+    s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+    shape = tuple(math.lcm(*(math.prod(mesh[a] for a, p in enumerate(x) if p == sbp.S(d)) for x in (s, t)))
+                  * rng.choice([0, 1, 1, 2, 3]) for d in range(nd))
+    return shape, mesh, s, t
+
+
+def test_even_reduce_transfer_price_equals_the_listed_groups():
+    # even layouts are priced from per-dim tables over the fixed axes' digits, with no member listed
+    # (`Costing._reduce_recv_even`); the answer must be the per-group listing's on every group
+    from sbp.planning.exchange import reduce_recv_max, reducible
+    rng = random.Random(22)
+    checked = light = 0
+    while checked < 400:
+        shape, mesh, s, t = _even_case(rng, [1, 2, 3, 4, 6, 8, 16])
+        axes = tuple(a for a in range(len(mesh)) if s[a] != t[a] or rng.random() < 0.3)
+        if not axes or math.prod(mesh) > 512 or not reducible(s, t, axes):
+            continue
+        q = math.prod(mesh[a] for a in axes if isinstance(s[a], sbp.Partial))
+        groups: dict = {}
+        for coord in itertools.product(*map(range, mesh)):
+            groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in axes), []).append(coord)
+        expect = max(reduce_recv_max([block(shape, mesh, s, c) for c in g], [block(shape, mesh, t, c) for c in g], q)
+                     for g in groups.values())
+        costing = Costing(shape, mesh, 4)
+        assert costing.reduce_transfer_recv(s, t, axes) == expect, (shape, mesh, s, t, axes)
+        light += costing.work < len(next(iter(groups.values())))  # no member listed
+        checked += 1
+    assert light > 200  # most cases take the per-dim path (the rest: q = 1 or grids that do not nest)
+
+
+@pytest.mark.parametrize("src, dst, axes", [
+    ("S(1), P, S(0)", "B, B, S(1)", (0, 1, 2)), ("S(0), P, P", "S(1), B, B", (0, 1, 2)),
+    ("P, P, S(0)", "B, B, S(1)", (0, 1, 2)), ("P, S(0), P", "S(1), S(1), S(1)", (0, 1, 2))])
+def test_even_reduce_transfer_lists_no_member_at_16k_ranks(src, dst, axes):
+    # these reduce_transfers were priced by listing one group: 16,384 members at (16, 32, 32)
+    from sbp.planning.exchange import reduce_recv_max
+    s, t = sbp.placements(src), sbp.placements(dst)
+    for mesh, bound in (((4, 16, 16), 1024), ((16, 32, 32), 16384)):
+        costing = Costing((65536, 65536), mesh, 4)
+        price = costing.reduce_transfer_recv(s, t, axes)
+        assert costing.work < bound // 8, (mesh, costing.work)
+        if mesh == (4, 16, 16):  # the listing's answer, 1,024 members
+            group = list(itertools.product(*map(range, mesh)))
+            q = math.prod(mesh[a] for a in axes if isinstance(s[a], sbp.Partial))
+            assert price == reduce_recv_max([block((65536, 65536), mesh, s, c) for c in group],
+                                            [block((65536, 65536), mesh, t, c) for c in group], q)
+
+
+def test_even_group_lack_equals_per_group_brute_force():
+    # group_lack on even layouts with free axes anywhere in the chains (strided unions): per-dim tables
+    # computed from the digits, without a piece per free digit
+    rng = random.Random(23)
+    checked = 0
+    while checked < 300:
+        shape, mesh, s, _ = _even_case(rng, [1, 2, 3, 4, 8], partial=False)
+        if math.prod(mesh) > 256 or 0 in shape:
+            continue
+        free = tuple(a for a in range(len(mesh)) if rng.random() < 0.5)
+        one = [sbp.B] + [sbp.S(d) for d in range(len(shape))]
+        t = tuple(sbp.Partial() if a in free else rng.choice(one) for a in range(len(mesh)))
+        if any(math.prod(mesh[a] for a, p in enumerate(t) if p == sbp.S(d)) and
+               shape[d] % math.prod(mesh[a] for a, p in enumerate(t) if p == sbp.S(d)) for d in range(len(shape))):
+            continue
+        want = max(unheld for unheld, _ in _unheld_per_group(shape, mesh, s, t, free))
+        assert Costing(shape, mesh, 4).group_lack(s, t, free) == want, (shape, mesh, s, t, free)
         checked += 1
