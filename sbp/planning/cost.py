@@ -232,9 +232,8 @@ class Costing(Blocks):
                 return None
             shape.append(min(sdims[e][1], tdims[e][1]))
             per_dim.append(ns // nt if ns >= nt else 1)
-            # the target axes of this dim that no other chain names only move T along it
-            private = not any(a in cs or any(a in c + d for f, (c, d) in enumerate(chains) if f != e) for a in ct)
-            tables.append(self._even_holds(cs, ct, fixed, needers, private))
+            elsewhere = frozenset(a for f, (c, d) in enumerate(chains) if f != e for a in c + d)
+            tables.append(self._even_holds(cs, ct, fixed, needers, elsewhere))
         nneed = self.group_size(needers)
         h = self.group_size(tuple(a for a in needers if not isinstance(s[a], Split)))
         lengths, m = tuple(shape), math.prod(per_dim)
@@ -251,13 +250,16 @@ class Costing(Blocks):
         return tlargest + best
 
     def _even_holds(self, cs: tuple[int, ...], ct: tuple[int, ...], fixed: tuple[int, ...],
-                    needers: tuple[int, ...], private: bool) -> tuple[tuple, dict]:
+                    needers: tuple[int, ...], elsewhere: frozenset) -> tuple[tuple, dict]:
         """For one dim of `_reduce_recv_even` (source chain `cs` and target chain `ct` inside the group):
         the fixed axes of both chains and, per digits of them, the set of (pieces of ``T`` held by some
         needer, the least position a needer holding one adds from its digits on the `needers` axes of
-        `cs`); missing digits hold nothing. With `private`, no other dim names an axis of `ct`, and the
-        table is over the fixed axes of `cs` only, each entry the options of every ``T`` along the dim."""
-        key = ("even_holds", cs, ct, fixed, needers, private)
+        `cs`). Axes of `ct` that neither `cs` nor another dim (`elsewhere`) names only move ``T`` along
+        the dim: when none is named, the table is over the fixed axes of `cs` only, each entry the options
+        of every ``T`` along the dim; otherwise such an axis is left out where it cannot change which
+        source piece holds ``T``, or enumerated one digit per distinct source piece."""
+        private = not any(a in cs or a in elsewhere for a in ct)
+        key = ("even_holds", cs, ct, fixed, needers, frozenset(a for a in ct if a in elsewhere))
         out = self._memo.get(key)
         if out is not None:
             return out
@@ -295,42 +297,56 @@ class Costing(Blocks):
                 kk = tuple(at[a] for a in keys)
                 held, least = table.get(kk, (0, pos))
                 table[kk] = (held + 1, min(least, pos))
-            table = {kk: {option} for kk, option in table.items()}
-            self.work += ns
+            table = {kk: {table[kk]} if kk in table else {(0, 0)}
+                     for kk in itertools.product(*(range(mesh[a]) for a in keys))}
+            self.work += ns + len(table)
         else:  # per target digits: the held pieces are a product of digit ranges
             front, part, u, back = cover or (cs, None, 1, ())
             spread = math.prod(mesh[a] for a in back if a not in fixed)
-            if not cover:  # target pieces inside one source piece: the last target digits do not count
-                inner = self._covering(ct, nt // ns)
-                if inner is not None and inner[1] is None:
-                    keys = tuple(a for a in keys if a not in inner[3] or a in cs)
+            steps, loose = {}, set()
+            inner = self._covering(ct, nt // ns) if not cover else None
+            if inner is not None:
+                # T inside one source piece: of the target digits no other dim names, the last ones do not
+                # change which piece (and one of both chains there matches the piece's digit or not, as T
+                # moves: `loose`), and the partly spelled one counts by its run of u
+                back_t = [a for a in inner[3] if a not in elsewhere]
+                loose = {a for a in back_t if a in cs}
+                keys = tuple(a for a in keys if a not in back_t)
+                if inner[1] not in cs and inner[1] not in elsewhere:
+                    steps[inner[1]] = inner[2]
             where = {a: k for k, a in enumerate(keys)}
-            for digits in itertools.product(*(range(mesh[a]) for a in keys)):
+            for digits in itertools.product(*(range(0, mesh[a], steps.get(a, 1)) for a in keys)):
                 j = 0
                 for a in ct:
                     j = j * mesh[a] + (digits[where[a]] if a in where else 0)
-                held, pos, k = spread, 0, j if cover else j // (nt // ns)
+                held, pos, k, misses = spread, 0, j if cover else j // (nt // ns), False
                 if part is not None:
                     k, c = divmod(k, mesh[part] // u)
                     if part not in fixed:
                         held, pos = held * u, c * u * stride[part]
+                    elif part in loose:
+                        misses = mesh[part] > u
                     elif not c * u <= digits[where[part]] < (c + 1) * u:
+                        table[digits] = {(0, 0)}
                         continue
                 for a in reversed(front):
                     k, digit = divmod(k, mesh[a])
                     if a not in fixed:
                         pos += digit * stride[a]
+                    elif a in loose:
+                        misses = misses or mesh[a] > 1
                     elif digits[where[a]] != digit:
+                        table[digits] = {(0, 0)}
                         break
                 else:
-                    table[digits] = {(held, pos)}
-            self.work += math.prod(mesh[a] for a in keys)
+                    table[digits] = {(held, pos), (0, 0)} if misses else {(held, pos)}
+            self.work += len(table)
         out = self._memo[key] = (keys, table)
         return out
 
     def _join_options(self, tables: list[tuple[tuple, dict]]) -> set[tuple[int, int]]:
         """Every (pieces held, least position of a needer holding one) a target tile can have, from the
-        per-dim tables of `_even_holds` (digits missing there: nothing held) joined on the axes several
+        per-dim tables of `_even_holds` joined on the axes several
         dims' tables share: held pieces multiply, positions add; dominated pairs (more held, a later
         position) are dropped."""
         seen: dict[int, int] = {}
@@ -338,20 +354,12 @@ class Costing(Blocks):
             for a in keys:
                 seen[a] = seen.get(a, 0) + 1
         shared = tuple(a for a in sorted(seen) if seen[a] > 1)
-        mesh = self.mesh_shape
         grouped = []
         for keys, table in tables:
             where = [keys.index(a) for a in shared if a in keys]
             groups: dict[tuple, set] = {}
-            counts: dict[tuple, int] = {}
             for digits, options in table.items():
-                part = tuple(digits[i] for i in where)
-                groups.setdefault(part, set()).update(options)
-                counts[part] = counts.get(part, 0) + 1
-            per_part = math.prod(mesh[a] for k, a in enumerate(keys) if k not in where)
-            for part, n in counts.items():
-                if n < per_part:
-                    groups[part].add((0, 0))  # some digits of this part hold nothing
+                groups.setdefault(tuple(digits[i] for i in where), set()).update(options)
             grouped.append(([shared.index(keys[i]) for i in where], groups))
         out: set[tuple[int, int]] = set()
         for x in self._shared_digits(shared):
