@@ -297,13 +297,62 @@ class Blocks:
         shared = tuple(a for a in sorted(seen) if seen[a] > 1)
         per_dim = []
         for d, axes in enumerate(dims):
-            table = self._table(d, have[d], want[d], tuple(a for a in have[d] if a in free))
             where = [axes.index(a) for a in shared if a in axes]
-            groups: dict[tuple, list] = {}
-            for digits, n, o in table:
-                groups.setdefault(tuple(digits[i] for i in where), []).append((n, o))
+            free_d = tuple(a for a in have[d] if a in free)
+            groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where))
+            if groups is None:
+                groups = {}
+                for digits, n, o in self._table(d, have[d], want[d], free_d):
+                    groups.setdefault(tuple(digits[i] for i in where), []).append((n, o))
             per_dim.append(([shared.index(axes[i]) for i in where], {k: keep(v) for k, v in groups.items()}))
         return shared, per_dim
+
+    def _even_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
+                     kept: tuple[int, ...]) -> Optional[dict]:
+        """`_table`'s (target length, overlap) pairs grouped by the digits of the `kept` axes, without
+        enumerating the digits of the other axes of `have` alone, on grids `_even_table` takes: such an
+        axis only decides whether a target piece meets the source pieces, and its digit can be chosen to
+        match the one the target spells, or (on more than one digit) not to. Else None."""
+        mesh, length = self.mesh_shape, self.shape[d]
+        nh, nw = math.prod(mesh[a] for a in have), math.prod(mesh[a] for a in want)
+        if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
+            return None
+        if nh >= nw:
+            cover = self._covering(have, nh // nw)
+            if cover is None:
+                return None
+            front, part, u, back = cover
+            held = length // nh * math.prod(mesh[a] for a in back if a in free) * (u if part in free else 1)
+        else:
+            front, part, u = have, None, 1
+            held = length // nw
+        spelled = [a for a in front if a not in free]   # compared with the digits the target spells
+        axes = tuple(sorted(set(kept) | set(want)))
+        where = {a: k for k, a in enumerate(axes)}
+        loose = any(mesh[a] > 1 for a in spelled if a not in where) or (
+            part is not None and part not in free and part not in where and mesh[part] > u)
+        n, out = length // nw, {}
+        for digits in itertools.product(*(range(mesh[a]) for a in axes)):
+            j = 0
+            for a in want:
+                j = j * mesh[a] + digits[where[a]]
+            k = j if nh >= nw else j // (nw // nh)
+            meets = True
+            if part is not None:
+                k, c = divmod(k, mesh[part] // u)
+                if part not in free and part in where and not c * u <= digits[where[part]] < (c + 1) * u:
+                    meets = False
+            for a in reversed(front):
+                k, digit = divmod(k, mesh[a])
+                if a in where and a not in free and digits[where[a]] != digit:
+                    meets = False
+            pairs = out.setdefault(tuple(digits[where[a]] for a in kept), [])
+            if meets:
+                pairs.append((n, held))
+            if loose or not meets:
+                pairs.append((n, 0))
+        self.work += math.prod(mesh[a] for a in axes)
+        return out
 
     def _shared_digits(self, shared: tuple[int, ...]) -> list[tuple[int, ...]]:
         combos = list(itertools.product(*(range(self.mesh_shape[a]) for a in shared)))
