@@ -242,3 +242,15 @@ def test_even_group_lack_equals_per_group_brute_force():
         want = max(unheld for unheld, _ in _unheld_per_group(shape, mesh, s, t, free))
         assert Costing(shape, mesh, 4).group_lack(s, t, free) == want, (shape, mesh, s, t, free)
         checked += 1
+
+
+@pytest.mark.parametrize("src, dst", [("S(0), S(0), P", "B, P, S(0)"), ("S(0), P, P", "S(1), B, B"),
+                                      ("P, P, S(0)", "B, B, S(1)"), ("S(0), B, P", "S(1), B, S(0)"),
+                                      ("P, P, S(0)", "S(0), S(1), B")])
+def test_partial_planning_work_stays_small_on_symmetric_layouts(src, dst):
+    # each of these took 1,000-5,000 units of work at 1,024 ranks and 16x that at 16,384 (tables per
+    # free digit, a group's members listed); now a few hundred at most, the same plan on both meshes
+    small, small_steps = _work((65536, 65536), (4, 16, 16), src, dst)
+    large, large_steps = _work((65536, 65536), (16, 32, 32), src, dst)
+    assert small_steps == large_steps
+    assert large <= 256 and small <= 256, (small, large)
