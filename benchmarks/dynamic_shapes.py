@@ -9,7 +9,10 @@ steps at length T0; then each copy runs `--steps` steps, the four copies interle
 burst of load on the machine hits every column alike):
 
 - ``same``: every step at length T0;
-- ``new``: each step at a length never seen before (T0+1, T0+2, ...: odd and even alike).
+- ``new``: each step at a length never seen before, alternately below and above T0 (T0-1, T0+1, T0-2,
+  T0+2, ...: odd and even alike), so new-length steps compute as much as same-length ones on the whole
+  (lengths T0+1, T0+2, ... would average T0 + steps/2: 15% more work per step at the defaults, which
+  would be counted as the cost of a new length).
 
 A third framework, ``torch``, runs the whole model unsharded on every rank (no communication): the
 floor, what plain torch itself pays for a new length on this machine (allocations of new sizes, kernel
@@ -180,6 +183,11 @@ def timed(step, t: int, gc_clock: GcClock) -> tuple[float, ...]:
     return (wall, cpu, *(a - b for a, b in zip(after, before)), gc_clock.seconds - g0)
 
 
+def new_length(t0: int, i: int) -> int:
+    """The length of new-length step `i`: ``t0 - 1, t0 + 1, t0 - 2, t0 + 2, ...`` (centred on `t0`)."""
+    return t0 + (i // 2 + 1) * (1 if i % 2 else -1)
+
+
 def run_model(name: str, args, ex) -> dict:
     """One model per (framework, mode), all warmed at T0 alike; then their steps interleave (for each step:
     sbp same, sbp new, DTensor same, DTensor new), so load on the machine hits every column alike."""
@@ -197,7 +205,7 @@ def run_model(name: str, args, ex) -> dict:
         profilers = {mode: cProfile.Profile(time.process_time) for mode in ("same", "new")}   # CPU, not waits
     for i in range(args.steps):
         for (fw, mode), step in steps.items():
-            t = args.t0 if mode == "same" else args.t0 + 1 + i
+            t = args.t0 if mode == "same" else new_length(args.t0, i)
             if profilers and i >= 4:   # the steady state: new lengths of known classes
                 profilers[mode].enable()
             times[mode][fw].append(timed(step, t, gc_clock))
@@ -240,6 +248,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile-out", default="/tmp/dynamic_shapes.prof")
     args = p.parse_args(argv)
     args.models = args.models.split(",")
+    lengths = sorted(new_length(args.t0, i) for i in range(args.steps))
+    if lengths[0] < 1:
+        p.error(f"--t0 {args.t0} leaves no room for {args.steps} new lengths below it: "
+                f"use --t0 > {args.steps // 2 + 1}")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(worker, args=(free_port(), args, queue), nprocs=WORLD, start_method="spawn")
@@ -248,7 +260,8 @@ def main(argv=None) -> None:
         name, per_rank = queue.get()
         results[name] = per_rank
     print(f"torch {torch.__version__}, {WORLD} gloo ranks, fp32, batch {args.batch}, median of {args.steps} steps "
-          f"after {args.warmup} warm-up steps at T={args.t0}; new: T={args.t0 + 1}..{args.t0 + args.steps}\n")
+          f"after {args.warmup} warm-up steps at T={args.t0}; new: T={lengths[0]}..{lengths[-1]}, alternately below "
+          f"and above {args.t0}\n")
     frameworks = ("sbp",) if args.profile else FRAMEWORKS
     print(f"{'model':<6} {'framework':<9} {'same ms':>8} {'new ms':>8} {'new/same':>8} {'same cpu':>9} {'new cpu':>8} "
           f"{'cpu new/same':>12}")
