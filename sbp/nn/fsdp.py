@@ -20,8 +20,9 @@ value is waited for where it is used. Gathered copies are freed by shrinking the
 gathered back into the same storage, so tensors saved for backward see the values again (FSDP2's way).
 
 A parameter whose every dim is already split by another axis (a colwise bias under tensor parallelism)
-is split on `axis` on the same dim and moves by its own planned redistribution (exact, the lower-bound
-bytes) beside the unit's buffer. A 0-d parameter stays replicated. A unit of per-sample computation (no
+is split on `axis` on the same dim and moves by a planned redistribution (exact, the lower-bound bytes)
+beside the unit's buffer: a unit's 1-d ones with one layout, split evenly, together as one (`_Group`),
+any other by its own. A 0-d parameter stays replicated. A unit of per-sample computation (no
 inner units, no tensor parallelism) computes on this rank's plain share of the batch once its first
 forward showed the two ways agree (`fully_shard`'s `local_batch`). Plain tensors entering the root are
 the full batch, laid out `S(0)` on `axis` and the replicate axes (the rule `parallelize` follows on its
@@ -29,6 +30,7 @@ data-parallel axes); pass `sbp.from_local(my_share, mesh, ...)` to give each ran
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -47,6 +49,7 @@ from ..values.layout import local_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
 
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()   # module -> its unit
 # id(stored param) -> its unit (tensors compare by value, so they cannot be dictionary keys themselves)
 _OWNER: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary()
@@ -71,6 +74,23 @@ class _Slot:
     even_rows: bool = False       # split on dim 0 in equal pieces: the gathered local is the pieces in a row
 
 
+@dataclass
+class _Group:
+    """1-d parameters outside the flat buffer (every dim already split by another axis: colwise biases under
+    tensor parallelism) with one stored and one compute layout, split evenly into `rows` pieces: moved
+    together as one planned redistribution of a (rows, width) matrix whose columns are theirs side by side
+    (each parameter viewed as (rows, its length / rows): the same pieces on the same ranks, see
+    `_layout_groups`)."""
+
+    at: list[int]                 # the slots' positions in the unit's `slots`
+    slots: list[_Slot]
+    cols: list[tuple[int, int]]   # each slot's (first column, columns)
+    stored: tuple[Placement, ...]
+    compute: tuple[Placement, ...]
+    rows: int
+    width: int
+
+
 class Unit:
     """The state of one `fully_shard` unit (see the module docstring); `schedule` is shared by a root and
     the units inside it."""
@@ -92,6 +112,8 @@ class Unit:
         self.state = "sharded"        # sharded -> gathering -> gathered -> sharded
         self.gathering: Optional[PendingTensor] = None
         self.planned: list[Optional[GlobalTensor]] = []
+        self.groups: list[_Group] = []       # the planned slots moved together (see `_Group`)
+        self.grouped: list[GlobalTensor] = []   # their gathers on the way, one per group
         self.schedule = Schedule(self)
         self.backward_started = False
         self.tied: dict[tuple[int, str], _Slot] = {}   # (id(owner module), name) -> the slot holding it
@@ -148,8 +170,15 @@ class Unit:
             return send.new_empty(0)   # nothing of the buffer outlives the copy-out
 
         self.gathering = pending.submit(comm, run, (0,), dtype, send.device)
+        in_group = {k for g in self.groups for k in g.at}
         self.planned = [redistribute_raw(_cast(s.param, self.param_dtype), s.compute, async_op=True)
-                        if not s.flat and s.dim is not None else None for s in self.slots]
+                        if not s.flat and s.dim is not None and k not in in_group else None
+                        for k, s in enumerate(self.slots)]
+        self.grouped = []
+        for g in self.groups:   # one redistribution per group: the slots' stored pieces side by side
+            side = torch.cat([_cast(s.param, self.param_dtype)._local.reshape(1, -1) for s in g.slots], dim=1)
+            matrix = GlobalTensor(side, self.mesh, g.stored, (g.rows, g.width))
+            self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True))
 
     def unshard(self, phase: str) -> None:
         """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
@@ -162,7 +191,12 @@ class Unit:
                 _refill(s, g.wait()._local)
             elif s.dim is None:
                 s.local = _cast(s.param, self.param_dtype)._local
-        self.gathering, self.planned = None, []
+        for g, moved in zip(self.groups, self.grouped):
+            value = moved.wait()._local   # (this rank's compute rows, width)
+            for s, (lo, n) in zip(g.slots, g.cols):
+                piece = value[:, lo:lo + n].reshape(-1)   # (a view of the group's buffer: own storage at first)
+                _refill(s, piece if s.local is not None else piece.clone())
+        self.gathering, self.planned, self.grouped = None, [], []
         self.state = "gathered"
 
     def gathered(self, local: bool) -> tuple[torch.Tensor, ...]:
@@ -228,8 +262,11 @@ class Unit:
                 piece = g.narrow(s.dim, start, length)
                 buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]).copy_(piece)
                 start += length
+        done = set()
+        for group in self.groups:   # one redistribution per group where its gradients line up
+            done.update(self._reduce_group(group, grads, out))
         for k, s in enumerate(self.slots):
-            if not s.flat and grads[k] is not None:   # planned slots: their own redistribution (async)
+            if not s.flat and grads[k] is not None and k not in done:   # planned slots: their own (async)
                 g = _as_global(grads[k], self.mesh, s)
                 out[k] = _cast(redistribute_raw(g, s.stored, async_op=True), s.param.dtype)
         log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
@@ -254,6 +291,30 @@ class Unit:
             out[k] = GlobalTensor(local, self.mesh, s.stored, tuple(s.param.shape))
         self.schedule.log.append(("issue_reduce_scatter", self.name, "backward"))
         return tuple(out)
+
+    def _reduce_group(self, g: _Group, grads: tuple[Optional[torch.Tensor], ...],
+                      out: list[Optional[torch.Tensor]]) -> list[int]:
+        """The stored gradients of group `g`'s slots by one queued redistribution of their gradients side by
+        side (into `out`); returns the positions done -- none where the gradients do not line up (one missing,
+        differing layouts or dtypes, a split the stored layout lacks): those go one by one."""
+        if any(grads[k] is None for k in g.at):
+            return []
+        gs = [_as_global(grads[k], self.mesh, s) for k, s in zip(g.at, g.slots)]
+        pls, dtype = gs[0].placements, gs[0].dtype
+        split = [i for i, p in enumerate(pls) if isinstance(p, Split)]
+        if any(t.placements != pls or t.dtype != dtype for t in gs) or \
+                any(pls[i] is not Split(0) or g.stored[i] is not Split(0) for i in split):
+            return []
+        rows = g.rows // math.prod(self.mesh.shape[i] for i in split)   # this rank's rows of the matrix
+        side = torch.cat([pending.ready(t._local).reshape(rows, -1) for t in gs], dim=1)
+        moved = redistribute_raw(GlobalTensor(side, self.mesh, pls, (g.rows, g.width)), g.stored, async_op=True)
+        local = moved._local   # (1, width): the stored pieces side by side
+        for k, s, (lo, n) in zip(g.at, g.slots, g.cols):
+            want = s.param.dtype
+            piece = (lambda v, lo=lo, n=n, want=want: v[:, lo:lo + n].reshape(-1).to(want))
+            mine = local.then(piece, (n,), want) if isinstance(local, PendingTensor) else piece(local)
+            out[k] = GlobalTensor(mine, self.mesh, s.stored, tuple(s.param.shape))
+        return list(g.at)
 
     def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor], local: bool) -> Optional[torch.Tensor]:
         """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
@@ -624,39 +685,69 @@ def _layout_buffer(unit: Unit) -> None:
     unit.even_width = sum(s.sizes[0] for s in unit.even)
     n = unit.mesh.shape[unit.axis]
     unit.numels = [sum(s.sizes[m] for s in out if s.flat) for m in range(n)]
+    unit.groups = _layout_groups(unit)
+
+
+def _layout_groups(unit: Unit) -> list[_Group]:
+    """The planned (not flat) slots that move together: 1-d parameters with one stored and compute layout
+    whose every split is `S(0)` and whose length the splits divide evenly (`rows` pieces, `rows` the product
+    of the splitting axes' sizes). Viewed as (rows, length / rows), a parameter's stored and compute pieces
+    are whole rows -- the same rows of the (rows, width) matrix of the group's parameters side by side."""
+    by_layout: dict[tuple, list[int]] = {}
+    for k, s in enumerate(unit.slots):
+        if s.flat or s.dim is None or s.param.ndim != 1:
+            continue
+        split = [i for i, p in enumerate(s.stored) if isinstance(p, Split)]
+        rows = math.prod(unit.mesh.shape[i] for i in split)
+        if any(s.stored[i] is not Split(0) for i in split) or s.param.shape[0] % rows:
+            continue
+        by_layout.setdefault((s.stored, s.compute, s.param.dtype, s.param.requires_grad, rows), []).append(k)
+    groups = []
+    for (stored, compute, _, _, rows), at in by_layout.items():
+        slots = [unit.slots[k] for k in at]
+        cols, width = [], 0
+        for s in slots:
+            cols.append((width, s.param.shape[0] // rows))
+            width += cols[-1][1]
+        groups.append(_Group(at, slots, cols, stored, compute, rows, width))
+    return groups
 
 
 def _install_hooks(unit: Unit) -> None:
     module = unit.module
 
+    # the hooks' own tensor calls (packing, copies, wrappers) are bookkeeping: a torch function mode active
+    # around the forward (`parallelize`'s SplitBatchMatmul, a user's) is not called for each of them
     def pre(mod: nn.Module, args: tuple, kwargs: dict):
-        sched = unit.schedule
-        if unit is sched.root:
-            args, kwargs = _root_inputs(unit, args, kwargs)
-        sched.pre_forward(unit)
-        on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
-        unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
-        unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
-        if unit.computing_local:
-            args, kwargs = _local_inputs(unit, args, kwargs)
-        _bind(unit, unit.computing_local)
-        return args, kwargs
+        with _NO_TORCH_FUNCTION():
+            sched = unit.schedule
+            if unit is sched.root:
+                args, kwargs = _root_inputs(unit, args, kwargs)
+            sched.pre_forward(unit)
+            on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
+            unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
+            unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
+            if unit.computing_local:
+                args, kwargs = _local_inputs(unit, args, kwargs)
+            _bind(unit, unit.computing_local)
+            return args, kwargs
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-        if unit.probe is not None:
+        if unit.probe is not None:   # runs the unit's forward again: as the user's forward ran (modes on)
             _verify_local(unit, out)
-        for (owner_id, name), s in unit.tied.items():
-            _owner_of(unit, owner_id)._parameters[name] = s.param
-        unit.schedule.post_forward(unit)
-        if unit.computing_local:
-            out = _global_outputs(unit, out)
-        if not torch.is_grad_enabled():
-            return out
-        leaves = [t for t in _tensors(out) if t.requires_grad]
-        if not leaves:
-            return out
-        wrapped = dict(zip(map(id, leaves), _PreBackward.apply(unit, *leaves)))
-        return tree_map(lambda t: wrapped.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+        with _NO_TORCH_FUNCTION():
+            for (owner_id, name), s in unit.tied.items():
+                _owner_of(unit, owner_id)._parameters[name] = s.param
+            unit.schedule.post_forward(unit)
+            if unit.computing_local:
+                out = _global_outputs(unit, out)
+            if not torch.is_grad_enabled():
+                return out
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if not leaves:
+                return out
+            wrapped = dict(zip(map(id, leaves), _PreBackward.apply(unit, *leaves)))
+            return tree_map(lambda t: wrapped.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
 
     owners = {id(m): m for m in module.modules()}
     unit.owners = owners

@@ -233,6 +233,70 @@ def test_local_batch_default_keeps_sample_mixing_blocks_global(kind: str) -> Non
             assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
 
 
+class Gated(nn.Module):
+    """A block with two colwise layers under tensor parallelism (`GATED_PLAN`): two biases whose every dim the
+    tp axis splits, moved on dp as one redistribution with both side by side."""
+
+    def __init__(self, block: Block, d: int, hidden: int) -> None:
+        super().__init__()
+        self.block, self.gate = block, nn.Linear(d, hidden).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        h = b.ln(x)
+        return x + b.fc2(torch.tanh(b.fc1(h)) * torch.sigmoid(self.gate(h)))
+
+
+GATED_PLAN = {"blocks.*.block.fc1": "colwise", "blocks.*.gate": "colwise", "blocks.*.block.fc2": "rowwise"}
+
+
+def _gated_net(gated: bool) -> tuple[Net, torch.Tensor, torch.Tensor]:
+    with _BUILD:   # one init for every rank (thread-ranks share torch's global generator)
+        net, x, y = _template(tuple(sorted(EVEN.items())))
+        net = copy.deepcopy(net)
+        torch.manual_seed(2)
+        for i, block in enumerate(net.blocks):
+            net.blocks[i] = Gated(block, EVEN["d"], EVEN["hidden"])
+            if not gated:   # the same forward without the gate's bias: one colwise bias per block
+                net.blocks[i].gate.bias = None
+        return net, x, y
+
+
+def _gated(mesh, gated: bool):
+    net, x, y = _gated_net(gated)
+    sbp.nn.parallelize(net, mesh, GATED_PLAN, tp_axis="tp")
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp")
+    sbp.nn.fully_shard(net, mesh, "dp")
+    losses, _ = _train(net, x, y, mesh, steps=2)
+    calls = mesh.binding.counters.calls
+    before = len(calls)
+    losses += _train(net, x, y, mesh, steps=1)[0]
+    sbp.runtime.pending.wait_all(mesh.binding)
+    logged = {id(c) for e in schedule_log(net) if e[0] in ("all_gather", "reduce_scatter") for c in e[3]}
+    moves = [c.collective for c in calls[before:] if 0 in c.axes and id(c) not in logged]   # dp: not the buffer's
+    groups = [[s.name for s in g.slots] for g in unit_of(net.blocks[0]).groups]
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}, moves, groups
+
+
+@pytest.mark.slow
+def test_colwise_biases_move_together() -> None:
+    """FSDP x TP on (2, 2): a block's colwise biases (split on dp on top of tp) move as one redistribution per
+    unit and phase -- a block with two of them makes the same collectives per step as one with one -- and
+    training equals one process."""
+    net, x, y = _gated_net(True)
+    ref_losses = _train(net, x, y, steps=2)[0] + _train(net, x, y, steps=1)[0]   # as `_gated`: a new Adam
+    ref = dict(net.named_parameters())
+    two = sbp.testing.spmd(functools.partial(_gated, gated=True), (2, 2), names=("dp", "tp"))
+    one = sbp.testing.spmd(functools.partial(_gated, gated=False), (2, 2), names=("dp", "tp"))
+    for (losses, params, moves, groups), (_, _, moves_one, groups_one) in zip(two, one):
+        assert groups == [["bias", "bias"]] and groups_one == [["bias"]], (groups, groups_one)
+        assert moves == moves_one and moves, (moves, moves_one)
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+
+
 def _compiled(mesh, backend: Optional[str], whole: bool = False):
     net, x, y = _model(EVEN)
     for block in net.blocks:
