@@ -24,6 +24,9 @@ backward and optimizer step as usual, for both frameworks alike), and a second t
 
 - ``sbp eager`` / ``sbp comp`` / ``DT eager`` / ``DT comp``: the four step times, measured as above;
 - ``comp/DT``: sbp compiled / DTensor compiled; ``comp/eager``: sbp compiled / sbp eager;
+- ``cpu c/DT``: sbp compiled / DTensor compiled in CPU time (all threads of the process, gloo's included:
+  ``time.process_time``) per step, median over steps, mean over ranks. With 4 ranks on few cores a step is
+  CPU-bound, and CPU time is less sensitive than wall time to other jobs on the machine;
 - ``1st step s``: the first compiled step of sbp / DTensor (tracing and inductor's compile, on a cold or
   warm on-disk cache), slowest rank;
 - ``comp diff``: |compiled loss - eager loss| at the first step (sbp, DTensor).
@@ -130,11 +133,12 @@ def build(framework: str, ex, dim: int, args, compiled: bool = False):
     return step, params
 
 
-def timed(step) -> float:
+def timed(step) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step, after a barrier."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def time_case(ex, dim: int, args) -> dict:
@@ -154,10 +158,13 @@ def time_case(ex, dim: int, args) -> dict:
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {fw: [] for fw in steps}
+    cpu: dict[str, list[float]] = {fw: [] for fw in steps}
     for _ in range(args.steps):
         for fw, step in steps.items():
-            times[fw].append(timed(step))
-    return {"times": times, "loss": losses, "first": first, "params": params}
+            wall, used = timed(step)
+            times[fw].append(wall)
+            cpu[fw].append(used)
+    return {"times": times, "cpu": cpu, "loss": losses, "first": first, "params": params}
 
 
 def memory_case(framework: str, ex, dim: int, args) -> dict:
@@ -231,6 +238,11 @@ def slowest_median(per_rank: list[dict], framework: str) -> float:
     return statistics.median(max(r["times"][framework][i] for r in per_rank) for i in range(steps)) * 1e3
 
 
+def mean_cpu(per_rank: list[dict], framework: str) -> float:
+    """Mean over ranks of the median over steps of a rank's CPU time per step (ms)."""
+    return statistics.mean(statistics.median(r["cpu"][framework]) for r in per_rank) * 1e3
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="512,1024", help="model widths (hidden size), comma separated")
@@ -266,15 +278,16 @@ def main(argv=None) -> None:
     if args.compile:
         print("\ncompiled (torch.compile(forward + loss, fullgraph=True), inductor; backward and SGD eager)\n")
         print(f"{'case':<14} {'sbp eager':>9} {'sbp comp':>9} {'DT eager':>9} {'DT comp':>8} {'comp/DT':>7} "
-              f"{'comp/eager':>10} {'1st step s':>11} {'comp diff':>17}")
+              f"{'comp/eager':>10} {'cpu c/DT':>8} {'1st step s':>11} {'comp diff':>17}")
         for dim in args.dims:
             t = timing[dim]
             ms = {fw: slowest_median(t, fw) for fw in ("sbp", "sbp-comp", "dtensor", "dtensor-comp")}
             first = "/".join(f"{max(r['first'][fw] for r in t):.0f}" for fw in ("sbp-comp", "dtensor-comp"))
             diffs = "/".join(f"{abs(t[0]['loss'][f'{fw}-comp'] - t[0]['loss'][fw]):.1e}" for fw in ("sbp", "dtensor"))
+            cpu = mean_cpu(t, "sbp-comp") / mean_cpu(t, "dtensor-comp")
             print(f"{f'gpt-d{dim}':<14} {ms['sbp']:9.1f} {ms['sbp-comp']:9.1f} {ms['dtensor']:9.1f} "
                   f"{ms['dtensor-comp']:8.1f} {ms['sbp-comp'] / ms['dtensor-comp']:7.2f} "
-                  f"{ms['sbp-comp'] / ms['sbp']:10.2f} {first:>11} {diffs:>17}")
+                  f"{ms['sbp-comp'] / ms['sbp']:10.2f} {cpu:8.2f} {first:>11} {diffs:>17}")
     if not all(r["peak_reset"] for fw in memory.values() for rs in fw.values() for r in rs):
         print("\n(note: /proc/self/clear_refs was not writable: MiB columns are whole-process peaks)")
 

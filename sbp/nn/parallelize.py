@@ -15,7 +15,9 @@ What it does, in order:
 3. hook the matched modules: a forward-pre hook turns the input into a global tensor with the style's
    input placement, a forward hook redistributes the output to the style's output placement (and
    optionally returns the local tensor). On a mesh with more axes than the tp axis, plain tensors
-   entering the root module become `S(0)` (the batch) on those axes: data parallelism.
+   entering the root module become `S(0)` (the batch) on those axes: data parallelism. An `nn.Embedding` the
+   plan leaves out (Broadcast, e.g. a position table) looks plain indices up in its local table, so its
+   gradient is whole on every rank, never split by rows and gathered back.
 
 All communication is what the placements imply; nothing here calls a collective by hand.
 """
@@ -149,6 +151,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
+    for owner_path, owner in module.named_modules():   # lookups in a Broadcast table run on the local table
+        if owner_path not in matched and type(owner) is nn.Embedding and _replicable(owner):
+            _hook_replicated_embedding(owner, ctx)
     if dp_bucket_bytes is not None and ctx.dp_axes:   # one all_reduce per bucket of dp gradients (sbp.nn.buckets)
         bucket_gradients(module, mesh, ctx.dp_axes, dp_bucket_bytes)
     module.register_forward_pre_hook(ctx.forget, prepend=True)   # before any conversion of this pass
@@ -405,6 +410,69 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
+
+
+def _replicable(module: nn.Embedding) -> bool:
+    """An unplanned `nn.Embedding` whose lookup can run on its local (whole) table: a weight Broadcast on every
+    axis (not laid out by a parameter entry), no in-place renorm of the weight (``max_norm``), no sparse
+    gradient."""
+    weight = module.weight
+    return (module.max_norm is None and not module.sparse and isinstance(weight, GlobalTensor)
+            and all(isinstance(p, Broadcast) for p in weight.placements))
+
+
+def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
+    """An embedding the plan leaves Broadcast (e.g. a position table) looked up with plain indices (full
+    values, the same on every rank) computes the same rows on every rank: run it on the local table and
+    wrap the output as all-`B`. Left to the op's rules, the lookup's backward (``embedding_dense_backward``)
+    may split the table's gradient rows among the ranks (the vocab-parallel layout, where that is right)
+    and the leaf rule would then gather them back: one all_gather per step for nothing. Here the
+    gradient is computed whole on every rank, as the forward was; the output's backward lays its gradient
+    out as `B` first (an all_reduce over data-parallel axes, where the batch is split). Global indices
+    (e.g. a batch split on dp) take the op's rules, as before."""
+    saved: list[GlobalTensor] = []
+    replicated = tuple(Broadcast() for _ in range(ctx.mesh.ndim))
+    compiled_local = torch._dynamo.nonstrict_trace(lambda w: _replicated_local(w, replicated))
+    compiled_wrap = torch._dynamo.nonstrict_trace(lambda out: _replicated_output(out, ctx.mesh, replicated))
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        weight = mod._parameters["weight"]
+        if not args or not _is_plain(args[0]) or not isinstance(weight, GlobalTensor):
+            return
+        if torch.compiler.is_compiling():
+            local = compiled_local(weight)
+        elif weight.placements != replicated:   # e.g. fully_shard's: it manages the weight
+            return
+        else:
+            local = _replicated_local(weight, replicated)
+        saved.append(weight)
+        mod._parameters["weight"] = local
+
+    def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if not saved:
+            return None
+        mod._parameters["weight"] = saved.pop()
+        if not isinstance(out, torch.Tensor):   # the forward raised (always_call)
+            return None
+        if torch.compiler.is_compiling():
+            return compiled_wrap(out)
+        return _replicated_output(out, ctx.mesh, replicated)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _replicated_local(weight: GlobalTensor, replicated: tuple[Placement, ...]) -> torch.Tensor:
+    """The whole table on this rank (gathered if it is laid out otherwise); its gradient is taken as `B`:
+    every rank computes the whole gradient from the same indices and the same (`B`) output gradient."""
+    if weight.placements != replicated:
+        weight = weight.redistribute(replicated)
+    return weight.to_local(grad_placements=replicated)
+
+
+def _replicated_output(out: torch.Tensor, mesh: DeviceMesh, replicated: tuple[Placement, ...]) -> GlobalTensor:
+    """The local lookup as an all-`B` global tensor; its backward makes the incoming gradient `B` first."""
+    return from_local(out, mesh, replicated, global_shape=tuple(out.shape))
 
 
 def _rowwise_operands(x: torch.Tensor, weight: GlobalTensor, style: Rowwise, module: nn.Module,

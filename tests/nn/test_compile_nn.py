@@ -48,18 +48,20 @@ class Attention(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Embedding, one pre-norm block (attention, GELU MLP), final norm, LM head, cross-entropy."""
+    """Embedding, position table (left out of the plans: Broadcast), one pre-norm block (attention, GELU MLP),
+    final norm, LM head, cross-entropy."""
 
-    def __init__(self, vocab: int = 13, dim: int = 8, heads: int = 4) -> None:
+    def __init__(self, vocab: int = 13, dim: int = 8, heads: int = 4, block: int = 8) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block, dim)
         self.ln1, self.ln2, self.ln_f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
         self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         x = x + self.attn(self.ln1(x))
         x = x + self.out(F.gelu(self.fc(self.ln2(x))))
         logits = self.head(self.ln_f(x))
@@ -178,7 +180,8 @@ def test_compiled_step_holds_every_collective_of_the_plan() -> None:
     # parallelism: the rowwise linear computes its partial sums locally, never moving its input to the batch
     # split), the LM head's gather. Backward: the gradient reductions of the colwise inputs (q/k/v share one)
     # and, under sequence parallelism, the layer norms' P(sum) parameter gradients (the leaf rule, run
-    # in the compiled backward through sbp.tensor.autograd.leaf_grad). Nothing is left to the leaf hooks.
+    # in the compiled backward through sbp.tensor.autograd.leaf_grad). Nothing is left to the leaf hooks, and
+    # the position table (Broadcast, looked up on its local table) adds none: no gather of its gradient's rows.
     for rank, got in enumerate(spmd(run_step_collectives, (2,))):
         fw, bw, eager = got[False]
         assert fw == {"all_reduce": 3, "all_gather_into_tensor": 1, "wait_tensor": 4}, (rank, fw)
@@ -188,3 +191,33 @@ def test_compiled_step_holds_every_collective_of_the_plan() -> None:
         assert "all_to_all_single" not in fw and fw.get("reduce_scatter_tensor") == 3, (rank, fw)
         assert "all_reduce" in bw, (rank, bw)
         assert eager == {}, (rank, eager)
+
+
+def run_replicated_embedding(mesh):
+    """Eager: the parallelized TinyGPT's loss and every parameter's gradient against the one-process model's,
+    and the collectives of its backward."""
+    torch.manual_seed(0)
+    ref = TinyGPT().double()
+    model = sbp.nn.parallelize(copy.deepcopy(ref), mesh, plan(False))
+    idx, targets = _batch(0, 4, 6)
+    want = ref(idx, targets)
+    want.backward()
+    got = model(idx, targets).full()
+    mesh.binding.counters.reset()
+    got.backward()
+    calls = collections.Counter(c.collective for c in mesh.binding.counters.calls)
+    grads = dict(ref.named_parameters())
+    grad_diff = max((p.grad.full() - grads[name].grad).abs().max().item() for name, p in model.named_parameters())
+    return abs(got.item() - want.item()), grad_diff, dict(calls)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp", "dp-tp"])
+def test_broadcast_embedding_looks_up_its_local_table(mesh_shape) -> None:
+    # the position table is left out of the plan: its lookup runs on the local table, so its gradient is
+    # whole on every rank (not split by rows and gathered back by the leaf rule). On (2,): one all_reduce per
+    # colwise input and nothing else; on (2, 2) the dp axis adds gradient reductions, no gather
+    for rank, (loss_diff, grad_diff, calls) in enumerate(spmd(run_replicated_embedding, mesh_shape)):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
+        assert "all_gather" not in calls, (rank, calls)
+        if mesh_shape == (2,):
+            assert calls == {"all_reduce": 3}, (rank, calls)
