@@ -16,7 +16,8 @@ embedding_dense_backward         grad S(d), indices S(d)                        
                                  grad S(last), indices B                          S(1)
                                  grad B, indices B                                S(0) (rows masked) or B
                                  grad P(sum), indices B                           P(sum)
-nll_loss_forward                 self S(0), target S(0), weight B                 (P(sum), P(sum) or B)
+nll_loss_forward                 self S(0), target S(0), weight B                 (B, B) mean, (P(sum), P(sum)) sum,
+                                                                                  (S(0), B) none
                                  self P(sum), target B                            (P(sum), B)
 nll_loss_backward                grad B, self S(0), target S(0), total B          S(0)
                                  grad P(sum), self B, target B, total B           P(sum)
@@ -161,14 +162,16 @@ def _nll_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     reduction = spec.arg("reduction")
     sigs = []
     if x.ndim == 2:
-        outs = {NONE: (Split(0), B), MEAN: (PSUM, B), SUM: (PSUM, PSUM)}[reduction]
+        outs = {NONE: (Split(0), B), MEAN: (B, B), SUM: (PSUM, PSUM)}[reduction]
         sigs.append(spec.sig({"self": Split(0), "target": Split(0)}, outs))
     sigs += [spec.sig({"self": PSUM}, (PSUM, B)), spec.sig({}, (B, B))]
     return sigs
 
 
 def _run_nll(call: Call) -> Any:
-    """A batch-split mean is the local *sum* divided by the global total weight (all_reduce of a scalar)."""
+    """A batch-split mean is the global sum over the global total weight: both local sums reduced by one
+    all_reduce of two scalars, so the loss comes out whole (Broadcast), with no second reduction when it is
+    read."""
     reduction = call.spec.arg("reduction")
     split_axes = [a for a, p in enumerate(call.choice.inputs[call.spec.index("target")]) if isinstance(p, Split)]
     if reduction != MEAN or not split_axes:
@@ -177,11 +180,13 @@ def _run_nll(call: Call) -> Any:
     args[3] = SUM
     total, weight = call.func(*args, **call.kwargs)
     parts = tuple(PSUM if a in split_axes else B for a in range(call.mesh.ndim))
-    weight = redistribute_raw(GlobalTensor(weight, call.mesh, parts, ()), (B,) * call.mesh.ndim)._local
-    return total / weight, weight
+    both = torch.stack([total, weight.to(total.dtype)])
+    both = redistribute_raw(GlobalTensor(both, call.mesh, parts, (2,)), (B,) * call.mesh.ndim)._local
+    return both[0] / both[1], both[1].to(weight.dtype)
 
 
-NLL_LOSS = Rule(_nll_sigs, run=_run_nll, doc="batch S(0)->(P(sum), B|P(sum)); self P(sum)->P(sum); B")
+NLL_LOSS = Rule(_nll_sigs, run=_run_nll, doc="batch S(0)->(B, B) mean | (S(0), B) none | (P(sum), P(sum)) sum; "
+                                          "self P(sum)->P(sum); B")
 
 
 def _nll_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
