@@ -111,6 +111,25 @@ def test_nll_loss_and_label_smoothing(data, mesh):
     check_op(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), [logits, target], pls, mesh)
 
 
+def test_batch_split_mean_loss_is_one_all_reduce_read_or_not():
+    # the local sum and the total weight travel together: one all_reduce on a 1-D mesh (it was one for the
+    # weight, then one more for the P(sum) loss when read), and reading the Broadcast loss moves nothing
+    logits, target = randn((8, 4)), torch.arange(8) % 4
+
+    def fn(mesh):
+        x, t = make_global(logits, mesh, (S(0),)), make_global(target, mesh, (S(0),))
+        calls = mesh.binding.counters.calls
+        before = len(calls)
+        loss = F.cross_entropy(x, t)
+        made = len(calls)
+        value = loss.full()
+        return [c.collective for c in calls[before:made]], len(calls) - made, value
+
+    for made, read, value in sbp.testing.spmd(fn, (4,)):
+        assert made == ["all_reduce"] and read == 0
+        assert torch.allclose(value, F.cross_entropy(logits, target), atol=1e-12)
+
+
 @pytest.mark.parametrize("n", [3, 5, 7])
 def test_batch_split_cross_entropy_mean_is_exact_on_uneven_shards(n):
     logits, target = randn((n, 4)), torch.arange(n) % 4
