@@ -309,10 +309,13 @@ class Blocks:
 
     def _even_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
                      kept: tuple[int, ...]) -> Optional[dict]:
-        """`_table`'s (target length, overlap) pairs grouped by the digits of the `kept` axes, without
-        enumerating the digits of the other axes of `have` alone, on grids `_even_table` takes: such an
-        axis only decides whether a target piece meets the source pieces, and its digit can be chosen to
-        match the one the target spells, or (on more than one digit) not to. Else None."""
+        """`_table`'s (target length, overlap) pairs grouped by the digits of the `kept` axes, when dim `d`
+        splits evenly in both chains and one grid nests in the other, aligned (a target piece inside one source
+        piece, or covering the run of source pieces `_covering` describes); else None. What the source pieces
+        off `free` hold of a target piece is then all of it, a fixed count of whole pieces, or nothing, with no
+        work per piece or per free digit; the digits of the other axes of `have` alone are not enumerated: such
+        an axis only decides whether a target piece meets the source pieces, and its digit can be chosen to
+        match the one the target spells, or (on more than one digit) not to."""
         mesh, length = self.mesh_shape, self.shape[d]
         nh, nw = math.prod(mesh[a] for a in have), math.prod(mesh[a] for a in want)
         if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
@@ -366,8 +369,6 @@ class Blocks:
         key = (d, have, want, free)
         out = self._tables.get(key)
         if out is None:
-            out = self._tables[key] = self._even_table(d, have, want, free)
-        if out is None:
             hs, ws = self._spans(d, have), self._spans(d, want)
             axes = tuple(sorted((set(have) | set(want)) - set(free)))
             loose = list(itertools.product(*(range(self.mesh_shape[a]) for a in free)))
@@ -387,55 +388,6 @@ class Blocks:
                 out.append((digits, wh - wl, held))
             self.work += len(out) * len(loose)
             self._tables[key] = out
-        return out
-
-    def _even_table(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...]
-                    ) -> Optional[list]:
-        """`_table` with no work per piece or per digit of the `free` axes, when dim `d` splits evenly
-        in both chains and one grid nests in the other, aligned: a target piece inside one source piece,
-        or covering the source pieces that share their leading digits and a range of the next one (the
-        pieces per target a product of the last radices of `have` times a divisor of the next). What the
-        source pieces with given digits off `free` hold of a target piece is then all of it, a fixed count
-        of whole pieces, or nothing. Else None."""
-        mesh, length = self.mesh_shape, self.shape[d]
-        nh, nw = math.prod(mesh[a] for a in have), math.prod(mesh[a] for a in want)
-        if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
-            return None
-        axes = tuple(sorted((set(have) | set(want)) - set(free)))
-        where = {a: k for k, a in enumerate(axes)}
-        if nh >= nw:
-            cover = self._covering(have, nh // nw)
-            if cover is None:
-                return None  # target pieces not aligned on the source digits
-            front, part, u, back = cover
-            whole = length // nh * math.prod(mesh[a] for a in back if a in free)
-        out = []
-        for digits in itertools.product(*(range(mesh[a]) for a in axes)):
-            j = 0
-            for a in want:
-                j = j * mesh[a] + digits[where[a]]
-            if nh >= nw:
-                held, k = whole, j
-                if part is not None:
-                    k, c = divmod(k, mesh[part] // u)
-                    if part in free:
-                        held *= u
-                    elif not c * u <= digits[where[part]] < (c + 1) * u:
-                        held = 0
-                for a in reversed(front):
-                    k, digit = divmod(k, mesh[a])
-                    if a not in free and digits[where[a]] != digit:
-                        held = 0
-                        break
-            else:  # the target piece lies in source piece i
-                held, k = length // nw, j // (nw // nh)
-                for a in reversed(have):
-                    k, digit = divmod(k, mesh[a])
-                    if a not in free and digits[where[a]] != digit:
-                        held = 0
-                        break
-            out.append((digits, length // nw, held))
-        self.work += len(out)
         return out
 
     def _covering(self, chain: tuple[int, ...], r: int) -> Optional[tuple]:
