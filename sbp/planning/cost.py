@@ -125,9 +125,12 @@ class Costing(Blocks):
         if in_dims[d][1] is not None and out_dims[d][1] is not None:
             gain = out_dims[d][1] - in_dims[d][1]
         else:
+            # an output piece of length L is cut by the gathered axes (`inner` pieces, balanced at every
+            # level) into pieces of at least L // inner (nested floors compose), and L - L // inner grows
+            # with L: the longest output piece gains most
             inner = math.prod(self.mesh_shape[a] for a in in_layout[d][len(out_layout[d]):])
-            ins, outs = self._spans(d, in_layout[d]), self._spans(d, out_layout[d])
-            gain = max(outs[i // inner][1] - outs[i // inner][0] - (hi - lo) for i, (lo, hi) in enumerate(ins))
+            longest = self._longest(d, out_layout[d], out_dims[d][1])
+            gain = longest - longest // inner
         rest = math.prod(self._longest(e, chain, even) for e, (chain, (_, even)) in enumerate(zip(in_layout, in_dims))
                          if e != d)
         return gain * rest

@@ -79,6 +79,31 @@ def test_work_counter_counts_uneven_layouts():
     assert 0 < small < large
 
 
+def test_uneven_gather_price_equals_the_listed_pieces():
+    # an all_gather of an unevenly split dim is priced from the longest output piece alone; the price is
+    # the largest gain over every listed input piece
+    rng = random.Random(5)
+    for _ in range(400):
+        mesh = tuple(rng.choice([1, 2, 3, 4, 5, 7]) for _ in range(rng.randint(1, 4)))
+        shape = tuple(rng.randint(0, 30) for _ in range(rng.randint(1, 2)))
+        s = tuple(rng.choice([sbp.B] + [sbp.S(d) for d in range(len(shape))]) for _ in mesh)
+        costing = Costing(shape, mesh, 1)
+        for d in range(len(shape)):
+            chain = tuple(a for a, p in enumerate(s) if p == sbp.S(d))
+            for k in range(1, len(chain) + 1):
+                t = tuple(sbp.B if a in chain[-k:] else p for a, p in enumerate(s))
+                inner = math.prod(mesh[a] for a in chain[-k:])
+                ins, outs = costing._spans(d, chain), costing._spans(d, chain[:-k])
+                gain = max(outs[i // inner][1] - outs[i // inner][0] - (hi - lo) for i, (lo, hi) in enumerate(ins))
+                rest = math.prod(max((hi - lo for lo, hi in costing._spans(e, tuple(a for a, p in enumerate(s)
+                                                                                   if p == sbp.S(e)))), default=0)
+                                 for e in range(len(shape)) if e != d)
+                assert costing._gather_recv(costing._state(s), costing._state(t), d) == gain * rest, (shape, mesh, s, t)
+    # 1024 rows in 16,384 pieces (most empty): no piece listed (16,951 units of work when they were)
+    work, steps = _work((1024, 1024), (4, 4, 32, 32), "S(1), S(1), S(1), S(1)", "S(1), B, S(1), S(0)")
+    assert work < 256 and steps == [("transfer", (0, 1, 2, 3))]
+
+
 @pytest.mark.parametrize("mesh", [(16, 32, 32), (4, 4, 32, 32)])
 def test_split_broadcast_plans_at_16k_ranks_reach_the_lower_bound(mesh):
     rng = random.Random(3)
