@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from typing import Optional
 
 from ..values.layout import split_range
@@ -302,8 +303,13 @@ class Blocks:
             groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where))
             if groups is None:
                 groups = {}
+                kept = _picker(where)
                 for digits, n, o in self._table(d, have[d], want[d], free_d):
-                    groups.setdefault(tuple(digits[i] for i in where), []).append((n, o))
+                    k = kept(digits)
+                    if k in groups:
+                        groups[k].append((n, o))
+                    else:
+                        groups[k] = [(n, o)]
             per_dim.append(([shared.index(axes[i]) for i in where], {k: keep(v) for k, v in groups.items()}))
         return shared, per_dim
 
@@ -369,22 +375,29 @@ class Blocks:
         key = (d, have, want, free)
         out = self._tables.get(key)
         if out is None:
+            mesh = self.mesh_shape
             hs, ws = self._spans(d, have), self._spans(d, want)
             axes = tuple(sorted((set(have) | set(want)) - set(free)))
-            loose = list(itertools.product(*(range(self.mesh_shape[a]) for a in free)))
+            # a piece's index in its chain is the sum of digit x stride over the chain's axes (row-major)
+            hstride, wstride = _strides(have, mesh), _strides(want, mesh)
+            wterms = [(k, wstride[a]) for k, a in enumerate(axes) if a in wstride]
+            hterms = [(k, hstride[a]) for k, a in enumerate(axes) if a in hstride]
+            # the free axes' digits add one offset each to the index of the source piece
+            loose = [sum(x * hstride[a] for x, a in zip(extra, free))
+                     for extra in itertools.product(*(range(mesh[a]) for a in free))]
             out = []
-            for digits in itertools.product(*(range(self.mesh_shape[a]) for a in axes)):
-                j = 0
-                for a in want:
-                    j = j * self.mesh_shape[a] + digits[axes.index(a)]
+            for digits in itertools.product(*(range(mesh[a]) for a in axes)):
+                j = i = 0
+                for k, stride in wterms:
+                    j += digits[k] * stride
+                for k, stride in hterms:
+                    i += digits[k] * stride
                 wl, wh = ws[j]
                 held = 0
                 for extra in loose:
-                    i = 0
-                    for a in have:
-                        i = i * self.mesh_shape[a] + (extra[free.index(a)] if a in free else digits[axes.index(a)])
-                    hl, hh = hs[i]
-                    held += max(0, min(hh, wh) - max(hl, wl))
+                    hl, hh = hs[i + extra]
+                    if hh > wl and hl < wh:
+                        held += (hh if hh < wh else wh) - (hl if hl > wl else wl)
                 out.append((digits, wh - wl, held))
             self.work += len(out) * len(loose)
             self._tables[key] = out
@@ -438,3 +451,23 @@ def _best(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if not out or o < out[-1][1]:
             out.append((n, o))
     return out
+
+
+def _strides(chain: tuple[int, ...], mesh: tuple[int, ...]) -> dict[int, int]:
+    """Per axis of `chain`, what one step of its digit adds to a piece's row-major index in the chain."""
+    out, stride = {}, 1
+    for a in reversed(chain):
+        out[a] = stride
+        stride *= mesh[a]
+    return out
+
+
+def _picker(where: list[int]):
+    """A function taking the items at positions `where` of a tuple, as a tuple (`operator.itemgetter`
+    returns a bare item for one position)."""
+    if not where:
+        return lambda digits: ()
+    if len(where) == 1:
+        k = where[0]
+        return lambda digits: (digits[k],)
+    return operator.itemgetter(*where)
