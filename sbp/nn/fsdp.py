@@ -72,6 +72,7 @@ class _Slot:
     offset: int = 0
     local: Optional[torch.Tensor] = None   # the gathered local (storage freed when resharded)
     even_rows: bool = False       # split on dim 0 in equal pieces: the gathered local is the pieces in a row
+    accumulator: Any = None       # the stored parameter's autograd accumulator node (see `_store_grads`)
 
 
 @dataclass
@@ -445,7 +446,44 @@ class _UnitGather(torch.autograd.Function):
         unit: Unit = ctx.unit
         out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
-        return (None, None) + out
+        return (None, None) + _store_grads(unit, out)
+
+
+def _store_grads(unit: Unit, grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+    """Put the stored parameters' gradients into their ``.grad`` here, as FSDP2 does, and hand autograd None
+    for them: autograd's own accumulation would detach each one (an op dispatch per parameter and step) and
+    call its leaf hook. Only where that is all autograd would do -- a ``.backward()`` that accumulates into
+    this leaf (not ``autograd.grad``), no ``create_graph``, no hooks on the parameter but sbp's layout rule
+    (a no-op here: the gradients already have the stored placements) -- else the gradient goes back to
+    autograd as before. An existing ``.grad`` is added to in place, as autograd does."""
+    if torch.is_grad_enabled():   # create_graph: the gradients are part of a graph, autograd's to keep
+        return grads
+    out = list(grads)
+    for k, (s, g) in enumerate(zip(unit.slots, grads)):
+        if g is None or not isinstance(g, GlobalTensor) or not _accumulates_plainly(s):
+            continue
+        p = s.param
+        if p.grad is None:
+            p.grad = g
+        else:
+            with torch.no_grad():
+                p.grad.add_(g)
+        out[k] = None
+    return tuple(out)
+
+
+def _accumulates_plainly(s: _Slot) -> bool:
+    """Whether autograd would only store (or add) the gradient into `s.param.grad` in this backward: its
+    accumulator runs (`_will_engine_execute_node`: refused for ``autograd.grad``, which captures leaf
+    gradients instead) and the parameter has no hooks but sbp's leaf layout rule."""
+    p = s.param
+    if s.accumulator is None or p._post_accumulate_grad_hooks or \
+            len(p._backward_hooks or ()) > (1 if p._notes is not None and p._notes.leaf_rule else 0):
+        return False
+    try:
+        return torch._C._will_engine_execute_node(s.accumulator)
+    except RuntimeError:   # autograd.grad with this leaf among its inputs
+        return False
 
 
 class _PreBackward(torch.autograd.Function):
@@ -641,7 +679,7 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
         value = distribute(param.detach(), mesh, stored)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     compute = tuple(Broadcast() if i == a else p for i, p in enumerate(stored))
-    slot = _Slot(owner, name, new, stored, compute, dim, flat=bool(free))
+    slot = _Slot(owner, name, new, stored, compute, dim, flat=bool(free), accumulator=_accumulator(new))
     n = mesh.shape[a]
     if dim is not None and free:
         coord = list(mesh.coord)
@@ -653,6 +691,15 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
     unit.slots.append(slot)
     _OWNER[id(new)] = unit
     return new
+
+
+def _accumulator(param: nn.Parameter) -> Any:
+    """The autograd node accumulating `param`'s gradients, kept alive (autograd holds it weakly: a new one
+    per graph otherwise); None where the parameter takes no gradient."""
+    if not param.requires_grad:
+        return None
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def _layout_buffer(unit: Unit) -> None:

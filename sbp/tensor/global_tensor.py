@@ -720,7 +720,9 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
     """
     mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
 
-    def to_leaf_layout(grad: torch.Tensor) -> Optional[torch.Tensor]:
+    def to_leaf_layout(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None:   # no gradient comes (a function stored it in .grad itself: `sbp.nn.fully_shard`)
+            return None
         if isinstance(grad, GlobalTensor):
             if grad._placements == want and grad._mesh == mesh:
                 return None

@@ -12,11 +12,13 @@ from typing import Optional
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sbp
 import sbp.nn
 import sbp.testing
 from sbp.nn.fsdp import CompileNotSupported, memory_report, schedule_log, unit_of
+from sbp.tensor.global_tensor import GlobalTensor
 
 pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
 
@@ -375,6 +377,76 @@ def test_collectives_per_unit_and_prefetch_order() -> None:
     # backward: the unit before is gathered ahead, while the current unit's backward runs
     assert at[("issue_gather", "blocks.1", "backward")] < at[("backward_start", "blocks.1")]
     assert at[("issue_gather", "blocks.0", "backward")] < at[("issue_reduce_scatter", "blocks.1", "backward")]
+
+
+class _Detaches(TorchDispatchMode):
+    """Keeps what ``aten.detach`` made of global tensors (autograd's accumulation into a leaf's .grad stores
+    a detached gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.detach.default and isinstance(args[0], GlobalTensor):
+            self.made.append(out)
+        return out
+
+
+def _grads_direct(mesh):
+    """One backward, keeping what detach made; then accumulation over two backward calls and the cases autograd
+    keeps: autograd.grad, a hooked parameter, backward(inputs=...), create_graph."""
+    net, x, y = _model(EVEN)
+    _shard(net, mesh, "fsdp")
+    target = sbp.distribute(y, mesh, "S(0)")
+    loss = lambda: ((net(x) - target) ** 2).mean()
+    with _Detaches() as mode:
+        loss().backward()
+    detached = sum(any(p.grad is t for t in mode.made) for p in net.parameters())   # .grad made by a detach
+    first = {n: p.grad.full() for n, p in net.named_parameters()}
+    loss().backward()   # no zero_grad: accumulates
+    doubled = all(torch.allclose(p.grad.full(), 2 * first[n], atol=1e-12, rtol=0) for n, p in net.named_parameters())
+    params = list(net.parameters())
+    for p in params:
+        p.grad = None
+    by_grad = torch.autograd.grad(loss(), params)   # captured, not stored: .grad stays None
+    captured = all(torch.allclose(g.full(), first[n], atol=1e-12, rtol=0)
+                   for g, (n, _) in zip(by_grad, net.named_parameters())) and all(p.grad is None for p in params)
+    seen = []
+    weight = net.blocks[0].fc1.weight
+    handle = weight.register_hook(lambda g: seen.append(g.placements))   # a user hook: autograd's way again
+    loss().backward()
+    handle.remove()
+    hooked = seen == [weight.placements] and torch.allclose(weight.grad.full(), first["blocks.0.fc1.weight"],
+                                                             atol=1e-12, rtol=0)
+    for p in params:
+        p.grad = None
+    loss().backward(inputs=[weight])   # the other parameters' gradients go nowhere
+    hooked = hooked and all((p.grad is not None) == (p is weight) for p in params)
+    for p in params:
+        p.grad = None
+    loss().backward(create_graph=True)   # the gradients are part of a graph: autograd stores them
+    hooked = hooked and all(torch.allclose(p.grad.full(), first[n], atol=1e-12, rtol=0)
+                            for n, p in net.named_parameters())
+    for p in params:
+        p.grad = None   # (breaks the parameter <-> gradient graph cycle create_graph makes)
+    return detached, first, doubled, captured, hooked
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_leaf_gradients_stored_by_the_unit() -> None:
+    """A unit stores its parameters' gradients in .grad itself (FSDP2's way): autograd's accumulation, which
+    detaches each gradient (an op dispatch per parameter and step), does not run; .grad equals one process;
+    accumulation, autograd.grad and parameter hooks behave as without fully_shard."""
+    net, x, y = _model(EVEN)
+    ((net(x) - y) ** 2).mean().backward()
+    for detached, first, doubled, captured, hooked in sbp.testing.spmd(_grads_direct, (2,), names=("dp",)):
+        assert detached == 0
+        for name, p in net.named_parameters():
+            assert torch.allclose(first[name], p.grad, atol=1e-12, rtol=0), name
+        assert doubled and captured and hooked
 
 
 def _memory(mesh):
