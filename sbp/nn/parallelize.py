@@ -498,16 +498,26 @@ def _rowwise_operands(x: torch.Tensor, weight: GlobalTensor, style: Rowwise, mod
 def _rowwise_output(out: torch.Tensor, x: GlobalTensor, bias: Optional[GlobalTensor], style: Rowwise,
                     ctx: _Context) -> Any:
     """This rank's partial sum of a rowwise linear's output as a global `P(sum)` (tp) tensor, reduced to the
-    style's output placement; the bias is added to the partial sums (on one rank of the tp axis: sbp's rule for
-    `P(sum) + B`), so its gradient is the reduced output's, with no collective of its own."""
+    style's output placement, and the bias.
+
+    To a `B` output (on tp) the bias is added after the reduction, as Megatron's row-parallel linear does:
+    the partial sums travel straight from the matmul to the all_reduce (compiled, the bias add fuses into
+    the next elementwise kernel instead of costing a pass of its own over the partial sums), and the bias's
+    gradient, the sum of a `B` output gradient, needs no collective. To any other output placement (`S(1)`:
+    sequence parallel) it is added to the partial sums (on one rank of the tp axis: sbp's rule for
+    `P(sum) + B`), so its gradient is the reduced output's, with no collective of its own (added to an
+    `S(1)` output, its gradient would be `P(sum)`, one all_reduce more)."""
     pls = tuple(Partial() if a == ctx.tp_axis else p for a, p in enumerate(x.placements))
     y = from_local(out, ctx.mesh, pls, global_shape=tuple(x.shape[:-1]) + (out.shape[-1],))
-    if bias is not None:   # once, to the partial sums (where the reduction needs no gradient of its own)
+    after = bias is not None and isinstance(style.output_placement, Broadcast)
+    if bias is not None and not after:   # once, to the partial sums (the reduction needs no gradient of its own)
         y = y + bias
     if style.use_local_output:  # a local tensor is always this rank's block of the batch S(0) on dp
         y = _redistribute(y, normalize(ctx.input_placements(style.output_placement, y.ndim), y.ndim, ctx.mesh.ndim))
     else:
         y = _redistribute(y, ctx.with_tp(y.placements, style.output_placement, y.ndim))
+    if after:
+        y = y + bias
     return _to_local(y, ctx) if style.use_local_output else y
 
 

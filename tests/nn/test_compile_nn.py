@@ -171,7 +171,23 @@ def run_step_collectives(mesh):
         loss.backward()
         eager = collections.Counter(c.collective for c in mesh.binding.counters.calls)
         fw, bw = (dict(recorder.collectives(k)) for k in (0, 1))
-        out[sequence_parallel] = fw, bw, dict(eager)
+        out[sequence_parallel] = fw, bw, dict(eager), _reduced_producers(recorder.graphs[0])
+    return out
+
+
+_VIEWS = ("view", "_unsafe_view", "reshape", "clone", "contiguous", "alias")
+
+
+def _reduced_producers(gm: torch.fx.GraphModule) -> list[str]:
+    """The op computing each all_reduce's input in a graph, looking through views and copies (``mm``: the
+    reduction takes the matmul's partial sums as they are)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.all_reduce"):
+            src = node.args[0]
+            while src.op == "call_function" and str(src.target).split(".")[1] in _VIEWS:
+                src = src.args[0]
+            out.append(str(src.target).split(".")[1] if src.op == "call_function" else src.op)
     return out
 
 
@@ -182,12 +198,15 @@ def test_compiled_step_holds_every_collective_of_the_plan() -> None:
     # and, under sequence parallelism, the layer norms' P(sum) parameter gradients (the leaf rule, run
     # in the compiled backward through sbp.tensor.autograd.leaf_grad). Nothing is left to the leaf hooks, and
     # the position table (Broadcast, looked up on its local table) adds none: no gather of its gradient's rows.
+    # A rowwise linear's all_reduce takes the matmul's partial sums as they are: its bias is added to the reduced
+    # output (fused into the next elementwise op), not to the partial sums in a pass of its own.
     for rank, got in enumerate(spmd(run_step_collectives, (2,))):
-        fw, bw, eager = got[False]
+        fw, bw, eager, producers = got[False]
         assert fw == {"all_reduce": 3, "all_gather_into_tensor": 1, "wait_tensor": 4}, (rank, fw)
         assert bw == {"all_reduce": 3, "wait_tensor": 3}, (rank, bw)
         assert eager == {}, (rank, eager)
-        fw, bw, eager = got[True]
+        assert producers.count("mm") == 2, (rank, producers)   # attn.proj and out
+        fw, bw, eager, _ = got[True]
         assert "all_to_all_single" not in fw and fw.get("reduce_scatter_tensor") == 3, (rank, fw)
         assert "all_reduce" in bw, (rank, bw)
         assert eager == {}, (rank, eager)
