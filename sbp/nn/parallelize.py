@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
-from ..tensor.autograd import leaf_grad
+from ..tensor.autograd import from_local_autograd, leaf_grad
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
 from ..values.errors import SbpError
@@ -427,13 +427,17 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
     wrap the output as all-`B`. Left to the op's rules, the lookup's backward (``embedding_dense_backward``)
     may split the table's gradient rows among the ranks (the vocab-parallel layout, where that is right)
     and the leaf rule would then gather them back: one all_gather per step for nothing. Here the
-    gradient is computed whole on every rank, as the forward was; the output's backward lays its gradient
-    out as `B` first (an all_reduce over data-parallel axes, where the batch is split). Global indices
-    (e.g. a batch split on dp) take the op's rules, as before."""
+    gradient is computed whole on every rank, as the forward was. Where the batch is split (the
+    data-parallel axes) the output's gradient is a sum over the ranks' shares: it stays `P(sum)` there
+    through the lookup's backward (linear in it), and the table's gradient is `P(sum)` on those axes, reduced
+    once with the other parameters' gradients (in a dp bucket, or by `fully_shard`'s reduce_scatter) instead
+    of an all_reduce of the output's gradient of its own. Global indices (e.g. a batch split on dp) take the
+    op's rules, as before."""
     saved: list[GlobalTensor] = []
     replicated = tuple(Broadcast() for _ in range(ctx.mesh.ndim))
-    compiled_local = torch._dynamo.nonstrict_trace(lambda w: _replicated_local(w, replicated))
-    compiled_wrap = torch._dynamo.nonstrict_trace(lambda out: _replicated_output(out, ctx.mesh, replicated))
+    summed = tuple(Partial() if a in ctx.dp_axes else Broadcast() for a in range(ctx.mesh.ndim))
+    compiled_local = torch._dynamo.nonstrict_trace(lambda w: _replicated_local(w, replicated, summed))
+    compiled_wrap = torch._dynamo.nonstrict_trace(lambda out: _replicated_output(out, ctx.mesh, replicated, summed))
 
     def pre(mod: nn.Module, args: tuple) -> None:
         weight = mod._parameters["weight"]
@@ -444,7 +448,7 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
         elif weight.placements != replicated:   # e.g. fully_shard's: it manages the weight
             return
         else:
-            local = _replicated_local(weight, replicated)
+            local = _replicated_local(weight, replicated, summed)
         saved.append(weight)
         mod._parameters["weight"] = local
 
@@ -456,23 +460,27 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
             return None
         if torch.compiler.is_compiling():
             return compiled_wrap(out)
-        return _replicated_output(out, ctx.mesh, replicated)
+        return _replicated_output(out, ctx.mesh, replicated, summed)
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
 
 
-def _replicated_local(weight: GlobalTensor, replicated: tuple[Placement, ...]) -> torch.Tensor:
-    """The whole table on this rank (gathered if it is laid out otherwise); its gradient is taken as `B`:
-    every rank computes the whole gradient from the same indices and the same (`B`) output gradient."""
+def _replicated_local(weight: GlobalTensor, replicated: tuple[Placement, ...],
+                      summed: tuple[Placement, ...]) -> torch.Tensor:
+    """The whole table on this rank (gathered if it is laid out otherwise); its gradient is taken as
+    `summed` (`P(sum)` on the data-parallel axes, `B` elsewhere): every rank computes the gradient of the
+    whole table from the same indices and its part of the output's gradient."""
     if weight.placements != replicated:
         weight = weight.redistribute(replicated)
-    return weight.to_local(grad_placements=replicated)
+    return weight.to_local(grad_placements=summed)
 
 
-def _replicated_output(out: torch.Tensor, mesh: DeviceMesh, replicated: tuple[Placement, ...]) -> GlobalTensor:
-    """The local lookup as an all-`B` global tensor; its backward makes the incoming gradient `B` first."""
-    return from_local(out, mesh, replicated, global_shape=tuple(out.shape))
+def _replicated_output(out: torch.Tensor, mesh: DeviceMesh, replicated: tuple[Placement, ...],
+                       summed: tuple[Placement, ...]) -> GlobalTensor:
+    """The local lookup as an all-`B` global tensor; its backward lays the incoming gradient out as `summed`
+    (a `P(sum)` gradient stays so, a `B` one is kept on coord 0 there: no communication either way)."""
+    return from_local_autograd(out, mesh, replicated, tuple(out.shape), summed)
 
 
 def _rowwise_operands(x: torch.Tensor, weight: GlobalTensor, style: Rowwise, module: nn.Module,

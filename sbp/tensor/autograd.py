@@ -18,7 +18,7 @@ forward        gradient            backward communication of ``redistribute(src 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -124,17 +124,17 @@ class _ToLocal(torch.autograd.Function):
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
-                global_shape: tuple[int, ...]) -> GlobalTensor:
+                global_shape: tuple[int, ...], grad_pls: Optional[tuple[Placement, ...]]) -> GlobalTensor:
         ctx.mesh = mesh
-        ctx.pls = pls
+        ctx.want = gt.grad_placements(pls) if grad_pls is None else grad_pls
         ctx.global_shape = global_shape
         return gt.GlobalTensor(local.view_as(local), mesh, pls, global_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        want = gt.grad_placements(ctx.pls)
+        want = ctx.want
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
-        return redistribute(g, want).to_local(), None, None, None
+        return redistribute(g, want).to_local(), None, None, None, None
 
 
 def redistribute(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool = False) -> GlobalTensor:
@@ -201,8 +201,11 @@ def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
 
 
 def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],
-                        global_shape: tuple[int, ...]) -> GlobalTensor:
-    """Differentiable wrapping of a local tensor (checked arguments); see `sbp.from_local`.
+                        global_shape: tuple[int, ...], grad_pls: Optional[tuple[Placement, ...]] = None
+                        ) -> GlobalTensor:
+    """Differentiable wrapping of a local tensor (checked arguments); see `sbp.from_local`. The local
+    gradient is the global gradient laid out as `grad_pls` (normalised; default: `pls`, Partial as
+    Broadcast): e.g. `P(sum)` where the value is `B` leaves a reduction the gradient needs to later.
 
     >>> import torch, sbp
     >>> local = torch.ones(2, requires_grad=True)
@@ -210,7 +213,7 @@ def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placem
     >>> x, x.requires_grad
     (GlobalTensor(shape=(4,), placements=(S(0),), mesh=(2,), grad_fn=<_FromLocalBackward>), True)
     """
-    return _FromLocal.apply(local, mesh, pls, global_shape)
+    return _FromLocal.apply(local, mesh, pls, global_shape, grad_pls)
 
 
 class _LeafGrad(torch.autograd.Function):
