@@ -243,8 +243,8 @@ def test_broadcast_embedding_looks_up_its_local_table(mesh_shape) -> None:
 
 
 def run_bucketed_replicated_embedding(mesh):
-    """Eager, dp gradients bucketed: gradients against one process, and the backward's collectives per mesh
-    axis (the buckets' own all_reduces come after backward)."""
+    """Eager, dp gradients bucketed (one bucket: every gradient fits): gradients against one process, and
+    the collectives per mesh axis of backward and the gradients' reduction (read as `.grad`)."""
     torch.manual_seed(0)
     ref = TinyGPT().double()
     model = sbp.nn.parallelize(copy.deepcopy(ref), mesh, plan(False), dp_bucket_bytes=1 << 30)
@@ -253,16 +253,17 @@ def run_bucketed_replicated_embedding(mesh):
     got = model(idx, targets).full()
     mesh.binding.counters.reset()
     got.backward()
+    grads = {name: p.grad.to_local() for name, p in model.named_parameters()}   # waits for the bucket
     calls = collections.Counter((c.collective, c.axes) for c in mesh.binding.counters.calls)
-    grads = dict(ref.named_parameters())
-    grad_diff = max((p.grad.full() - grads[name].grad).abs().max().item() for name, p in model.named_parameters())
-    return grad_diff, dict(calls)
+    want = dict(ref.named_parameters())
+    grad_diff = max((p.grad.full() - want[name].grad).abs().max().item() for name, p in model.named_parameters())
+    return grad_diff, dict(calls), len(grads)
 
 
 def test_broadcast_embedding_gradient_stays_partial_on_dp() -> None:
     # the position table's lookup runs on its local table; the batch is split on dp, so its output's gradient
     # is a sum over the ranks' shares: it stays P(sum) on dp into the table's gradient, which the dp buckets
-    # reduce with the others. The backward itself reduces nothing on dp (it all_reduced the output's gradient)
-    for rank, (grad_diff, calls) in enumerate(spmd(run_bucketed_replicated_embedding, (2, 2))):
+    # reduce with the others: the bucket's all_reduce is the only one on dp (the output's gradient had its own)
+    for rank, (grad_diff, calls, _) in enumerate(spmd(run_bucketed_replicated_embedding, (2, 2))):
         assert grad_diff <= TOL, (rank, grad_diff)
-        assert calls == {("all_reduce", (1,)): 3}, (rank, calls)
+        assert calls == {("all_reduce", (1,)): 3, ("all_reduce", (0,)): 1}, (rank, calls)
