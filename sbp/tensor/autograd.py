@@ -126,13 +126,13 @@ class _FromLocal(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
                 global_shape: tuple[int, ...], grad_pls: Optional[tuple[Placement, ...]]) -> GlobalTensor:
         ctx.mesh = mesh
-        ctx.want = gt.grad_placements(pls) if grad_pls is None else grad_pls
+        ctx.pls, ctx.grad_pls = pls, grad_pls   # (the default layout is worked out in backward, if one runs)
         ctx.global_shape = global_shape
         return gt.GlobalTensor(local.view_as(local), mesh, pls, global_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        want = ctx.want
+        want = gt.grad_placements(ctx.pls) if ctx.grad_pls is None else ctx.grad_pls
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
         return redistribute(g, want).to_local(), None, None, None, None
 
@@ -204,8 +204,8 @@ def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placem
                         global_shape: tuple[int, ...], grad_pls: Optional[tuple[Placement, ...]] = None
                         ) -> GlobalTensor:
     """Differentiable wrapping of a local tensor (checked arguments); see `sbp.from_local`. The local
-    gradient is the global gradient laid out as `grad_pls` (normalised; default: `pls`, Partial as
-    Broadcast): e.g. `P(sum)` where the value is `B` leaves a reduction the gradient needs to later.
+    gradient is the global gradient laid out as `grad_pls`, normalised placements (default: `pls` with
+    Partial as Broadcast); e.g. `P(sum)` where the value is `B` leaves the gradient's reduction to later.
 
     >>> import torch, sbp
     >>> local = torch.ones(2, requires_grad=True)
