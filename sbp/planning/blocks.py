@@ -15,9 +15,14 @@ import math
 import operator
 from typing import Optional
 
+import numpy as np
+
 from ..values.layout import split_range
 from ..values.placement import Broadcast, Split
 from .states import State
+
+_LARGE_TABLE = 512
+"""Per-dim tables with more entries than this are computed on arrays (`Blocks._table_groups`)."""
 
 
 class Blocks:
@@ -264,6 +269,10 @@ class Blocks:
         """The most ``weight * N - O`` over coords, N a target block's size and O what is held of it: by
         one rank, or with `free` axes, by the ranks that differ from it only there (`_table`)."""
         shared, per_dim = self._joined_tables(have, want, free, _best)
+        if math.prod(self.mesh_shape[a] for a in shared) > _LARGE_TABLE:
+            out = self._max_lack_arrays(shared, per_dim, weight)
+            if out is not None:
+                return out
         out = 0
         for x in self._shared_digits(shared):
             pairs = [(1, 1)]
@@ -275,6 +284,38 @@ class Blocks:
                 else:
                     pairs = _best([(n * m, o * p) for n, o in pairs for m, p in options])
             out = max(out, max(weight * n - o for n, o in pairs))
+        return out
+
+    def _max_lack_arrays(self, shared: tuple[int, ...], per_dim: list, weight: int) -> Optional[int]:
+        """`_max_lack`'s loop over the digits of the `shared` axes, on arrays: per dim and shared digits, at most
+        two best pairs (a dim's pieces have two lengths at most: nested balanced splits of one length), every
+        choice of one per dim tried. None where a group has more pairs or the products could overflow."""
+        mesh, top = self.mesh_shape, max(1, weight) * math.prod(max(1, n) for n in self.shape)
+        if top >= 1 << 62:
+            return None
+        sizes = [mesh[a] for a in shared]
+        options = []   # per dim: two (lengths, overlaps) arrays over the shared digits, broadcastable
+        for pos, best in per_dim:
+            grid = [sizes[i] for i in pos]
+            if len(best) != math.prod(grid) or any(len(v) > 2 for v in best.values()):
+                return None
+            keys = np.array(list(best), dtype=np.int64).reshape(len(best), len(pos))
+            index = np.ravel_multi_index(tuple(keys.T), grid) if pos else np.zeros(len(best), dtype=np.int64)
+            shape = [sizes[i] if i in pos else 1 for i in range(len(shared))]
+            dim = []
+            for c in range(1 + any(len(v) == 2 for v in best.values())):
+                n, o = np.empty(len(best), dtype=np.int64), np.empty(len(best), dtype=np.int64)
+                n[index] = [v[min(c, len(v) - 1)][0] for v in best.values()]
+                o[index] = [v[min(c, len(v) - 1)][1] for v in best.values()]
+                dim.append((n.reshape(shape), o.reshape(shape)))
+            options.append(dim)
+        self.work += math.prod(sizes)
+        out = 0
+        for choice in itertools.product(*options):
+            n = o = np.ones((), dtype=np.int64)
+            for m, p in choice:
+                n, o = n * m, o * p
+            out = max(out, int((weight * n - o).max()))
         return out
 
     def _max_per_rank(self, have: tuple, want: tuple, value) -> int:
@@ -301,6 +342,10 @@ class Blocks:
             where = [axes.index(a) for a in shared if a in axes]
             free_d = tuple(a for a in have[d] if a in free)
             groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where))
+            if groups is None and math.prod(self.mesh_shape[a] for a in axes) > _LARGE_TABLE:
+                groups = self._table_groups(d, have[d], want[d], free_d, axes, where, keep is _best)
+                per_dim.append(([shared.index(axes[i]) for i in where], groups))
+                continue
             if groups is None:
                 groups = {}
                 kept = _picker(where)
@@ -312,6 +357,79 @@ class Blocks:
                         groups[k] = [(n, o)]
             per_dim.append(([shared.index(axes[i]) for i in where], {k: keep(v) for k, v in groups.items()}))
         return shared, per_dim
+
+    def _table_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
+                      axes: tuple[int, ...], where: list[int], best: bool) -> dict:
+        """`_table`'s (target length, overlap) pairs grouped by the digits at positions `where` of `axes`, each
+        group reduced to `_best` (`best`) or to its distinct pairs in order: the same as grouping `_table`, computed
+        on arrays for large tables (one entry per digit combination of `axes`, as many as the ranks they span)."""
+        key = ("groups", d, have, want, free, tuple(where), best)
+        out = self._memo.get(key)
+        if out is not None:
+            return out
+        mesh = self.mesh_shape
+        hlo, hhi = self._spans_array(d, have)
+        wlo, whi = self._spans_array(d, want)
+        sizes = [mesh[a] for a in axes]
+        hstride, wstride = _strides(have, mesh), _strides(want, mesh)
+        i = j = g = np.zeros((), dtype=np.int64)
+        kept, gstride = {}, 1
+        for k in reversed(range(len(axes))):   # every digit combination, row-major over `axes`
+            a = axes[k]
+            digit = np.arange(sizes[k], dtype=np.int64).reshape([-1 if m == k else 1 for m in range(len(axes))])
+            if a in wstride:
+                j = j + digit * wstride[a]
+            if a in hstride:
+                i = i + digit * hstride[a]
+            if k in where:
+                g = g + digit * gstride
+                gstride *= sizes[k]
+                kept[k] = digit
+        i, j, g = (np.broadcast_to(x, sizes).ravel() for x in (i, j, g))
+        lo, hi = wlo[j], whi[j]
+        held = np.zeros_like(lo)
+        for extra in itertools.product(*(range(mesh[a]) for a in free)):
+            at = i + sum(x * hstride[a] for x, a in zip(extra, free))
+            held += np.clip(np.minimum(hhi[at], hi) - np.maximum(hlo[at], lo), 0, None)
+        self.work += lo.size * max(1, math.prod(mesh[a] for a in free))
+        n = hi - lo
+        # per group, its pairs in order of (longer first, less held first): the first of each length is the
+        # least held of that length
+        order = np.lexsort((held, -n, g))
+        g, n, held = g[order], n[order], held[order]
+        # the first of each (group, length) is its least held; `_best` keeps no other, the distinct pairs all
+        step = (g[1:] != g[:-1]) | (n[1:] != n[:-1])
+        first = np.concatenate(([True], step if best else step | (held[1:] != held[:-1])))
+        out = {}
+        order = order[first]
+        keys = zip(*(np.broadcast_to(kept[k], sizes).ravel()[order].tolist() for k in where)) if where else \
+            itertools.repeat(())
+        for k, length, o in zip(keys, n[first].tolist(), held[first].tolist()):
+            pairs = out.get(k)
+            if pairs is None:
+                out[k] = [(length, o)]
+            elif not best or o < pairs[-1][1]:
+                pairs.append((length, o))
+        if not best:
+            out = {k: sorted(v) for k, v in out.items()}
+        self._memo[key] = out
+        return out
+
+    def _spans_array(self, d: int, chain: tuple[int, ...]) -> tuple:
+        """`_spans` as two arrays (starts, ends), built level by level on arrays."""
+        key = ("spans", d, chain)
+        out = self._memo.get(key)
+        if out is None:
+            lo, hi = np.zeros(1, dtype=np.int64), np.full(1, self.shape[d], dtype=np.int64)
+            for a in chain:
+                n = self.mesh_shape[a]
+                base, extra = np.divmod(hi - lo, n)
+                part = np.arange(n, dtype=np.int64)
+                lo = (lo[:, None] + part * base[:, None] + np.minimum(part, extra[:, None])).ravel()
+                hi = lo + (np.repeat(base, n) + (np.tile(part, len(base)) < np.repeat(extra, n)))
+            self.work += lo.size
+            out = self._memo[key] = (lo, hi)
+        return out
 
     def _even_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
                      kept: tuple[int, ...]) -> Optional[dict]:

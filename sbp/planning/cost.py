@@ -24,11 +24,13 @@ import itertools
 import math
 from typing import Optional
 
+import numpy as np
+
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
 from .blocks import Blocks
-from .exchange import reduce_recv_max, slab_numel
+from .exchange import reduce_recv_max_tiles, slab_numel
 from .states import State
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
@@ -158,28 +160,55 @@ class Costing(Blocks):
             have, want = self.layout_key(s), self.layout_key(t)
             out = 0
             for where in itertools.product(*(range(self.mesh_shape[a]) for a in outside)):
-                members = self._group_coords(axes, dict(zip(outside, where)))
-                self.work += len(members)
-                out = max(out, reduce_recv_max([self._block_at(have, c) for c in members],
-                                               [self._block_at(want, c) for c in members], q))
+                fixed = dict(zip(outside, where))
+                self.work += self.group_size(axes)
+                out = max(out, reduce_recv_max_tiles(*self._group_tiles(have, want, axes, fixed), q))
             self._memo[key] = out
         return out
 
-    def _group_coords(self, axes: tuple[int, ...], fixed: dict[int, int]) -> list[tuple[int, ...]]:
-        """The coords of the group along `axes` whose other coords are `fixed` (0 where not given), in
-        row-major order."""
-        ranges = [range(n) if a in axes else (fixed.get(a, 0),) for a, n in enumerate(self.mesh_shape)]
-        return list(itertools.product(*ranges))
+    def _group_tiles(self, have: tuple, want: tuple, axes: tuple[int, ...], fixed: dict[int, int]) -> tuple:
+        """The arguments of `sbp.planning.exchange.reduce_recv_max_tiles` for the group along `axes` whose other
+        coords are `fixed` (0 where not given), members in row-major order, states of layout keys `have` and
+        `want`: the distinct source tiles, and per target tile its needers' count and, per source tile they
+        hold, the first one's position among them and their count. On arrays, per member: its piece index per
+        dim from its digits on the dim's chain, tiles told apart by those indices."""
+        mesh, axes = self.mesh_shape, tuple(sorted(axes))
+        sizes = [mesh[a] for a in axes]
+        members = math.prod(sizes)
 
-    def _block_at(self, layout: tuple, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """The block (one range per dim) held at `coord` by states of this layout key."""
-        out = []
-        for d, chain in enumerate(layout):
-            k = 0
-            for a in chain:
-                k = k * self.mesh_shape[a] + coord[a]
-            out.append(self._spans(d, chain)[k])
-        return tuple(out)
+        def tiles(layout: tuple) -> tuple:
+            # (per dim the chain's ranges, per dim the members' piece indices, a member of each tile, the
+            # members' tile numbers)
+            spans, index, number = [], [], np.zeros(members, dtype=np.int64)
+            for d, chain in enumerate(layout):
+                k = np.zeros((), dtype=np.int64)
+                for a in chain:
+                    i = axes.index(a) if a in axes else None
+                    digit = fixed.get(a, 0) if i is None else np.arange(mesh[a], dtype=np.int64).reshape(
+                        [-1 if m == i else 1 for m in range(len(axes))])
+                    k = k * mesh[a] + digit
+                spans.append(self._spans(d, chain))
+                index.append(np.broadcast_to(k, sizes).ravel())
+                number = np.unique(number * len(spans[-1]) + index[-1], return_inverse=True)[1]
+            _, first, number = np.unique(number, return_index=True, return_inverse=True)
+            return spans, np.stack(index) if index else np.zeros((0, members), dtype=np.int64), first, number
+
+        sspans, sindex, sfirst, src = tiles(have)
+        tspans, tindex, tfirst, dst = tiles(want)
+        block = lambda spans, index, m: tuple(s[k] for s, k in zip(spans, index[:, m].tolist()))
+        sources = [block(sspans, sindex, m) for m in sfirst.tolist()]
+        order = np.argsort(dst, kind="stable")       # members by target tile, in member order within each
+        need = np.bincount(dst)
+        pos = np.empty(members, dtype=np.int64)
+        pos[order] = np.arange(members) - (np.cumsum(need) - need)[dst[order]]
+        pair = dst * len(sources) + src
+        _, at, count = np.unique(pair, return_index=True, return_counts=True)
+        at_order = np.lexsort((pos[at], dst[at]))      # per target tile, its held sources by first needer
+        out: dict[int, dict] = {}
+        for m, n in zip(at[at_order].tolist(), count[at_order].tolist()):
+            out.setdefault(int(dst[m]), {})[sources[src[m]]] = [int(pos[m]), n]
+        need_list = need.tolist()
+        return sources, [(block(tspans, tindex, m), need_list[c], out[c]) for c, m in enumerate(tfirst.tolist())]
 
     def _reduce_recv_closed(self, s: State, t: State, axes: tuple[int, ...]) -> Optional[int]:
         """`reduce_transfer_recv` from per-dim tables, with no per-rank schedule, in the two common cases

@@ -294,52 +294,102 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
     """Elements the busiest member receives in `reduce_schedule` (both phases), from sizes alone.
 
     A member receives its target tile but the slabs it owns, and per slab it owns every contribution
-    but the one it holds. Slabs are balanced, so their sizes never grow along the owners' order: the
-    busiest member of a tile is the first holder of some source tile (its own slab the first one), or
-    the first member (of the slabs no member holds), so per tile only those are priced. Tiles that
-    meet the source grid alike (per dim, the lengths of the pieces; per needer, which piece it holds)
-    have the same answer, which is computed once.
+    but the one it holds. Per tile, what decides is how many members need it and, per source tile its
+    needers hold, the first such needer's position and their count (`reduce_recv_max_tiles`).
 
     >>> reduce_recv_max([((0, 2),), ((2, 4),)] * 2, [((0, 2),)] * 2 + [((2, 4),)] * 2, 2)
     2
     """
-    q, best = contributions, 0
-    grid = _SourceGrid(src_blocks)
-    done: set[tuple] = set()
+    tiles = []
     for tile, need in _needers(dst_blocks).items():
+        held: dict[Block, list[int]] = {}   # source held by a needer: [first needer's position, needers]
+        for pos, i in enumerate(need):
+            b = src_blocks[i]
+            if b in held:
+                held[b][1] += 1
+            else:
+                held[b] = [pos, 1]
+        tiles.append((tile, len(need), held))
+    return reduce_recv_max_tiles(src_blocks, tiles, contributions)
+
+
+def reduce_recv_max_tiles(sources: list[Block], tiles, contributions: int) -> int:
+    """`reduce_recv_max` from its tiles: (tile, members needing it, per source tile held by one of them
+    [the first such needer's position, their count]); `sources`: the members' source tiles (repeats allowed).
+
+    Slabs are balanced, so their sizes never grow along the owners' order: the busiest member of a tile is
+    the first holder of some source tile (its own slab the first one), or the first member (of the slabs
+    no member holds), so per tile only those are priced. Tiles that meet the source grid alike (per dim,
+    the lengths of the pieces; per held source, its piece, first needer and count) have the same answer,
+    which is computed once. With one contribution (owning a slab lowers what a member receives), the
+    busiest is a needer holding no piece of the tile, or the last needer of some source.
+
+    >>> reduce_recv_max_tiles([((0, 2),), ((2, 4),)], [(((0, 2),), 2, {((0, 2),): [0, 1], ((2, 4),): [1, 1]})], 2)
+    2
+    """
+    q, best = contributions, 0
+    grid = _SourceGrid(sources)
+    done: set[tuple] = set()
+    for tile, nneed, held in tiles:
         if grid.complete:
             ranges = [grid.ranges(d, r) for d, r in enumerate(tile)]
-            held = tuple(tuple(w.get(r) for (_, w), r in zip(ranges, src_blocks[i])) for i in need)
-            key = (tuple(lengths for lengths, _ in ranges), held)
+            key = (tuple(lengths for lengths, _ in ranges), nneed,
+                   tuple((tuple(w.get(r) for (_, w), r in zip(ranges, b)), first, n)   # (held: by first needer)
+                         for b, (first, n) in held.items()))
             if key in done:
                 continue
             done.add(key)
-        pieces = grid.pieces(tile, grid.met(tile))
-        first: dict[Block, int] = {}    # source held by a needer: the first needer's position
-        count: dict[Block, int] = {}    # ... and how many needers hold it
-        among: list[int] = []           # per needer, its place among those holding its block
-        for pos, i in enumerate(need):
-            b = src_blocks[i]
-            first.setdefault(b, pos)
-            among.append(count.get(b, 0))
-            count[b] = among[-1] + 1
-        total = sum(block_numel(piece) for _, piece in pieces)
-        unheld: dict[tuple[int, ...], int] = {}  # pieces no needer holds, counted by shape
-        for source, piece in pieces:
-            if source not in first:
-                shape = tuple(hi - lo for lo, hi in piece)
-                unheld[shape] = unheld.get(shape, 0) + 1
-        own = {source: piece for source, piece in pieces if source in first}
-        candidates = {0} | {pos for b, pos in first.items() if b in own}
-        if q < 2:  # owning a held slab lowers what a member receives: any member may be the busiest
-            candidates = range(len(need))
-        for pos in candidates:
-            recv = total + sum(n * slab_numel(shape, len(need), pos) for shape, n in unheld.items()) * (q - 1)
-            b = src_blocks[need[pos]]
-            if b in own:  # its slab of the piece it holds, shared with the needers holding the same block
-                recv += slab_numel(tuple(hi - lo for lo, hi in own[b]), count[b], among[pos]) * (q - 2)
+            total, unheld, own = _tile_pieces(grid, tile, held)
+        else:
+            pieces = grid.pieces(tile, grid.met(tile))
+            total = sum(block_numel(piece) for _, piece in pieces)
+            unheld = {}  # pieces no needer holds, counted by shape
+            for source, piece in pieces:
+                if source not in held:
+                    shape = tuple(hi - lo for lo, hi in piece)
+                    unheld[shape] = unheld.get(shape, 0) + 1
+            own = {source: piece for source, piece in pieces if source in held}
+        if q < 2:
+            if sum(held[b][1] for b in own) < nneed:   # some needer holds none of the tile: receives it all
+                best = max(best, total)
+            else:
+                best = max(best, total - min(slab_numel(tuple(hi - lo for lo, hi in piece), held[b][1],
+                                                         held[b][1] - 1) for b, piece in own.items()))
+            continue
+        first_own = {held[b][0]: b for b in own}
+        for pos in {0} | set(first_own):
+            recv = total + sum(n * slab_numel(shape, nneed, pos) for shape, n in unheld.items()) * (q - 1)
+            b = first_own.get(pos)
+            if b is not None:  # its slab of the piece it holds, shared with the needers holding the same block
+                recv += slab_numel(tuple(hi - lo for lo, hi in own[b]), held[b][1], 0) * (q - 2)
             best = max(best, recv)
     return best
+
+
+def _tile_pieces(grid: "_SourceGrid", tile: Block, held: dict) -> tuple[int, dict, dict]:
+    """For a complete source grid: (elements of `tile`, its pieces no source of `held` holds counted by shape,
+    the pieces of the `held` sources that meet it), without listing every piece: per dim the tile meets a
+    run of source ranges, the pieces are every combination of one per dim, so their shapes are counted as
+    products of per-dim length counts, less the held sources' own pieces."""
+    per_dim = [grid.ranges(d, r) for d, r in enumerate(tile)]
+    counts: dict[tuple[int, ...], int] = {(): 1}
+    total = 1
+    for d, r in enumerate(tile):
+        length, by_length = grid.length_counts(d, r)
+        total *= length
+        counts = {shape + (n,): c * k for shape, c in counts.items() for n, k in by_length.items()}
+    own = {}
+    for source in held:
+        piece = []
+        for (lo, hi), (a, c), (_, where) in zip(tile, source, per_dim):
+            if (a, c) not in where:
+                break
+            piece.append((a if a > lo else lo, c if c < hi else hi))
+        else:
+            own[source] = tuple(piece)
+            shape = tuple(hi - lo for lo, hi in piece)
+            counts[shape] -= 1
+    return total, {shape: c for shape, c in counts.items() if c}, own
 
 
 def slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
@@ -389,6 +439,18 @@ class _SourceGrid:
             lo, hi = r
             out = self._ranges[key] = (tuple(min(hi, c) - max(lo, a) for a, c in met),
                                        {m: k for k, m in enumerate(met)})
+        return out
+
+    def length_counts(self, d: int, r: tuple[int, int]) -> tuple[int, dict[int, int]]:
+        """For range `r` of dim `d`: its length covered by source ranges, and its pieces counted by length."""
+        key = ("counts", d, r)
+        out = self._ranges.get(key)
+        if out is None:
+            by_length: dict[int, int] = {}
+            lengths = self.ranges(d, r)[0]
+            for n in lengths:
+                by_length[n] = by_length.get(n, 0) + 1
+            out = self._ranges[key] = (sum(lengths), by_length)
         return out
 
     def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:

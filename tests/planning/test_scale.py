@@ -279,3 +279,72 @@ def test_partial_planning_work_stays_small_on_symmetric_layouts(src, dst):
     large, large_steps = _work((65536, 65536), (16, 32, 32), src, dst)
     assert small_steps == large_steps
     assert large <= 256 and small <= 256, (small, large)
+
+
+def test_array_tables_equal_the_listed_tables(monkeypatch):
+    # per-dim tables with more entries than `_LARGE_TABLE` are computed on arrays (`Blocks._table_groups`,
+    # `Blocks._max_lack_arrays`); with the threshold at 0 every table takes that path: the same lacks, group
+    # lacks and reduce_transfer prices as the listed tables, and per-coord brute force
+    from sbp.planning import blocks
+    from sbp.planning.exchange import reducible
+    rng = random.Random(29)
+    arrays = 0
+    for _ in range(700):
+        mesh = tuple(rng.choice([1, 2, 3, 4, 5, 8]) for _ in range(rng.choice([1, 2, 3, 4])))
+        if math.prod(mesh) > 200:
+            continue
+        nd = rng.choice([1, 2, 3])
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 8, 12, 13, 30]) for _ in range(nd))
+        one = [sbp.B] + [sbp.S(d) for d in range(nd)] + [sbp.Partial()]
+        s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+        free = tuple(a for a in range(len(mesh)) if not isinstance(t[a], sbp.Split) and rng.random() < 0.5)
+        axes = tuple(a for a in range(len(mesh)) if s[a] != t[a] or rng.random() < 0.3)
+        w = rng.choice([1, 2, 3])
+        values = []
+        for threshold in (10 ** 9, 0):
+            monkeypatch.setattr(blocks, "_LARGE_TABLE", threshold)
+            c = Costing(shape, mesh, 4)
+            values.append((c.lack(s, t, weight=w), c.group_lack(s, t, free),
+                           c.reduce_transfer_recv(s, t, axes) if axes and reducible(s, t, axes) else None))
+            arrays += threshold == 0 and any(k[0] == "groups" for k in c._memo if isinstance(k, tuple))
+        assert values[0] == values[1], (shape, mesh, s, t, free, axes, w)
+        if w == 1 and not any(isinstance(p, sbp.Partial) for p in s + t):
+            assert values[1][0] == _brute(shape, mesh, s, t)[0], (shape, mesh, s, t)
+    assert arrays > 30   # the array path ran (64 of these cases)
+
+
+@pytest.mark.parametrize("src, dst", [("S(0), S(0), S(0)", "S(0), S(1), S(0)"), ("B, S(0), B", "S(1), S(1), S(0)"),
+                                      ("S(1), S(0), S(1)", "S(1), S(1), S(0)")])
+def test_uneven_lack_at_16k_ranks_on_arrays(monkeypatch, src, dst):
+    # 1000 rows on 16 x 32 x 32: tables of 16,384 entries (every digit of the three axes); on arrays, the
+    # same as listed entry by entry
+    from sbp.planning import blocks
+    s, t = sbp.placements(src), sbp.placements(dst)
+    got = Costing((1000, 1000), (16, 32, 32), 4).lack(s, t)
+    monkeypatch.setattr(blocks, "_LARGE_TABLE", 10 ** 9)
+    assert got == Costing((1000, 1000), (16, 32, 32), 4).lack(s, t) > 0
+
+
+def test_group_tiles_price_as_the_listed_members():
+    # the listing path of `Costing.reduce_transfer_recv` (uneven layouts) builds each target tile's needers
+    # on arrays (`Costing._group_tiles`: positions, first holders, counts); priced by `reduce_recv_max_tiles`
+    # it equals `reduce_recv_max` on the members' blocks listed one by one, for every group
+    from sbp.planning.exchange import reduce_recv_max, reduce_recv_max_tiles
+    rng = random.Random(31)
+    later = 0
+    for _ in range(600):
+        mesh = tuple(rng.choice([1, 2, 3, 4, 5]) for _ in range(rng.choice([2, 3, 4])))
+        nd = rng.choice([1, 2, 3])
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 7, 8, 12, 13]) for _ in range(nd))
+        one = [sbp.B] + [sbp.S(d) for d in range(nd)]
+        s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+        axes = tuple(a for a in range(len(mesh)) if rng.random() < 0.7)
+        fixed = {a: rng.randrange(mesh[a]) for a in range(len(mesh)) if a not in axes}
+        c = Costing(shape, mesh, 4)
+        sources, tiles = c._group_tiles(c.layout_key(s), c.layout_key(t), axes, fixed)
+        members = list(itertools.product(*(range(n) if a in axes else (fixed[a],) for a, n in enumerate(mesh))))
+        listed = ([block(shape, mesh, s, m) for m in members], [block(shape, mesh, t, m) for m in members])
+        for q in (1, 2, 3, 7):
+            assert reduce_recv_max_tiles(sources, tiles, q) == reduce_recv_max(*listed, q), (shape, mesh, s, t, axes)
+        later += any(first > 0 for _, _, held in tiles for first, _ in held.values())
+    assert later > 100   # tiles whose needers hold sources first held at a later position
