@@ -111,6 +111,10 @@ class Blocks:
         key = (d, chain)
         out = self._dim.get(key)
         if out is None:
+            if math.prod(self.mesh_shape[a] for a in chain) > _LARGE_TABLE:
+                lo, hi = self._spans_array(d, chain)
+                out = self._dim[key] = tuple(zip(lo.tolist(), hi.tolist()))
+                return out
             # nested balanced splits, one level per splitting axis (axis order: outermost first)
             spans = [(0, self.shape[d])]
             for a in chain:
@@ -231,19 +235,29 @@ class Blocks:
                     m = self.shape[d] // k
                     reps.setdefault(a, [0]).extend(e for e in (m % n, (m + 1) % n) if e > 0)
                     k *= n
-        axes = tuple(reps)
-        combos = list(itertools.product(*(sorted(set(reps[a])) for a in axes)))
-        self.work += len(combos)
-        out = 0
-        for digits in combos:
-            at = dict(zip(axes, digits)).__getitem__
-            n = o = 1
-            for d, (p, q) in enumerate(zip(have, want)):
+        values = {a: sorted(set(r)) for a, r in reps.items()}
+        # per dim, (length, overlap) depends on the digits of its chains' axes alone: a table over their
+        # representative digits, joined with the other dims' on the axes they share (as `_max_lack`)
+        seen: dict[int, int] = {}
+        dims = [sorted(set(p) | set(q)) for p, q in zip(have, want)]
+        for axes in dims:
+            for a in axes:
+                seen[a] = seen.get(a, 0) + 1
+        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        per_dim = []
+        for d, (p, q, axes) in enumerate(zip(have, want, dims)):
+            where = [axes.index(a) for a in shared if a in axes]
+            groups: dict[tuple, list] = {}
+            for digits in itertools.product(*(values[a] for a in axes)):
+                at = dict(zip(axes, digits)).__getitem__
                 (hl, hh), (wl, wh) = self._piece(d, p, at), self._piece(d, q, at)
-                n *= wh - wl
-                o *= max(0, min(hh, wh) - max(hl, wl))
-            out = max(out, weight * n - o)
-        return out
+                groups.setdefault(tuple(digits[i] for i in where), []).append(
+                    (wh - wl, max(0, min(hh, wh) - max(hl, wl))))
+                self.work += 1
+            per_dim.append(([shared.index(axes[i]) for i in where], {k: _best(v) for k, v in groups.items()}))
+        combos = list(itertools.product(*(values[a] for a in shared)))
+        self.work += len(combos)
+        return self._join_best(combos, per_dim, weight)
 
     def _misses(self, have: tuple, want: tuple, largest: int) -> bool:
         """Whether a probe coord finds a rank that holds none of a largest target block: every axis of the
@@ -273,8 +287,14 @@ class Blocks:
             out = self._max_lack_arrays(shared, per_dim, weight)
             if out is not None:
                 return out
+        return self._join_best(self._shared_digits(shared), per_dim, weight)
+
+    @staticmethod
+    def _join_best(combos, per_dim: list, weight: int) -> int:
+        """The most ``weight * N - O`` over the digit combinations `combos` of the shared axes, each dim's best
+        (length, overlap) pairs looked up by the digits at its positions (`_joined_tables`'s result)."""
         out = 0
-        for x in self._shared_digits(shared):
+        for x in combos:
             pairs = [(1, 1)]
             for pos, best in per_dim:
                 options = best[tuple(x[i] for i in pos)]

@@ -30,8 +30,12 @@ from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
 from .blocks import Blocks
-from .exchange import reduce_recv_max_tiles, slab_numel
+from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
 from .states import State
+
+_SMALL_GROUP = 64
+"""A reduce_transfer group of at most this many members is priced from its members' blocks listed one by one;
+larger ones from arrays (`Costing._group_tiles`)."""
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
 """Steps whose messages to different peers are posted together (`sbp.Topology.exchange_us` prices them)."""
@@ -162,16 +166,33 @@ class Costing(Blocks):
             for where in itertools.product(*(range(self.mesh_shape[a]) for a in outside)):
                 fixed = dict(zip(outside, where))
                 self.work += self.group_size(axes)
-                out = max(out, reduce_recv_max_tiles(*self._group_tiles(have, want, axes, fixed), q))
+                if self.group_size(axes) > _SMALL_GROUP:
+                    out = max(out, reduce_recv_max_tiles(*self._group_tiles(have, want, axes, fixed), q))
+                else:   # (a few members: listed one by one, cheaper than arrays)
+                    members = list(itertools.product(*(range(n) if a in axes else (fixed.get(a, 0),)
+                                                       for a, n in enumerate(self.mesh_shape))))
+                    out = max(out, reduce_recv_max([self._block_at(have, c) for c in members],
+                                                   [self._block_at(want, c) for c in members], q))
             self._memo[key] = out
         return out
+
+    def _block_at(self, layout: tuple, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The block (one range per dim) held at `coord` by states of this layout key."""
+        out = []
+        for d, chain in enumerate(layout):
+            k = 0
+            for a in chain:
+                k = k * self.mesh_shape[a] + coord[a]
+            out.append(self._spans(d, chain)[k])
+        return tuple(out)
 
     def _group_tiles(self, have: tuple, want: tuple, axes: tuple[int, ...], fixed: dict[int, int]) -> tuple:
         """The arguments of `sbp.planning.exchange.reduce_recv_max_tiles` for the group along `axes` whose other
         coords are `fixed` (0 where not given), members in row-major order, states of layout keys `have` and
         `want`: the distinct source tiles, and per target tile its needers' count and, per source tile they
-        hold, the first one's position among them and their count. On arrays, per member: its piece index per
-        dim from its digits on the dim's chain, tiles told apart by those indices."""
+        hold that meets the tile, the lengths of the piece they share, the first one's position among them and
+        their count. On arrays, per member: its piece index per dim from its digits on the dim's chain, tiles
+        told apart by those indices."""
         mesh, axes = self.mesh_shape, tuple(sorted(axes))
         sizes = [mesh[a] for a in axes]
         members = math.prod(sizes)
@@ -195,20 +216,34 @@ class Costing(Blocks):
 
         sspans, sindex, sfirst, src = tiles(have)
         tspans, tindex, tfirst, dst = tiles(want)
-        block = lambda spans, index, m: tuple(s[k] for s, k in zip(spans, index[:, m].tolist()))
-        sources = [block(sspans, sindex, m) for m in sfirst.tolist()]
+
+        def blocks(spans: list, index: np.ndarray, at: np.ndarray) -> list:   # the blocks of members `at`
+            if not spans:
+                return [()] * len(at)
+            return list(zip(*([s[k] for k in index[d, at].tolist()] for d, s in enumerate(spans))))
+
         order = np.argsort(dst, kind="stable")       # members by target tile, in member order within each
         need = np.bincount(dst)
         pos = np.empty(members, dtype=np.int64)
         pos[order] = np.arange(members) - (np.cumsum(need) - need)[dst[order]]
-        pair = dst * len(sources) + src
-        _, at, count = np.unique(pair, return_index=True, return_counts=True)
-        at_order = np.lexsort((pos[at], dst[at]))      # per target tile, its held sources by first needer
-        out: dict[int, dict] = {}
-        for m, n in zip(at[at_order].tolist(), count[at_order].tolist()):
-            out.setdefault(int(dst[m]), {})[sources[src[m]]] = [int(pos[m]), n]
+        _, at, count = np.unique(dst * len(sfirst) + src, return_index=True, return_counts=True)
+        # per (target tile, source tile held by a needer): the piece they share, per dim; kept where not empty
+        lengths = []
+        for d, (schain, tchain) in enumerate(zip(have, want)):
+            (slo, shi), (tlo, thi) = self._spans_array(d, schain), self._spans_array(d, tchain)
+            i, j = sindex[d, at], tindex[d, at]
+            lengths.append(np.minimum(shi[i], thi[j]) - np.maximum(slo[i], tlo[j]))
+        meets = np.all(np.stack(lengths) > 0, axis=0) if lengths else np.ones(len(at), dtype=bool)
+        at = at[meets]
+        rows = np.stack([x[meets] for x in lengths] + [pos[at], count[meets]], axis=1)
+        by = np.lexsort((pos[at], dst[at]))          # per target tile, its held pieces by first needer
+        rows, tile_of = rows[by], dst[at][by]
+        bounds = np.searchsorted(tile_of, np.arange(len(tfirst) + 1)).tolist()
+        rows = rows.tolist()
         need_list = need.tolist()
-        return sources, [(block(tspans, tindex, m), need_list[c], out[c]) for c, m in enumerate(tfirst.tolist())]
+        return blocks(sspans, sindex, sfirst), [
+            (tile, need_list[c], tuple(map(tuple, rows[bounds[c]:bounds[c + 1]])))
+            for c, tile in enumerate(blocks(tspans, tindex, tfirst))]
 
     def _reduce_recv_closed(self, s: State, t: State, axes: tuple[int, ...]) -> Optional[int]:
         """`reduce_transfer_recv` from per-dim tables, with no per-rank schedule, in the two common cases

@@ -295,7 +295,8 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
 
     A member receives its target tile but the slabs it owns, and per slab it owns every contribution
     but the one it holds. Per tile, what decides is how many members need it and, per source tile its
-    needers hold, the first such needer's position and their count (`reduce_recv_max_tiles`).
+    needers hold that meets it, the shape of their piece, the first such needer's position and their
+    count (`reduce_recv_max_tiles`).
 
     >>> reduce_recv_max([((0, 2),), ((2, 4),)] * 2, [((0, 2),)] * 2 + [((2, 4),)] * 2, 2)
     2
@@ -309,87 +310,68 @@ def reduce_recv_max(src_blocks: list[Block], dst_blocks: list[Block], contributi
                 held[b][1] += 1
             else:
                 held[b] = [pos, 1]
-        tiles.append((tile, len(need), held))
+        own = []
+        for b, (first, n) in held.items():
+            shape = tuple(min(hi, c) - max(lo, a) for (lo, hi), (a, c) in zip(tile, b))
+            if all(k > 0 for k in shape):
+                own.append(shape + (first, n))
+        tiles.append((tile, len(need), tuple(own)))
     return reduce_recv_max_tiles(src_blocks, tiles, contributions)
 
 
 def reduce_recv_max_tiles(sources: list[Block], tiles, contributions: int) -> int:
-    """`reduce_recv_max` from its tiles: (tile, members needing it, per source tile held by one of them
-    [the first such needer's position, their count]); `sources`: the members' source tiles (repeats allowed).
+    """`reduce_recv_max` from its tiles: (tile, members needing it, per source tile held by one of them that
+    meets the tile, in the order of their first needers: its piece's per-dim lengths followed by the first
+    needer's position and the needers' count, one tuple); `sources`: the members' source tiles (repeats
+    allowed).
 
     Slabs are balanced, so their sizes never grow along the owners' order: the busiest member of a tile is
     the first holder of some source tile (its own slab the first one), or the first member (of the slabs
-    no member holds), so per tile only those are priced. Tiles that meet the source grid alike (per dim,
-    the lengths of the pieces; per held source, its piece, first needer and count) have the same answer,
-    which is computed once. With one contribution (owning a slab lowers what a member receives), the
-    busiest is a needer holding no piece of the tile, or the last needer of some source.
+    no member holds), so per tile only those are priced. The pieces of a tile are counted by shape, per dim
+    (`_SourceGrid.length_counts`) less the held ones; tiles with the same counts, needers and held pieces
+    have the same answer, computed once. With one contribution (owning a slab lowers what a member
+    receives), the busiest is a needer holding no piece of the tile, or the last needer of some source.
 
-    >>> reduce_recv_max_tiles([((0, 2),), ((2, 4),)], [(((0, 2),), 2, {((0, 2),): [0, 1], ((2, 4),): [1, 1]})], 2)
+    >>> reduce_recv_max_tiles([((0, 2),), ((2, 4),)], [(((0, 2),), 2, ((2, 0, 1),))], 2)
     2
     """
     q, best = contributions, 0
     grid = _SourceGrid(sources)
     done: set[tuple] = set()
-    for tile, nneed, held in tiles:
+    for tile, nneed, own in tiles:
         if grid.complete:
-            ranges = [grid.ranges(d, r) for d, r in enumerate(tile)]
-            key = (tuple(lengths for lengths, _ in ranges), nneed,
-                   tuple((tuple(w.get(r) for (_, w), r in zip(ranges, b)), first, n)   # (held: by first needer)
-                         for b, (first, n) in held.items()))
+            per_dim = tuple(grid.length_counts(d, r) for d, r in enumerate(tile))
+            key = (per_dim, nneed, own)
             if key in done:
                 continue
             done.add(key)
-            total, unheld, own = _tile_pieces(grid, tile, held)
+            counts: dict[tuple[int, ...], int] = {(): 1}
+            total = 1
+            for length, by_length in per_dim:   # every combination of one source range per dim is a piece
+                total *= length
+                counts = {shape + (n,): c * k for shape, c in counts.items() for n, k in by_length}
         else:
-            pieces = grid.pieces(tile, grid.met(tile))
-            total = sum(block_numel(piece) for _, piece in pieces)
-            unheld = {}  # pieces no needer holds, counted by shape
-            for source, piece in pieces:
-                if source not in held:
-                    shape = tuple(hi - lo for lo, hi in piece)
-                    unheld[shape] = unheld.get(shape, 0) + 1
-            own = {source: piece for source, piece in pieces if source in held}
+            counts, total = {}, 0
+            for _, piece in grid.pieces(tile, grid.met(tile)):
+                shape = tuple(hi - lo for lo, hi in piece)
+                counts[shape] = counts.get(shape, 0) + 1
+                total += math.prod(shape)
+        for row in own:   # the held pieces are no slabs to receive
+            counts[row[:-2]] -= 1
         if q < 2:
-            if sum(held[b][1] for b in own) < nneed:   # some needer holds none of the tile: receives it all
+            if sum(row[-1] for row in own) < nneed:   # some needer holds none of the tile: receives it all
                 best = max(best, total)
             else:
-                best = max(best, total - min(slab_numel(tuple(hi - lo for lo, hi in piece), held[b][1],
-                                                         held[b][1] - 1) for b, piece in own.items()))
+                best = max(best, total - min(slab_numel(row[:-2], row[-1], row[-1] - 1) for row in own))
             continue
-        first_own = {held[b][0]: b for b in own}
+        first_own = {row[-2]: row for row in own}
         for pos in {0} | set(first_own):
-            recv = total + sum(n * slab_numel(shape, nneed, pos) for shape, n in unheld.items()) * (q - 1)
-            b = first_own.get(pos)
-            if b is not None:  # its slab of the piece it holds, shared with the needers holding the same block
-                recv += slab_numel(tuple(hi - lo for lo, hi in own[b]), held[b][1], 0) * (q - 2)
+            recv = total + sum(n * slab_numel(shape, nneed, pos) for shape, n in counts.items() if n) * (q - 1)
+            row = first_own.get(pos)
+            if row is not None:  # its slab of the piece it holds, shared with the needers holding the same block
+                recv += slab_numel(row[:-2], row[-1], 0) * (q - 2)
             best = max(best, recv)
     return best
-
-
-def _tile_pieces(grid: "_SourceGrid", tile: Block, held: dict) -> tuple[int, dict, dict]:
-    """For a complete source grid: (elements of `tile`, its pieces no source of `held` holds counted by shape,
-    the pieces of the `held` sources that meet it), without listing every piece: per dim the tile meets a
-    run of source ranges, the pieces are every combination of one per dim, so their shapes are counted as
-    products of per-dim length counts, less the held sources' own pieces."""
-    per_dim = [grid.ranges(d, r) for d, r in enumerate(tile)]
-    counts: dict[tuple[int, ...], int] = {(): 1}
-    total = 1
-    for d, r in enumerate(tile):
-        length, by_length = grid.length_counts(d, r)
-        total *= length
-        counts = {shape + (n,): c * k for shape, c in counts.items() for n, k in by_length.items()}
-    own = {}
-    for source in held:
-        piece = []
-        for (lo, hi), (a, c), (_, where) in zip(tile, source, per_dim):
-            if (a, c) not in where:
-                break
-            piece.append((a if a > lo else lo, c if c < hi else hi))
-        else:
-            own[source] = tuple(piece)
-            shape = tuple(hi - lo for lo, hi in piece)
-            counts[shape] -= 1
-    return total, {shape: c for shape, c in counts.items() if c}, own
 
 
 def slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
@@ -441,8 +423,9 @@ class _SourceGrid:
                                        {m: k for k, m in enumerate(met)})
         return out
 
-    def length_counts(self, d: int, r: tuple[int, int]) -> tuple[int, dict[int, int]]:
-        """For range `r` of dim `d`: its length covered by source ranges, and its pieces counted by length."""
+    def length_counts(self, d: int, r: tuple[int, int]) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """For range `r` of dim `d`: its length covered by source ranges, and its pieces counted by length
+        ((length, count) pairs, in order)."""
         key = ("counts", d, r)
         out = self._ranges.get(key)
         if out is None:
@@ -450,7 +433,7 @@ class _SourceGrid:
             lengths = self.ranges(d, r)[0]
             for n in lengths:
                 by_length[n] = by_length.get(n, 0) + 1
-            out = self._ranges[key] = (sum(lengths), by_length)
+            out = self._ranges[key] = (sum(lengths), tuple(sorted(by_length.items())))
         return out
 
     def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:

@@ -283,9 +283,10 @@ def test_partial_planning_work_stays_small_on_symmetric_layouts(src, dst):
 
 def test_array_tables_equal_the_listed_tables(monkeypatch):
     # per-dim tables with more entries than `_LARGE_TABLE` are computed on arrays (`Blocks._table_groups`,
-    # `Blocks._max_lack_arrays`); with the threshold at 0 every table takes that path: the same lacks, group
-    # lacks and reduce_transfer prices as the listed tables, and per-coord brute force
-    from sbp.planning import blocks
+    # `Blocks._max_lack_arrays`), reduce_transfer groups of more than `_SMALL_GROUP` members too
+    # (`Costing._group_tiles`); with the thresholds at 0 everything takes those paths: the same lacks, group
+    # lacks and reduce_transfer prices as the listed tables and members, and per-coord brute force
+    from sbp.planning import blocks, cost
     from sbp.planning.exchange import reducible
     rng = random.Random(29)
     arrays = 0
@@ -303,6 +304,7 @@ def test_array_tables_equal_the_listed_tables(monkeypatch):
         values = []
         for threshold in (10 ** 9, 0):
             monkeypatch.setattr(blocks, "_LARGE_TABLE", threshold)
+            monkeypatch.setattr(cost, "_SMALL_GROUP", threshold)
             c = Costing(shape, mesh, 4)
             values.append((c.lack(s, t, weight=w), c.group_lack(s, t, free),
                            c.reduce_transfer_recv(s, t, axes) if axes and reducible(s, t, axes) else None))
@@ -346,5 +348,5 @@ def test_group_tiles_price_as_the_listed_members():
         listed = ([block(shape, mesh, s, m) for m in members], [block(shape, mesh, t, m) for m in members])
         for q in (1, 2, 3, 7):
             assert reduce_recv_max_tiles(sources, tiles, q) == reduce_recv_max(*listed, q), (shape, mesh, s, t, axes)
-        later += any(first > 0 for _, _, held in tiles for first, _ in held.values())
+        later += any(row[-2] > 0 for _, _, own in tiles for row in own)
     assert later > 100   # tiles whose needers hold sources first held at a later position
