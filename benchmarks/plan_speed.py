@@ -12,10 +12,15 @@ Times are CPU time of this process (`time.process_time_ns`), so that other work 
 does not inflate them.
 
     python benchmarks/plan_speed.py [--samples 200] [--shape 1024x1024] [--repeat 5] [--large-samples 20]
+                                    [--uneven-shape 1000x1000]
+
+The large rows run twice: with `--shape`, and with `--uneven-shape` (1000 rows split 1,024 to 16,384 ways:
+uneven pieces, many empty, where no closed form of the even layouts applies).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import math
 import random
@@ -90,6 +95,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--large-samples", type=int, default=20, help="pairs per large mesh (0: skip those rows)")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per large row at most (pairs past it skipped)")
+    ap.add_argument("--uneven-shape", default="1000x1000",
+                    help="the large rows again with this shape, which no mesh axis divides evenly ('' to skip)")
     args = ap.parse_args()
     shape = tuple(int(n) for n in args.shape.split("x"))
 
@@ -128,6 +135,8 @@ def main() -> None:
     class_rows(shape, args.samples, args.repeat)
     if args.large_samples:
         large_rows(shape, args.large_samples, args.budget)
+        if args.uneven_shape:
+            large_rows(tuple(int(n) for n in args.uneven_shape.split("x")), args.large_samples, args.budget)
 
 
 def large_rows(shape: tuple[int, ...], samples: int, budget: float) -> None:
@@ -144,6 +153,7 @@ def large_rows(shape: tuple[int, ...], samples: int, budget: float) -> None:
                 if time.process_time() - start > budget:
                     break
                 sbp.planning.clear_caches()
+                gc.collect()   # the previous pair's garbage, outside the timed call
                 t0 = time.process_time_ns()
                 p = sbp.plan(shape, mesh, s, d)
                 times.append((time.process_time_ns() - t0) / 1e6)
