@@ -479,6 +479,8 @@ class Blocks:
         loose = any(mesh[a] > 1 for a in spelled if a not in where) or (
             part is not None and part not in free and part not in where and mesh[part] > u)
         n, out = length // nw, {}
+        if math.prod(mesh[a] for a in axes) > _LARGE_TABLE:
+            return self._even_groups_arrays(axes, want, kept, front, part, u, free, nh, nw, n, held, loose)
         for digits in itertools.product(*(range(mesh[a]) for a in axes)):
             j = 0
             for a in want:
@@ -499,6 +501,48 @@ class Blocks:
             if loose or not meets:
                 pairs.append((n, 0))
         self.work += math.prod(mesh[a] for a in axes)
+        return out
+
+    def _even_groups_arrays(self, axes: tuple[int, ...], want: tuple[int, ...], kept: tuple[int, ...],
+                            front: tuple[int, ...], part: Optional[int], u: int, free: tuple[int, ...], nh: int,
+                            nw: int, n: int, held: int, loose: bool) -> dict:
+        """`_even_groups`' loop over the digits of `axes` on arrays (large tables): whether each target piece
+        meets the source pieces off the free axes, then per digits of the `kept` axes the pairs that occur."""
+        mesh = self.mesh_shape
+        sizes = [mesh[a] for a in axes]
+
+        def digit(a: int) -> np.ndarray:
+            i = axes.index(a)
+            return np.arange(sizes[i], dtype=np.int64).reshape([-1 if m == i else 1 for m in range(len(axes))])
+
+        j = np.zeros((), dtype=np.int64)
+        for a in want:
+            j = j * mesh[a] + digit(a)
+        k = j if nh >= nw else j // (nw // nh)
+        meets = np.ones((), dtype=bool)
+        if part is not None:
+            k, c = np.divmod(k, mesh[part] // u)
+            if part not in free and part in axes:
+                meets = meets & (c * u <= digit(part)) & (digit(part) < (c + 1) * u)
+        for a in reversed(front):
+            k, d = np.divmod(k, mesh[a])
+            if a in axes and a not in free:
+                meets = meets & (digit(a) == d)
+        meets = np.broadcast_to(meets, sizes).ravel()
+        self.work += meets.size
+        group = np.zeros(meets.size, dtype=np.int64)
+        for a in kept:
+            group = group * mesh[a] + np.broadcast_to(digit(a), sizes).ravel()
+        size = math.prod(mesh[a] for a in kept)
+        some = np.bincount(group[meets], minlength=size) > 0
+        missed = np.bincount(group[~meets], minlength=size) > 0
+        out = {}
+        for g, (hit, miss) in enumerate(zip(some.tolist(), missed.tolist())):
+            digits = []
+            for a in reversed(kept):
+                g, x = divmod(g, mesh[a])
+                digits.append(x)
+            out[tuple(reversed(digits))] = ([(n, held)] if hit else []) + ([(n, 0)] if loose or miss else [])
         return out
 
     def _shared_digits(self, shared: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -29,7 +29,7 @@ import numpy as np
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
-from .blocks import Blocks
+from .blocks import _LARGE_TABLE, Blocks
 from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
 from .states import State
 
@@ -326,7 +326,7 @@ class Costing(Blocks):
         of every ``T`` along the dim; otherwise such an axis is left out where it cannot change which
         source piece holds ``T``, or enumerated one digit per distinct source piece."""
         private = not any(a in cs or a in elsewhere for a in ct)
-        key = ("even_holds", cs, ct, fixed, needers, frozenset(a for a in ct if a in elsewhere))
+        key = ("even_holds", cs, ct, fixed, needers, frozenset(a for a in cs + ct if a in elsewhere))
         out = self._memo.get(key)
         if out is not None:
             return out
@@ -382,6 +382,12 @@ class Costing(Blocks):
                 if inner[1] not in cs and inner[1] not in elsewhere:
                     steps[inner[1]] = inner[2]
             where = {a: k for k, a in enumerate(keys)}
+            grid = [len(range(0, mesh[a], steps.get(a, 1))) for a in keys]
+            if math.prod(grid) > _LARGE_TABLE:
+                out = self._even_holds_arrays(keys, steps, grid, elsewhere, ct, cover, (front, part, u, spread),
+                                              fixed, loose, stride, nt // ns if not cover else 1)
+                self._memo[key] = out
+                return out
             for digits in itertools.product(*(range(0, mesh[a], steps.get(a, 1)) for a in keys)):
                 j = 0
                 for a in ct:
@@ -410,6 +416,69 @@ class Costing(Blocks):
             self.work += len(table)
         out = self._memo[key] = (keys, table)
         return out
+
+    def _even_holds_arrays(self, keys: tuple[int, ...], steps: dict, grid: list[int], elsewhere: frozenset,
+                           ct: tuple[int, ...], cover, cut: tuple, fixed: tuple[int, ...], loose: set,
+                           stride: dict, r: int) -> tuple[tuple, dict]:
+        """`_even_holds`' table per target digits, on arrays, for large ones: every digit combination of `keys`
+        (every `steps[a]`-th digit) at once, then the options unioned over the digits of the axes no other dim
+        names (their digits are never joined on: `_join_options` would union them) and reduced to the pairs
+        no other beats (per group, the least position of a holder; nothing held where some combination
+        misses). `cut`: (front, part, u, spread) of the source chain's covering; `r`: target pieces per
+        source piece (1 when the target tile covers source pieces)."""
+        mesh = self.mesh_shape
+        front, part, u, spread = cut
+        shape = [1] * len(keys)
+
+        def digit(a: int) -> np.ndarray:
+            i = keys.index(a)
+            return (np.arange(grid[i], dtype=np.int64) * steps.get(a, 1)).reshape(shape[:i] + [-1] + shape[i + 1:])
+
+        j = np.zeros((), dtype=np.int64)
+        for a in ct:
+            j = j * mesh[a] + (digit(a) if a in keys else 0)
+        k = j if cover else j // r
+        held, pos = spread, np.zeros((), dtype=np.int64)
+        dead = np.zeros((), dtype=bool)
+        misses = False
+        if part is not None:
+            k, c = np.divmod(k, mesh[part] // u)
+            if part not in fixed:
+                held, pos = held * u, pos + c * u * stride[part]
+            elif part in loose:
+                misses = mesh[part] > u
+            else:
+                dead = dead | (digit(part) < c * u) | (digit(part) >= (c + 1) * u)
+        for a in reversed(front):
+            k, d = np.divmod(k, mesh[a])
+            if a not in fixed:
+                pos = pos + d * stride[a]
+            elif a in loose:
+                misses = misses or mesh[a] > 1
+            else:
+                dead = dead | (digit(a) != d)
+        dead, pos = np.broadcast_to(dead, grid).ravel(), np.broadcast_to(pos, grid).ravel()
+        self.work += dead.size
+        kept = tuple(a for a in keys if a in elsewhere)
+        group = np.zeros(dead.size, dtype=np.int64)
+        for a in kept:
+            group = group * grid[keys.index(a)] + np.broadcast_to(digit(a), grid).ravel()
+        size = math.prod(grid[keys.index(a)] for a in kept)
+        alive = ~dead
+        least = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(least, group[alive], pos[alive])
+        some_dead = np.bincount(group[dead], minlength=size) > 0
+        table: dict[tuple, set] = {}
+        for g, (p, no) in enumerate(zip(least.tolist(), some_dead.tolist())):
+            options = set() if p == np.iinfo(np.int64).max else {(held, p)}
+            if no or misses or not options:
+                options.add((0, 0))
+            digits = []
+            for a in reversed(kept):
+                g, x = divmod(g, grid[keys.index(a)])
+                digits.append(x * steps.get(a, 1))
+            table[tuple(reversed(digits))] = options
+        return kept, table
 
     def _join_options(self, tables: list[tuple[tuple, dict]]) -> set[tuple[int, int]]:
         """Every (pieces held, least position of a needer holding one) a target tile can have, from the

@@ -207,10 +207,18 @@ def _even_case(rng, sizes, partial=True):
     return shape, mesh, s, t
 
 
-def test_even_reduce_transfer_price_equals_the_listed_groups():
+@pytest.mark.parametrize("arrays", [False, True])
+def test_even_reduce_transfer_price_equals_the_listed_groups(monkeypatch, arrays):
     # even layouts are priced from per-dim tables over the fixed axes' digits, with no member listed
-    # (`Costing._reduce_recv_even`); the answer must be the per-group listing's on every group
+    # (`Costing._reduce_recv_even`); the answer must be the per-group listing's on every group. With `arrays`
+    # every table over target digits is computed on arrays (`Costing._even_holds_arrays`, threshold 0)
+    from sbp.planning import cost
     from sbp.planning.exchange import reduce_recv_max, reducible
+    if arrays:
+        monkeypatch.setattr(cost, "_LARGE_TABLE", 0)
+        calls = []
+        original = cost.Costing._even_holds_arrays
+        monkeypatch.setattr(cost.Costing, "_even_holds_arrays", lambda self, *a: calls.append(1) or original(self, *a))
     rng = random.Random(22)
     checked = light = 0
     while checked < 400:
@@ -229,6 +237,8 @@ def test_even_reduce_transfer_price_equals_the_listed_groups():
         light += costing.work < len(next(iter(groups.values())))  # no member listed
         checked += 1
     assert light > 200  # most cases take the per-dim path (the rest: q = 1 or grids that do not nest)
+    if arrays:
+        assert len(calls) > 30   # (47 of these cases take the array path)
 
 
 @pytest.mark.parametrize("src, dst, axes", [
@@ -249,9 +259,14 @@ def test_even_reduce_transfer_lists_no_member_at_16k_ranks(src, dst, axes):
                                             [block((65536, 65536), mesh, t, c) for c in group], q)
 
 
-def test_even_group_lack_equals_per_group_brute_force():
+@pytest.mark.parametrize("arrays", [False, True])
+def test_even_group_lack_equals_per_group_brute_force(monkeypatch, arrays):
     # group_lack on even layouts with free axes anywhere in the chains (strided unions): per-dim tables
-    # computed from the digits, without a piece per free digit
+    # computed from the digits, without a piece per free digit; with `arrays`, on arrays however small
+    # (`Blocks._even_groups_arrays`, threshold 0)
+    from sbp.planning import blocks
+    if arrays:
+        monkeypatch.setattr(blocks, "_LARGE_TABLE", 0)
     rng = random.Random(23)
     checked = 0
     while checked < 300:
@@ -304,6 +319,7 @@ def test_array_tables_equal_the_listed_tables(monkeypatch):
         values = []
         for threshold in (10 ** 9, 0):
             monkeypatch.setattr(blocks, "_LARGE_TABLE", threshold)
+            monkeypatch.setattr(cost, "_LARGE_TABLE", threshold)
             monkeypatch.setattr(cost, "_SMALL_GROUP", threshold)
             c = Costing(shape, mesh, 4)
             values.append((c.lack(s, t, weight=w), c.group_lack(s, t, free),
@@ -350,3 +366,23 @@ def test_group_tiles_price_as_the_listed_members():
             assert reduce_recv_max_tiles(sources, tiles, q) == reduce_recv_max(*listed, q), (shape, mesh, s, t, axes)
         later += any(row[-2] > 0 for _, _, own in tiles for row in own)
     assert later > 100   # tiles whose needers hold sources first held at a later position
+
+
+def test_even_tables_on_arrays_equal_the_listed_ones(monkeypatch):
+    # the reduce_transfer tables over target digits (`Costing._even_holds`) on arrays above `_LARGE_TABLE`
+    # entries: the same prices as listed digit by digit, on even layouts of meshes up to 16 x 16 x 16
+    from sbp.planning import cost
+    from sbp.planning.exchange import reducible
+    rng = random.Random(41)
+    checked = 0
+    while checked < 1500:
+        shape, mesh, s, t = _even_case(rng, [1, 2, 3, 4, 6, 8, 16])
+        axes = tuple(a for a in range(len(mesh)) if s[a] != t[a] or rng.random() < 0.3)
+        if not axes or not reducible(s, t, axes) or 0 in shape:
+            continue
+        prices = []
+        for threshold in (10 ** 9, 0):
+            monkeypatch.setattr(cost, "_LARGE_TABLE", threshold)
+            prices.append(Costing(shape, mesh, 4).reduce_transfer_recv(s, t, axes))
+        assert prices[0] == prices[1], (shape, mesh, s, t, axes)
+        checked += 1
