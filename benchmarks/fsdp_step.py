@@ -16,15 +16,20 @@ Figures per layout (rank 0; medians over the timed steps):
   waits (`dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`, timed by wrappers);
 - peak MiB by storage: stored parameters + gradients + optimizer states + the most gathered (unsharded)
   parameter bytes held or on the way at once (sbp: `sbp.nn.fsdp.memory_report`; FSDP2: each parameter group
-  from its all-gather's issue to its reshard, sampled at every unshard / wait / reshard); the last column
-  is that gathered peak alone.
+  from its all-gather's issue to its reshard, sampled at every unshard / wait / reshard); "gathered" is
+  that gathered peak alone;
+- sbp colls: the collectives sbp's communicator ran on rank 0 in one step (its `counters.calls`).
 
 "FSDP (4,)": the default `fully_shard(block, mesh)`: each block is verified on the first step and then computes
 on plain local shares, as FSDP2's do (the root's embedding, head and loss stay global tensors); "FSDP (4,)
 global": `local_batch=False`, the blocks on global tensors throughout.
 
 FSDP x TP: sbp `parallelize` (q, k, v, fc colwise; attention and MLP projections rowwise) then
-`fully_shard` on dp; FSDP2: `parallelize_module` with the same styles, then `fully_shard` on dp.
+`fully_shard` on dp; FSDP2: `parallelize_module` with the same styles, then `fully_shard` on dp. By default
+the tensor-parallel blocks too are verified on the first step and then compute on plain local shares (their
+colwise / rowwise layers on their local pieces, the tp collectives issued by `parallelize`'s hooks), as
+FSDP2 + `parallelize_module`'s do (its styles return local tensors: `use_local_output=True`); "FSDP x TP
+(2, 2) global": `local_batch=False`, the blocks on global tensors (sbp's code before this path existed).
 """
 from __future__ import annotations
 
@@ -183,12 +188,13 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
     times = {"sbp": [], "fsdp2": []}
     exposed = {"sbp": [], "fsdp2": []}
     cpu = {"sbp": [], "fsdp2": []}
+    calls, colls = mesh.binding.counters.calls, []   # sbp's collectives on this rank, per step
     for step, (idx, targets) in enumerate(batches(data, args.batch, cfg.block, args.warmup + args.steps, 0)):
         per = idx.shape[0] // dp_size
         local = slice(dp_coord * per, (dp_coord + 1) * per)
         for who in ("sbp", "fsdp2"):
             torch.distributed.barrier()
-            blocked0, coll0 = queue.blocked_s, timed.seconds
+            blocked0, coll0, ncalls = queue.blocked_s, timed.seconds, len(calls)
             t0, c0 = time.perf_counter(), time.process_time()
             if who == "sbp":
                 loss = ours(idx, targets).full()
@@ -202,6 +208,8 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
                 opt_theirs.step()
             seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
             if step >= args.warmup:
+                if who == "sbp":
+                    colls.append(len(calls) - ncalls)
                 times[who].append(seconds)
                 cpu[who].append(cpu_s)
                 exposed[who].append(queue.blocked_s - blocked0 if who == "sbp" else timed.seconds - coll0)
@@ -219,7 +227,8 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
             "sbp_cpu_ms": ms(cpu["sbp"]), "fsdp2_cpu_ms": ms(cpu["fsdp2"]),
             "sbp_exposed_ms": ms(exposed["sbp"]), "fsdp2_exposed_ms": ms(exposed["fsdp2"]),
             "sbp_peak": report["total"], "fsdp2_peak": fsdp2_peak,
-            "sbp_gathered": report["peak_gathered"], "fsdp2_gathered": probe.peak}
+            "sbp_gathered": report["peak_gathered"], "fsdp2_gathered": probe.peak,
+            "sbp_collectives": statistics.median(colls)}
 
 
 def worker(rank: int, world: int, port: int, args) -> None:
@@ -227,21 +236,21 @@ def worker(rank: int, world: int, port: int, args) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     shapes = [shape for shape in ((4,), (2, 2)) if args.layout in ("all", "x".join(map(str, shape)))]
-    rows = [run_layout(args, shape, rank) for shape in shapes]
-    if (4,) in shapes:   # the blocks on global tensors throughout (fully_shard(..., local_batch=False))
-        rows.insert(1, run_layout(args, (4,), rank, local_batch=False))
+    rows = []
+    for shape in shapes:   # each layout, then its blocks on global tensors throughout (local_batch=False)
+        rows += [run_layout(args, shape, rank), run_layout(args, shape, rank, local_batch=False)]
     if rank == 0:
         print(f"model: GPT dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.block}; "
               f"{args.steps} timed steps after {args.warmup} warm-up, 4 gloo ranks")
-        print(f"{'layout':22} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'CPU ms sbp/FSDP2':>17} {'ratio':>6} "
+        print(f"{'layout':23} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'CPU ms sbp/FSDP2':>17} {'ratio':>6} "
               f"{'sbp exposed':>12} {'FSDP2 exposed':>14} "
-              f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15} {'gathered KiB sbp/FSDP2':>23}")
+              f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15} {'gathered KiB sbp/FSDP2':>23} {'sbp colls':>9}")
         for r in rows:
-            print(f"{r['layout']:22} {r['sbp_ms']:8.1f} {r['fsdp2_ms']:9.1f} {r['sbp_ms'] / r['fsdp2_ms']:6.2f} "
+            print(f"{r['layout']:23} {r['sbp_ms']:8.1f} {r['fsdp2_ms']:9.1f} {r['sbp_ms'] / r['fsdp2_ms']:6.2f} "
                   f"{r['sbp_cpu_ms']:8.1f}/{r['fsdp2_cpu_ms']:<8.1f} {r['sbp_cpu_ms'] / r['fsdp2_cpu_ms']:6.2f} "
                   f"{r['sbp_exposed_ms']:10.1f}ms {r['fsdp2_exposed_ms']:12.1f}ms {r['sbp_peak'] / 2**20:13.3f} "
                   f"{r['fsdp2_peak'] / 2**20:15.3f} {r['sbp_gathered'] / 2**10:11.1f}/"
-                  f"{r['fsdp2_gathered'] / 2**10:.1f}", flush=True)
+                  f"{r['fsdp2_gathered'] / 2**10:<11.1f} {r['sbp_collectives']:5.0f}", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

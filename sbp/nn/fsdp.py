@@ -22,14 +22,16 @@ gathered back into the same storage, so tensors saved for backward see the value
 A parameter whose every dim is already split by another axis (a colwise bias under tensor parallelism)
 is split on `axis` on the same dim and moves by a planned redistribution (exact, the lower-bound bytes)
 beside the unit's buffer: a unit's 1-d ones with one layout, split evenly, together as one (`_Group`),
-any other by its own. A 0-d parameter stays replicated. A unit of per-sample computation (no
-inner units, no tensor parallelism) computes on this rank's plain share of the batch once its first
-forward showed the two ways agree (`fully_shard`'s `local_batch`). Plain tensors entering the root are
+any other by its own. A 0-d parameter stays replicated. A unit of per-sample computation without inner
+units computes on this rank's plain share of the batch once its first forward showed the two ways agree
+(`fully_shard`'s `local_batch`); with tensor parallelism its colwise / rowwise layers then compute on their
+local pieces (`sbp.nn.tp_local`). Plain tensors entering the root are
 the full batch, laid out `S(0)` on `axis` and the replicate axes (the rule `parallelize` follows on its
 data-parallel axes); pass `sbp.from_local(my_share, mesh, ...)` to give each rank's own share instead.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
@@ -48,6 +50,7 @@ from ..values.errors import MeshError, SbpError
 from ..values.layout import local_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
+from . import tp_local
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()   # module -> its unit
@@ -265,10 +268,10 @@ class Unit:
                 start += length
         done = set()
         for group in self.groups:   # one redistribution per group where its gradients line up
-            done.update(self._reduce_group(group, grads, out))
+            done.update(self._reduce_group(group, grads, out, local))
         for k, s in enumerate(self.slots):
             if not s.flat and grads[k] is not None and k not in done:   # planned slots: their own (async)
-                g = _as_global(grads[k], self.mesh, s)
+                g = self._global_grad(s, grads[k], local)
                 out[k] = _cast(redistribute_raw(g, s.stored, async_op=True), s.param.dtype)
         log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
         numels = self.numels
@@ -294,13 +297,13 @@ class Unit:
         return tuple(out)
 
     def _reduce_group(self, g: _Group, grads: tuple[Optional[torch.Tensor], ...],
-                      out: list[Optional[torch.Tensor]]) -> list[int]:
+                      out: list[Optional[torch.Tensor]], local: bool = False) -> list[int]:
         """The stored gradients of group `g`'s slots by one queued redistribution of their gradients side by
         side (into `out`); returns the positions done -- none where the gradients do not line up (one missing,
         differing layouts or dtypes, a split the stored layout lacks): those go one by one."""
         if any(grads[k] is None for k in g.at):
             return []
-        gs = [_as_global(grads[k], self.mesh, s) for k, s in zip(g.at, g.slots)]
+        gs = [self._global_grad(s, grads[k], local) for k, s in zip(g.at, g.slots)]
         pls, dtype = gs[0].placements, gs[0].dtype
         split = [i for i, p in enumerate(pls) if isinstance(p, Split)]
         if any(t.placements != pls or t.dtype != dtype for t in gs) or \
@@ -317,6 +320,18 @@ class Unit:
             out[k] = GlobalTensor(mine, self.mesh, s.stored, tuple(s.param.shape))
         return list(g.at)
 
+    def _global_grad(self, s: _Slot, grad: torch.Tensor, local: bool) -> GlobalTensor:
+        """The gradient of a gathered parameter as a global tensor: computed on local shares (`local`), a plain
+        gradient is this rank's part of the sum over the batch (`P(sum)` on the axis and the replicate axes) of
+        its gathered piece (the compute placements elsewhere); otherwise a plain gradient is the full value."""
+        if local and not isinstance(grad, GlobalTensor):
+            return GlobalTensor(grad, self.mesh, self._summed(s), tuple(s.param.shape))
+        return _as_global(grad, self.mesh, s)
+
+    def _summed(self, s: _Slot) -> tuple[Placement, ...]:
+        return tuple(Partial("sum") if a == self.axis or a in self.replicate_axes else
+                     (Broadcast() if isinstance(p, Partial) else p) for a, p in enumerate(s.compute))
+
     def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor], local: bool) -> Optional[torch.Tensor]:
         """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
         if grad is None:
@@ -324,8 +339,7 @@ class Unit:
         if local and not isinstance(grad, GlobalTensor):   # this rank's part of the sum already
             return grad.to(self.reduce_dtype) if self.reduce_dtype is not None else grad
         g = _as_global(grad, self.mesh, s)
-        want = tuple(Partial("sum") if a == self.axis or a in self.replicate_axes else
-                     (Broadcast() if isinstance(p, Partial) else p) for a, p in enumerate(s.compute))
+        want = self._summed(s)
         if g.placements != want:
             g = redistribute_raw(g, want)
         local = pending.ready(g._local)
@@ -567,15 +581,19 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     Returns `module`. Parameters may be plain (every rank holds the same full init) or global tensors
     from `parallelize` (their tensor-parallel placements stay). See the module docstring for the schedule.
 
-    `local_batch` (for a unit without inner units and without tensor-parallel parameters, whose inputs
-    are the batch: `S(0)` on `axis` and the replicate axes): a unit whose computation is independent per
-    sample runs on this rank's share of the batch as plain tensors, as FSDP2's does -- global inputs become
-    their local share, plain outputs the batch `S(0)` again -- skipping sbp's per-op dispatch. ``None``
-    (default): verified on the unit's first forward on the batch, which runs on global tensors (exact) and
-    once more on the local shares without gradients; where every rank's outputs match bitwise, the unit
-    computes locally from then on, else on global tensors for good (an op mixing samples, a random op, the
-    batch length used as a number). ``True``: local without the check (the user's promise); ``False``:
-    global tensors always. Under torch.compile, compile the blocks (``block.compile(...)``), not the root
+    `local_batch` (for a unit without inner units whose inputs are the batch: `S(0)` on `axis` and the
+    replicate axes, `B` elsewhere): a unit whose computation is independent per sample runs on this rank's
+    share of the batch as plain tensors, as FSDP2's does -- global inputs become their local share, plain
+    outputs the batch `S(0)` again -- skipping sbp's per-op dispatch. ``None`` (default): verified on the
+    unit's first forward on the batch, which runs on global tensors (exact) and once more on the local shares
+    without gradients; where every rank's outputs match bitwise, the unit computes locally from then on, else
+    on global tensors for good (an op mixing samples, a random op, the batch length used as a number). A unit
+    with tensor-parallel parameters qualifies where every layer `parallelize` styled in it is `Colwise` or
+    `Rowwise`: on local shares those layers compute on their local pieces and `parallelize`'s hooks make the
+    tp collectives (`sbp.nn.tp_local`), as FSDP2 + `parallelize_module` does; its check also requires that its
+    Broadcast parameters and inputs never meet the tp-split activations (`tp_local.SplitTracker`). ``True``:
+    local without the check (the user's promise; not for tensor-parallel units); ``False``: global tensors
+    always. Under torch.compile, compile the blocks (``block.compile(...)``), not the root
     (`CompileNotSupported`).
 
     >>> import copy, torch, sbp, sbp.testing
@@ -612,7 +630,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
             owner._parameters[name] = _adopt(unit, owner, name, param, f"{path}.{name}".lstrip("."))
     _layout_buffer(unit)
     tp = [(s.name, s.compute) for s in unit.slots if any(not isinstance(p, Broadcast) for p in s.compute)]
-    if local_batch is None and not (tp or inner):
+    if local_batch is None and not inner and (not tp or tp_local.local_styles(module.modules())):
         unit.auto = "unverified"
     if local_batch:
         if tp or inner:
@@ -863,8 +881,10 @@ def _verify_local(unit: Unit, out: Any) -> None:
         with torch.no_grad():
             largs, lkwargs = _local_inputs(unit, args, kwargs)
             _bind(unit, True)
-            mine = unit.module.forward(*largs, **lkwargs)
-            ok = _same_as_local(unit, out, mine)
+            tracker = _split_tracker(unit, largs, lkwargs)
+            with tracker if tracker is not None else contextlib.nullcontext():
+                mine = unit.module.forward(*largs, **lkwargs)
+            ok = _same_as_local(unit, out, mine) and (tracker is None or tracker.bad is None)
     except Exception:   # a local run that fails cannot stand in for the global one: keep computing globally
         ok = False
     finally:
@@ -878,6 +898,18 @@ def _verify_local(unit: Unit, out: Any) -> None:
     ok = bool(pending.ready(verdict).item() == 0)
     unit.auto = "local" if ok else "global"
     unit.schedule.log.append(("verify_local", unit.name, unit.auto))
+
+
+def _split_tracker(unit: Unit, args: tuple, kwargs: dict) -> Optional[tp_local.SplitTracker]:
+    """For a unit with tensor-parallel parameters: the check that its Broadcast parameters and inputs never meet
+    the tp pieces on local shares (`sbp.nn.tp_local.SplitTracker`); the gathered parameters bound already."""
+    if not any(tp_local.split_params(s.compute) for s in unit.slots):
+        return None
+    split, replicated = [], list(_tensors((args, kwargs)))
+    for (owner_id, name), s in unit.tied.items():
+        bound = _owner_of(unit, owner_id)._parameters[name]
+        (split if tp_local.split_params(s.compute) else replicated).append(bound)
+    return tp_local.SplitTracker(split, replicated)
 
 
 def _same_as_local(unit: Unit, out: Any, mine: Any) -> bool:

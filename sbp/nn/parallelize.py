@@ -17,7 +17,9 @@ What it does, in order:
    optionally returns the local tensor). On a mesh with more axes than the tp axis, plain tensors
    entering the root module become `S(0)` (the batch) on those axes: data parallelism. An `nn.Embedding` the
    plan leaves out (Broadcast, e.g. a position table) looks plain indices up in its local table, so its
-   gradient is whole on every rank, never split by rows and gathered back.
+   gradient is whole on every rank, never split by rows and gathered back. Inside a `fully_shard` unit that
+   computes on plain local shares (its gathered parameters bound as plain tensors), a colwise / rowwise layer
+   computes on its local pieces instead, the hooks making the tp collectives (`sbp.nn.tp_local`).
 
 All communication is what the placements imply; nothing here calls a collective by hand.
 """
@@ -39,7 +41,7 @@ from ..values.errors import SbpError
 from ..values.layout import split_range
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
-from . import packed
+from . import packed, tp_local
 from .buckets import bucket_gradients
 from .hf import auto_plan, style_for
 from .styles import AllReduce, Colwise, Embedding, Packed, Rowwise, Style
@@ -142,6 +144,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
                 continue
             sub._parameters[name] = _shard(param, mesh, pls, f"{path}.{name}".lstrip("."), converted)
         if isinstance(style, Packed):
+            tp_local.STYLES[sub] = style
             packed.install(sub, style, ctx, _from_full)
         else:
             _hook(sub, style, ctx)
@@ -319,6 +322,7 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], na
 # ---- hooks -----------------------------------------------------------------------------------------
 
 def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
+    tp_local.STYLES[module] = style
     if isinstance(style, Rowwise) and isinstance(module, nn.Linear):
         _hook_rowwise(module, style, ctx)
         return
@@ -339,11 +343,15 @@ def _hook_fns(module: nn.Module, style: Style, ctx: _Context):
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
+        if _computes_locally(mod):   # inside a fully_shard unit computing on plain local shares
+            return (_local_input(args[0], style, mod, ctx),) + tuple(args[1:])
         if torch.compiler.is_compiling():
             return (compiled_in(args[0]),) + tuple(args[1:])
         return (_to_input(args[0], style, mod, ctx),) + tuple(args[1:])
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if _computes_locally(mod) and isinstance(out, torch.Tensor):
+            return _local_output(out, style, mod, ctx)
         if torch.compiler.is_compiling() and isinstance(out, torch.Tensor):
             return compiled_out(out)
         return convert_out(out)
@@ -381,6 +389,14 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
     global_pre, global_post = _hook_fns(module, style, ctx)   # the matmul's own rule: a weight not plainly ours
 
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
+        if args and isinstance(args[0], torch.Tensor) and _computes_locally(mod):   # a fully_shard unit's local shares
+            x = _local_rowwise_input(args[0], style, mod, ctx)
+            bias = mod._parameters["bias"]
+            saved.append((None, bias, None))
+            if bias is not None:   # added to the partial sums as `P(sum)`, as the global layer's addmm does
+                mod._parameters["bias"] = tp_local.move(bias, ctx.mesh, ctx.tp_axis, tuple(bias.shape), Broadcast(),
+                                                        Partial())
+            return (x,) + tuple(args[1:])
         if not args or not isinstance(args[0], torch.Tensor) or not isinstance(mod._parameters["weight"], GlobalTensor):
             return None
         if torch.compiler.is_compiling():
@@ -400,6 +416,11 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
         if not saved:
             return global_post(mod, args, out) if isinstance(out, GlobalTensor) else None
         weight, bias, x = saved.pop()
+        if weight is None:   # computed on plain local tensors: reduce the partial sums on tp
+            mod._parameters["bias"] = bias
+            if not isinstance(out, torch.Tensor):
+                return None
+            return tp_local.move(out, ctx.mesh, ctx.tp_axis, tuple(out.shape), Partial(), Broadcast())
         mod._parameters["weight"] = weight
         mod._parameters["bias"] = bias
         if not isinstance(out, torch.Tensor):   # the forward raised (always_call) or returned something else
@@ -410,6 +431,51 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
+
+
+def _computes_locally(module: nn.Module) -> bool:
+    """Whether the parallelized `module` holds plain parameters: a `fully_shard` unit computing on this rank's
+    plain share of the batch bound its gathered locals there (`parallelize` made every parameter global)."""
+    return any(p is not None and not isinstance(p, GlobalTensor) for p in module._parameters.values())
+
+
+def _local_input(x: torch.Tensor, style: Style, module: nn.Module, ctx: _Context) -> torch.Tensor:
+    """A colwise layer's plain local input (this rank's share of the batch, `B` on tp), through Megatron's `f`
+    (`sbp.nn.tp_local.reduce_grad`): its gradient is all-reduced on tp; shared by the layers reading one tensor
+    (q, k, v: one all_reduce of their summed gradients)."""
+    if not isinstance(style, Colwise) or isinstance(x, GlobalTensor):
+        raise tp_local.refuse(module, f"style {type(style).__name__} with a {type(x).__name__} input (valid: Colwise "
+                                      f"or Rowwise layers on plain tensors)")
+    if not isinstance(style.input_placement, Broadcast):
+        raise tp_local.refuse(module, f"Colwise(input_placement={style.input_placement!r}) (valid: B)")
+    return ctx.shared(x, "local", lambda t: tp_local.reduce_grad(t, ctx.mesh, ctx.tp_axis))
+
+
+def _local_output(out: torch.Tensor, style: Style, module: nn.Module, ctx: _Context) -> torch.Tensor:
+    """A colwise layer's plain local output (its output features: `S(-1)` on tp) moved to the style's output
+    placement on tp, still a plain local tensor."""
+    if not isinstance(style, Colwise) or not out.ndim:
+        raise tp_local.refuse(module, f"style {type(style).__name__} (valid: Colwise or Rowwise)")
+    have, want = Split(out.ndim - 1), normalize((style.output_placement,), out.ndim, 1)[0]
+    if want == have:
+        return out
+    shape = tuple(out.shape[:-1]) + (module.out_features,)
+    return tp_local.move(out, ctx.mesh, ctx.tp_axis, shape, have, want)
+
+
+def _local_rowwise_input(x: torch.Tensor, style: Rowwise, module: nn.Linear, ctx: _Context) -> torch.Tensor:
+    """A rowwise layer's plain local input: this rank's slice of the input features (`S(-1)` on tp, what a
+    colwise layer's local output is); the output must be reduced to `B`."""
+    n, c = ctx.mesh.shape[ctx.tp_axis], ctx.mesh.coord[ctx.tp_axis]
+    lo, hi = split_range(0, module.in_features, n, c)
+    if isinstance(x, GlobalTensor) or not x.ndim or x.shape[-1] != hi - lo:
+        raise tp_local.refuse(module, f"a rowwise layer takes this rank's {hi - lo} of {module.in_features} input "
+                                      f"features as a plain tensor, got {type(x).__name__} of shape {tuple(x.shape)}")
+    if normalize((style.input_placement,), x.ndim, 1)[0] != Split(x.ndim - 1) or \
+            not isinstance(style.output_placement, Broadcast):
+        raise tp_local.refuse(module, f"Rowwise(input_placement={style.input_placement!r}, output_placement="
+                                      f"{style.output_placement!r}) (valid: S(-1) and B)")
+    return x
 
 
 def _replicable(module: nn.Embedding) -> bool:
@@ -431,39 +497,62 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
     data-parallel axes) the output's gradient is a sum over the ranks' shares: it stays `P(sum)` there
     through the lookup's backward (linear in it), and the table's gradient is `P(sum)` on those axes, reduced
     once with the other parameters' gradients (in a dp bucket, or by `fully_shard`'s reduce_scatter) instead
-    of an all_reduce of the output's gradient of its own. Global indices (e.g. a batch split on dp) take the
-    op's rules, as before."""
-    saved: list[GlobalTensor] = []
+    of an all_reduce of the output's gradient of its own. Global indices (e.g. the batch, split on dp: a token
+    table the plan leaves out, `fully_shard`'s root) are looked up the same way, each rank its local indices in
+    the whole table: the output has the indices' placements, the table's gradient is `P(sum)` where they are
+    split and `B` elsewhere (eager; under torch.compile they take the op's rules)."""
+    saved: list[tuple[GlobalTensor, Optional[GlobalTensor]]] = []
     replicated = tuple(Broadcast() for _ in range(ctx.mesh.ndim))
     summed = tuple(Partial() if a in ctx.dp_axes else Broadcast() for a in range(ctx.mesh.ndim))
     compiled_local = torch._dynamo.nonstrict_trace(lambda w: _replicated_local(w, replicated, summed))
     compiled_wrap = torch._dynamo.nonstrict_trace(lambda out: _replicated_output(out, ctx.mesh, replicated, summed))
 
-    def pre(mod: nn.Module, args: tuple) -> None:
+    def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
         weight = mod._parameters["weight"]
-        if not args or not _is_plain(args[0]) or not isinstance(weight, GlobalTensor):
-            return
+        if not args or not isinstance(weight, GlobalTensor):
+            return None
+        if isinstance(args[0], GlobalTensor):   # each rank looks up its local indices in the whole table
+            idx = args[0]
+            if torch.compiler.is_compiling() or weight.placements != replicated or not _local_indices(idx, ctx):
+                return None
+            grad_w = tuple(Partial() if isinstance(p, Split) else Broadcast() for p in idx.placements)
+            saved.append((weight, idx))
+            mod._parameters["weight"] = weight.to_local(grad_placements=grad_w)
+            return (idx.to_local(),) + tuple(args[1:])
+        if not _is_plain(args[0]):
+            return None
         if torch.compiler.is_compiling():
             local = compiled_local(weight)
         elif weight.placements != replicated:   # e.g. fully_shard's: it manages the weight
-            return
+            return None
         else:
             local = _replicated_local(weight, replicated, summed)
-        saved.append(weight)
+        saved.append((weight, None))
         mod._parameters["weight"] = local
+        return None
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
         if not saved:
             return None
-        mod._parameters["weight"] = saved.pop()
+        weight, idx = saved.pop()
+        mod._parameters["weight"] = weight
         if not isinstance(out, torch.Tensor):   # the forward raised (always_call)
             return None
+        if idx is not None:   # this rank's rows of the lookup: the indices' layout
+            return from_local_autograd(out, ctx.mesh, idx.placements, tuple(idx.shape) + tuple(out.shape[idx.ndim:]))
         if torch.compiler.is_compiling():
             return compiled_wrap(out)
         return _replicated_output(out, ctx.mesh, replicated, summed)
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
+
+
+def _local_indices(idx: GlobalTensor, ctx: _Context) -> bool:
+    """Whether global indices can be looked up rank by rank in the whole table: integer, on the model's mesh,
+    split or Broadcast (no Partial) -- the output is then laid out as the indices."""
+    return (not idx.is_floating_point() and not idx.is_complex() and idx.mesh == ctx.mesh
+            and not any(isinstance(p, Partial) for p in idx.placements))
 
 
 def _replicated_local(weight: GlobalTensor, replicated: tuple[Placement, ...],

@@ -21,7 +21,7 @@ from ..values.layout import split_range
 from ..values.placement import Broadcast, Split
 from .states import State
 
-_LARGE_TABLE = 512
+LARGE_TABLE = 512
 """Per-dim tables with more entries than this are computed on arrays (`Blocks._table_groups`)."""
 
 
@@ -111,7 +111,7 @@ class Blocks:
         key = (d, chain)
         out = self._dim.get(key)
         if out is None:
-            if math.prod(self.mesh_shape[a] for a in chain) > _LARGE_TABLE:
+            if math.prod(self.mesh_shape[a] for a in chain) > LARGE_TABLE:
                 lo, hi = self._spans_array(d, chain)
                 out = self._dim[key] = tuple(zip(lo.tolist(), hi.tolist()))
                 return out
@@ -283,7 +283,7 @@ class Blocks:
         """The most ``weight * N - O`` over coords, N a target block's size and O what is held of it: by
         one rank, or with `free` axes, by the ranks that differ from it only there (`_table`)."""
         shared, per_dim = self._joined_tables(have, want, free, _best)
-        if math.prod(self.mesh_shape[a] for a in shared) > _LARGE_TABLE:
+        if math.prod(self.mesh_shape[a] for a in shared) > LARGE_TABLE:
             out = self._max_lack_arrays(shared, per_dim, weight)
             if out is not None:
                 return out
@@ -362,7 +362,7 @@ class Blocks:
             where = [axes.index(a) for a in shared if a in axes]
             free_d = tuple(a for a in have[d] if a in free)
             groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where))
-            if groups is None and math.prod(self.mesh_shape[a] for a in axes) > _LARGE_TABLE:
+            if groups is None and math.prod(self.mesh_shape[a] for a in axes) > LARGE_TABLE:
                 groups = self._table_groups(d, have[d], want[d], free_d, axes, where, keep is _best)
                 per_dim.append(([shared.index(axes[i]) for i in where], groups))
                 continue
@@ -479,7 +479,7 @@ class Blocks:
         loose = any(mesh[a] > 1 for a in spelled if a not in where) or (
             part is not None and part not in free and part not in where and mesh[part] > u)
         n, out = length // nw, {}
-        if math.prod(mesh[a] for a in axes) > _LARGE_TABLE:
+        if math.prod(mesh[a] for a in axes) > LARGE_TABLE:
             return self._even_groups_arrays(axes, want, kept, front, part, u, free, nh, nw, n, held, loose)
         for digits in itertools.product(*(range(mesh[a]) for a in axes)):
             j = 0

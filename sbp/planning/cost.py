@@ -29,7 +29,7 @@ import numpy as np
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
-from .blocks import _LARGE_TABLE, Blocks
+from .blocks import LARGE_TABLE, Blocks
 from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
 from .states import State
 
@@ -383,7 +383,7 @@ class Costing(Blocks):
                     steps[inner[1]] = inner[2]
             where = {a: k for k, a in enumerate(keys)}
             grid = [len(range(0, mesh[a], steps.get(a, 1))) for a in keys]
-            if math.prod(grid) > _LARGE_TABLE:
+            if math.prod(grid) > LARGE_TABLE:
                 out = self._even_holds_arrays(keys, steps, grid, elsewhere, ct, cover, (front, part, u, spread),
                                               fixed, loose, stride, nt // ns if not cover else 1)
                 self._memo[key] = out

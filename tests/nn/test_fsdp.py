@@ -73,10 +73,10 @@ def _model(shapes: dict) -> tuple[Net, torch.Tensor, torch.Tensor]:
 
 
 def _shard(net: Net, mesh, layout: str) -> Net:
-    if layout in ("fsdp_tp", "hsdp"):
+    if layout in ("fsdp_tp", "fsdp_tp_global", "hsdp"):
         sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="tp")
-    for block in net.blocks:   # "fsdp": global tensors throughout; else the default (verified local shares)
-        sbp.nn.fully_shard(block, mesh, "dp", local_batch=False if layout == "fsdp" else None)
+    for block in net.blocks:   # "fsdp", "..._global": global tensors throughout; else the default (verified local)
+        sbp.nn.fully_shard(block, mesh, "dp", local_batch=False if layout in ("fsdp", "fsdp_tp_global") else None)
     return sbp.nn.fully_shard(net, mesh, "dp")
 
 
@@ -111,7 +111,7 @@ def _run(mesh, shapes: dict, layout: str):
 
 
 MESHES = {"fsdp": ((4,), ("dp",)), "fsdp_auto": ((4,), ("dp",)), "fsdp_tp": ((2, 2), ("dp", "tp")),
-          "hsdp": ((2, 1, 2), ("rep", "dp", "tp"))}
+          "fsdp_tp_global": ((2, 2), ("dp", "tp")), "hsdp": ((2, 1, 2), ("rep", "dp", "tp"))}
 
 
 def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None:
@@ -121,9 +121,9 @@ def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None
     shape, names = MESHES[layout]
     results = sbp.testing.spmd(functools.partial(_run, shapes=shapes, layout=layout), shape, names=names,
                                backend=backend)
-    # the blocks are per-sample: by default they are verified on the first step, then compute on local shares;
-    # tensor-parallel blocks (and local_batch=False) compute on global tensors
-    modes = {"fsdp": ["off", "off"], "fsdp_auto": ["local", "local"]}.get(layout, ["off", "off"])
+    # the blocks are per-sample: by default they are verified on the first step, then compute on local shares
+    # (tensor-parallel blocks too: their colwise / rowwise layers on their local pieces); local_batch=False: global
+    modes = {"fsdp": ["off", "off"], "fsdp_tp_global": ["off", "off"]}.get(layout, ["local", "local"])
     for losses, params, shards, auto in results:
         assert auto == modes, (layout, auto)
         assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
@@ -138,7 +138,7 @@ def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shapes", [EVEN, UNEVEN], ids=["even", "uneven"])
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_auto", "fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_auto", "fsdp_tp", "fsdp_tp_global", "hsdp"])
 def test_training_matches_one_process(layout: str, shapes: dict) -> None:
     _check_training(layout, shapes)
 
@@ -230,6 +230,127 @@ def test_local_batch_default_keeps_sample_mixing_blocks_global(kind: str) -> Non
     ref = dict(net.named_parameters())
     for losses, params, modes, verdicts in sbp.testing.spmd(functools.partial(_mixing, kind=kind), (4,), names=("dp",)):
         assert modes == ["local", "global"] and verdicts == []
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+
+
+class Gain(nn.Module):
+    """A tensor-parallel block whose hidden activations -- split on tp between its colwise `fc1` and rowwise `fc2`
+    -- are scaled by a parameter Broadcast on tp (`gain`): on plain local shares that parameter's gradient
+    would be one tp rank's part of a sum, so the block must stay on global tensors."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block, self.gain = block, nn.Parameter(torch.full((1,), 1.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        return x + b.fc2(torch.tanh(b.fc1(b.ln(x))) * self.gain)
+
+
+def _tp_local(mesh, kind: str):
+    """FSDP x TP on (2, 2) with the blocks verified (`kind="local"`), or on global tensors (`"global"`), or
+    `Gain` blocks (`"gain"`); 3 steps, and the collectives of the last step in order."""
+    net, x, y = _model(EVEN)
+    plan = TP_PLAN
+    if kind == "gain":
+        for i, block in enumerate(net.blocks):
+            net.blocks[i] = Gain(block)
+        plan = {"blocks.*.block.fc1": "colwise", "blocks.*.block.fc2": "rowwise"}
+    sbp.nn.parallelize(net, mesh, plan, tp_axis="tp")
+    for block in net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp", local_batch=False if kind == "global" else None)
+    sbp.nn.fully_shard(net, mesh, "dp")
+    losses = _train(net, x, y, mesh, steps=2)[0]
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)   # (as `_train`: a new Adam for the last step)
+    calls = mesh.binding.counters.calls
+    before = len(calls)
+    opt.zero_grad(set_to_none=True)
+    loss = ((net(x) - sbp.distribute(y, mesh, "S(0), B")) ** 2).mean()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    sbp.runtime.pending.wait_all(mesh.binding)
+    step = [(c.collective, c.axes) for c in calls[before:]]
+    params = {n: p.full().detach() for n, p in net.named_parameters()}
+    return losses, params, [unit_of(b).auto for b in net.blocks], step
+
+
+def test_tensor_parallel_blocks_compute_on_local_shares() -> None:
+    """FSDP x TP on (2, 2): by default a tensor-parallel block is verified on its first forward and then computes on
+    plain local shares -- its colwise / rowwise layers on their local pieces, the tp collectives (the colwise input
+    gradient's all_reduce, the rowwise output's) made by parallelize's hooks -- with exactly the collectives of the
+    blocks on global tensors, and trains as one process. A block whose Broadcast parameter meets the tp-split
+    activations stays on global tensors (and trains as one process)."""
+    net, x, y = _model(EVEN)
+    ref_losses = _train(net, x, y, steps=2)[0] + _train(net, x, y, steps=1)[0]
+    ref = dict(net.named_parameters())
+    local = sbp.testing.spmd(functools.partial(_tp_local, kind="local"), (2, 2), names=("dp", "tp"))
+    glob = sbp.testing.spmd(functools.partial(_tp_local, kind="global"), (2, 2), names=("dp", "tp"))
+    for (losses, params, modes, step), (_, _, modes_global, step_global) in zip(local, glob):
+        assert modes == ["local", "local"] and modes_global == ["off", "off"], (modes, modes_global)
+        assert step == step_global, (step, step_global)
+        assert ("all_reduce", (1,)) in step   # the tp collectives are there
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+    gained, x, y = _model(EVEN)
+    gained.blocks = nn.ModuleList(Gain(b) for b in gained.blocks)
+    ref_losses = _train(gained, x, y, steps=2)[0] + _train(gained, x, y, steps=1)[0]
+    ref = dict(gained.named_parameters())
+    for losses, params, modes, _ in sbp.testing.spmd(functools.partial(_tp_local, kind="gain"), (2, 2),
+                                                    names=("dp", "tp")):
+        assert modes == ["global", "global"], modes
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
+
+
+class Tokens(nn.Module):
+    """`Net` reading token ids through an embedding the tensor-parallel plan leaves out (Broadcast on tp)."""
+
+    def __init__(self, net: Net, vocab: int) -> None:
+        super().__init__()
+        self.wte, self.net = nn.Embedding(vocab, EVEN["d_in"]).double(), net
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.net(self.wte(idx))
+
+
+def _tokens() -> tuple[Tokens, torch.Tensor, torch.Tensor]:
+    with _BUILD:   # one init for every rank (thread-ranks share torch's global generator)
+        net, _, y = _template(tuple(sorted(EVEN.items())))
+        torch.manual_seed(4)
+        model = Tokens(copy.deepcopy(net), 11)
+        return model, torch.randint(0, 11, (EVEN["batch"],), generator=torch.Generator().manual_seed(5)), y
+
+
+def _tokens_step(mesh):
+    model, idx, y = _tokens()
+    sbp.nn.parallelize(model, mesh, {"net.blocks.*.fc1": "colwise", "net.blocks.*.fc2": "rowwise"}, tp_axis="tp")
+    for block in model.net.blocks:
+        sbp.nn.fully_shard(block, mesh, "dp")
+    sbp.nn.fully_shard(model, mesh, "dp")
+    losses = _train(model, idx, y, mesh, steps=2)[0]
+    calls = mesh.binding.counters.calls
+    before = len(calls)
+    losses += _train(model, idx, y, mesh, steps=1)[0]
+    sbp.runtime.pending.wait_all(mesh.binding)
+    return losses, {n: p.full().detach() for n, p in model.named_parameters()}, [(c.collective, c.axes)
+                                                                              for c in calls[before:]]
+
+
+def test_token_embedding_left_out_of_the_plan_looks_up_local_indices() -> None:
+    """FSDP x TP on (2, 2), a token table the plan leaves out (Broadcast on tp) looked up with the batch (`S(0)` on
+    dp): each rank looks its own indices up in the whole table, so the table's gradient is `P(sum)` on dp and `B`
+    on tp, reduced by the root's reduce_scatter -- no all_gather on tp for it (the lookup's own rule split the
+    gradient's rows on tp, gathered back) -- and training equals one process."""
+    model, idx, y = _tokens()
+    ref_losses = _train(model, idx, y, steps=2)[0] + _train(model, idx, y, steps=1)[0]
+    ref = dict(model.named_parameters())
+    for losses, params, step in sbp.testing.spmd(_tokens_step, (2, 2), names=("dp", "tp")):
+        assert ("all_gather", (1,)) not in step, step
         assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
         for name, value in params.items():
             assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name

@@ -215,7 +215,7 @@ def test_even_reduce_transfer_price_equals_the_listed_groups(monkeypatch, arrays
     from sbp.planning import cost
     from sbp.planning.exchange import reduce_recv_max, reducible
     if arrays:
-        monkeypatch.setattr(cost, "_LARGE_TABLE", 0)
+        monkeypatch.setattr(cost, "LARGE_TABLE", 0)
         calls = []
         original = cost.Costing._even_holds_arrays
         monkeypatch.setattr(cost.Costing, "_even_holds_arrays", lambda self, *a: calls.append(1) or original(self, *a))
@@ -266,7 +266,7 @@ def test_even_group_lack_equals_per_group_brute_force(monkeypatch, arrays):
     # (`Blocks._even_groups_arrays`, threshold 0)
     from sbp.planning import blocks
     if arrays:
-        monkeypatch.setattr(blocks, "_LARGE_TABLE", 0)
+        monkeypatch.setattr(blocks, "LARGE_TABLE", 0)
     rng = random.Random(23)
     checked = 0
     while checked < 300:
@@ -297,7 +297,7 @@ def test_partial_planning_work_stays_small_on_symmetric_layouts(src, dst):
 
 
 def test_array_tables_equal_the_listed_tables(monkeypatch):
-    # per-dim tables with more entries than `_LARGE_TABLE` are computed on arrays (`Blocks._table_groups`,
+    # per-dim tables with more entries than `LARGE_TABLE` are computed on arrays (`Blocks._table_groups`,
     # `Blocks._max_lack_arrays`), reduce_transfer groups of more than `_SMALL_GROUP` members too
     # (`Costing._group_tiles`); with the thresholds at 0 everything takes those paths: the same lacks, group
     # lacks and reduce_transfer prices as the listed tables and members, and per-coord brute force
@@ -318,8 +318,8 @@ def test_array_tables_equal_the_listed_tables(monkeypatch):
         w = rng.choice([1, 2, 3])
         values = []
         for threshold in (10 ** 9, 0):
-            monkeypatch.setattr(blocks, "_LARGE_TABLE", threshold)
-            monkeypatch.setattr(cost, "_LARGE_TABLE", threshold)
+            monkeypatch.setattr(blocks, "LARGE_TABLE", threshold)
+            monkeypatch.setattr(cost, "LARGE_TABLE", threshold)
             monkeypatch.setattr(cost, "_SMALL_GROUP", threshold)
             c = Costing(shape, mesh, 4)
             values.append((c.lack(s, t, weight=w), c.group_lack(s, t, free),
@@ -339,7 +339,7 @@ def test_uneven_lack_at_16k_ranks_on_arrays(monkeypatch, src, dst):
     from sbp.planning import blocks
     s, t = sbp.placements(src), sbp.placements(dst)
     got = Costing((1000, 1000), (16, 32, 32), 4).lack(s, t)
-    monkeypatch.setattr(blocks, "_LARGE_TABLE", 10 ** 9)
+    monkeypatch.setattr(blocks, "LARGE_TABLE", 10 ** 9)
     assert got == Costing((1000, 1000), (16, 32, 32), 4).lack(s, t) > 0
 
 
@@ -369,7 +369,7 @@ def test_group_tiles_price_as_the_listed_members():
 
 
 def test_even_tables_on_arrays_equal_the_listed_ones(monkeypatch):
-    # the reduce_transfer tables over target digits (`Costing._even_holds`) on arrays above `_LARGE_TABLE`
+    # the reduce_transfer tables over target digits (`Costing._even_holds`) on arrays above `LARGE_TABLE`
     # entries: the same prices as listed digit by digit, on even layouts of meshes up to 16 x 16 x 16
     from sbp.planning import cost
     from sbp.planning.exchange import reducible
@@ -382,7 +382,7 @@ def test_even_tables_on_arrays_equal_the_listed_ones(monkeypatch):
             continue
         prices = []
         for threshold in (10 ** 9, 0):
-            monkeypatch.setattr(cost, "_LARGE_TABLE", threshold)
+            monkeypatch.setattr(cost, "LARGE_TABLE", threshold)
             prices.append(Costing(shape, mesh, 4).reduce_transfer_recv(s, t, axes))
         assert prices[0] == prices[1], (shape, mesh, s, t, axes)
         checked += 1
