@@ -238,12 +238,8 @@ class Blocks:
         values = {a: sorted(set(r)) for a, r in reps.items()}
         # per dim, (length, overlap) depends on the digits of its chains' axes alone: a table over their
         # representative digits, joined with the other dims' on the axes they share (as `_max_lack`)
-        seen: dict[int, int] = {}
         dims = [sorted(set(p) | set(q)) for p, q in zip(have, want)]
-        for axes in dims:
-            for a in axes:
-                seen[a] = seen.get(a, 0) + 1
-        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        shared = shared_axes(dims)
         per_dim = []
         for d, (p, q, axes) in enumerate(zip(have, want, dims)):
             where = [axes.index(a) for a in shared if a in axes]
@@ -352,11 +348,7 @@ class Blocks:
         """Per dim, its `_table` grouped by the digits of the axes it shares with other dims, each group
         reduced by `keep`; and the shared axes. Dims that share no axis are chosen freely."""
         dims = [tuple(sorted((set(p) | set(q)) - set(free))) for p, q in zip(have, want)]
-        seen: dict[int, int] = {}
-        for axes in dims:
-            for a in axes:
-                seen[a] = seen.get(a, 0) + 1
-        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        shared = shared_axes(dims)
         per_dim = []
         for d, axes in enumerate(dims):
             where = [axes.index(a) for a in shared if a in axes]
@@ -396,7 +388,7 @@ class Blocks:
         kept, gstride = {}, 1
         for k in reversed(range(len(axes))):   # every digit combination, row-major over `axes`
             a = axes[k]
-            digit = np.arange(sizes[k], dtype=np.int64).reshape([-1 if m == k else 1 for m in range(len(axes))])
+            digit = digit_grid(sizes, k)
             if a in wstride:
                 j = j + digit * wstride[a]
             if a in hstride:
@@ -413,11 +405,10 @@ class Blocks:
             held += np.clip(np.minimum(hhi[at], hi) - np.maximum(hlo[at], lo), 0, None)
         self.work += lo.size * max(1, math.prod(mesh[a] for a in free))
         n = hi - lo
-        # per group, its pairs in order of (longer first, less held first): the first of each length is the
-        # least held of that length
+        # per group, its pairs longer first, less held first: the first of each (group, length) is the least
+        # held of that length; `_best` keeps no other, the distinct pairs all
         order = np.lexsort((held, -n, g))
         g, n, held = g[order], n[order], held[order]
-        # the first of each (group, length) is its least held; `_best` keeps no other, the distinct pairs all
         step = (g[1:] != g[:-1]) | (n[1:] != n[:-1])
         first = np.concatenate(([True], step if best else step | (held[1:] != held[:-1])))
         out = {}
@@ -510,11 +501,7 @@ class Blocks:
         meets the source pieces off the free axes, then per digits of the `kept` axes the pairs that occur."""
         mesh = self.mesh_shape
         sizes = [mesh[a] for a in axes]
-
-        def digit(a: int) -> np.ndarray:
-            i = axes.index(a)
-            return np.arange(sizes[i], dtype=np.int64).reshape([-1 if m == i else 1 for m in range(len(axes))])
-
+        digit = lambda a: digit_grid(sizes, axes.index(a))  # noqa: E731
         j = np.zeros((), dtype=np.int64)
         for a in want:
             j = j * mesh[a] + digit(a)
@@ -536,14 +523,9 @@ class Blocks:
         size = math.prod(mesh[a] for a in kept)
         some = np.bincount(group[meets], minlength=size) > 0
         missed = np.bincount(group[~meets], minlength=size) > 0
-        out = {}
-        for g, (hit, miss) in enumerate(zip(some.tolist(), missed.tolist())):
-            digits = []
-            for a in reversed(kept):
-                g, x = divmod(g, mesh[a])
-                digits.append(x)
-            out[tuple(reversed(digits))] = ([(n, held)] if hit else []) + ([(n, 0)] if loose or miss else [])
-        return out
+        return {digits: ([(n, held)] if hit else []) + ([(n, 0)] if loose or miss else [])   # (groups row-major)
+                for digits, hit, miss in zip(itertools.product(*(range(mesh[a]) for a in kept)), some.tolist(),
+                                             missed.tolist())}
 
     def _shared_digits(self, shared: tuple[int, ...]) -> list[tuple[int, ...]]:
         combos = list(itertools.product(*(range(self.mesh_shape[a]) for a in shared)))
@@ -653,3 +635,26 @@ def _picker(where: list[int]):
         k = where[0]
         return lambda digits: (digits[k],)
     return operator.itemgetter(*where)
+
+
+def shared_axes(axes_per_table) -> tuple[int, ...]:
+    """The axes that more than one of the tables' axis lists name (sorted): what per-dim tables are joined on.
+
+    >>> shared_axes([(0, 1), (1, 2), (2,)])
+    (1, 2)
+    """
+    seen: dict[int, int] = {}
+    for axes in axes_per_table:
+        for a in axes:
+            seen[a] = seen.get(a, 0) + 1
+    return tuple(a for a in sorted(seen) if seen[a] > 1)
+
+
+def digit_grid(sizes: list[int], k: int, step: int = 1) -> np.ndarray:
+    """The digits ``0, step, 2 step, ...`` of axis `k` of a grid of these `sizes` (each the count of digits taken),
+    shaped to broadcast along that axis: every digit combination at once, row-major.
+
+    >>> digit_grid([2, 3], 1).tolist(), digit_grid([2, 3], 0, step=4).tolist()
+    ([[0, 1, 2]], [[0], [4]])
+    """
+    return (np.arange(sizes[k], dtype=np.int64) * step).reshape([-1 if m == k else 1 for m in range(len(sizes))])

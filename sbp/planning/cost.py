@@ -29,7 +29,7 @@ import numpy as np
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
-from .blocks import LARGE_TABLE, Blocks
+from .blocks import LARGE_TABLE, Blocks, digit_grid, shared_axes
 from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
 from .states import State
 
@@ -169,12 +169,17 @@ class Costing(Blocks):
                 if self.group_size(axes) > _SMALL_GROUP:
                     out = max(out, reduce_recv_max_tiles(*self._group_tiles(have, want, axes, fixed), q))
                 else:   # (a few members: listed one by one, cheaper than arrays)
-                    members = list(itertools.product(*(range(n) if a in axes else (fixed.get(a, 0),)
-                                                       for a, n in enumerate(self.mesh_shape))))
+                    members = self._group_coords(axes, fixed)
                     out = max(out, reduce_recv_max([self._block_at(have, c) for c in members],
                                                    [self._block_at(want, c) for c in members], q))
             self._memo[key] = out
         return out
+
+    def _group_coords(self, axes: tuple[int, ...], fixed: dict[int, int]) -> list[tuple[int, ...]]:
+        """The coords of the group along `axes` whose other coords are `fixed` (0 where not given), in
+        row-major order."""
+        ranges = [range(n) if a in axes else (fixed.get(a, 0),) for a, n in enumerate(self.mesh_shape)]
+        return list(itertools.product(*ranges))
 
     def _block_at(self, layout: tuple, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """The block (one range per dim) held at `coord` by states of this layout key."""
@@ -204,10 +209,7 @@ class Costing(Blocks):
             for d, chain in enumerate(layout):
                 k = np.zeros((), dtype=np.int64)
                 for a in chain:
-                    i = axes.index(a) if a in axes else None
-                    digit = fixed.get(a, 0) if i is None else np.arange(mesh[a], dtype=np.int64).reshape(
-                        [-1 if m == i else 1 for m in range(len(axes))])
-                    k = k * mesh[a] + digit
+                    k = k * mesh[a] + (digit_grid(sizes, axes.index(a)) if a in axes else fixed.get(a, 0))
                 spans.append(self._spans(d, chain))
                 index.append(np.broadcast_to(k, sizes).ravel())
                 number = np.unique(number * len(spans[-1]) + index[-1], return_inverse=True)[1]
@@ -428,12 +430,7 @@ class Costing(Blocks):
         source piece (1 when the target tile covers source pieces)."""
         mesh = self.mesh_shape
         front, part, u, spread = cut
-        shape = [1] * len(keys)
-
-        def digit(a: int) -> np.ndarray:
-            i = keys.index(a)
-            return (np.arange(grid[i], dtype=np.int64) * steps.get(a, 1)).reshape(shape[:i] + [-1] + shape[i + 1:])
-
+        digit = lambda a: digit_grid(grid, keys.index(a), steps.get(a, 1))  # noqa: E731
         j = np.zeros((), dtype=np.int64)
         for a in ct:
             j = j * mesh[a] + (digit(a) if a in keys else 0)
@@ -469,15 +466,12 @@ class Costing(Blocks):
         np.minimum.at(least, group[alive], pos[alive])
         some_dead = np.bincount(group[dead], minlength=size) > 0
         table: dict[tuple, set] = {}
-        for g, (p, no) in enumerate(zip(least.tolist(), some_dead.tolist())):
+        for digits, p, no in zip(itertools.product(*(range(0, mesh[a], steps.get(a, 1)) for a in kept)),
+                                 least.tolist(), some_dead.tolist()):   # (groups row-major over `kept`)
             options = set() if p == np.iinfo(np.int64).max else {(held, p)}
             if no or misses or not options:
                 options.add((0, 0))
-            digits = []
-            for a in reversed(kept):
-                g, x = divmod(g, grid[keys.index(a)])
-                digits.append(x * steps.get(a, 1))
-            table[tuple(reversed(digits))] = options
+            table[digits] = options
         return kept, table
 
     def _join_options(self, tables: list[tuple[tuple, dict]]) -> set[tuple[int, int]]:
@@ -485,11 +479,7 @@ class Costing(Blocks):
         per-dim tables of `_even_holds` joined on the axes several
         dims' tables share: held pieces multiply, positions add; dominated pairs (more held, a later
         position) are dropped."""
-        seen: dict[int, int] = {}
-        for keys, _ in tables:
-            for a in keys:
-                seen[a] = seen.get(a, 0) + 1
-        shared = tuple(a for a in sorted(seen) if seen[a] > 1)
+        shared = shared_axes(keys for keys, _ in tables)
         grouped = []
         for keys, table in tables:
             where = [keys.index(a) for a in shared if a in keys]

@@ -12,6 +12,7 @@ Pure: the planner uses both for exact byte counts and the executor for buffer si
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 from dataclasses import dataclass
@@ -429,11 +430,8 @@ class _SourceGrid:
         key = ("counts", d, r)
         out = self._ranges.get(key)
         if out is None:
-            by_length: dict[int, int] = {}
             lengths = self.ranges(d, r)[0]
-            for n in lengths:
-                by_length[n] = by_length.get(n, 0) + 1
-            out = self._ranges[key] = (sum(lengths), tuple(sorted(by_length.items())))
+            out = self._ranges[key] = (sum(lengths), tuple(sorted(collections.Counter(lengths).items())))
         return out
 
     def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:
