@@ -35,7 +35,12 @@ from .states import State
 
 _SMALL_GROUP = 64
 """A reduce_transfer group of at most this many members is priced from its members' blocks listed one by one;
-larger ones from arrays (`Costing._group_tiles`)."""
+larger ones from arrays (`Costing._group_tiles`), their target tiles told apart only where they may price
+differently when there are more than this many (`_distinct_tiles`)."""
+
+_HELD_KEY = 1 << 18
+"""`_distinct_tiles` compares tiles when their count times the most source pieces one holds is at most this
+(one row per held piece, padded to the most)."""
 
 EXCHANGE_KINDS = frozenset({"all_to_all", "transfer", "reduce_transfer"})
 """Steps whose messages to different peers are posted together (`sbp.Topology.exchange_us` prices them)."""
@@ -163,8 +168,7 @@ class Costing(Blocks):
                 outside = []  # even splits: every group is a translate of the first, with the same schedule
             have, want = self.layout_key(s), self.layout_key(t)
             out = 0
-            for where in itertools.product(*(range(self.mesh_shape[a]) for a in outside)):
-                fixed = dict(zip(outside, where))
+            for fixed in self._distinct_groups(have, want, axes, outside):
                 self.work += self.group_size(axes)
                 if self.group_size(axes) > _SMALL_GROUP:
                     out = max(out, reduce_recv_max_tiles(*self._group_tiles(have, want, axes, fixed), q))
@@ -174,6 +178,44 @@ class Costing(Blocks):
                                                    [self._block_at(want, c) for c in members], q))
             self._memo[key] = out
         return out
+
+    def _distinct_groups(self, have: tuple, want: tuple, axes: tuple[int, ...],
+                         outside: list[int]) -> list[dict[int, int]]:
+        """One group (its digits on the `outside` axes) per distinct reduce_transfer schedule: the groups
+        along `axes` that differ on the `outside` axes (each in one dim's chains) hold, per dim, the pieces
+        at a fixed offset in both chains; two groups whose pieces per dim are translates of each other (the
+        same lengths and overlaps, member by member) have the same schedule and price. Per dim, the digits
+        of its outside axes are tried and grouped by the pieces' ranges relative to the first one, so the
+        groups priced are the product of the distinct ones per dim, not one per digit combination.
+
+        >>> from sbp import S, Partial
+        >>> c = Costing((10, 8), (2, 3), 4)   # 10 rows in pieces of 5 / 4 and 3 / 2, 2, 1, 2, 2, 1
+        >>> len(c._distinct_groups(*[c.layout_key(x) for x in ((S(0), Partial()), (S(0), S(0)))], (1,), [0]))
+        1
+        """
+        mesh, per_dim = self.mesh_shape, []
+        for d, (schain, tchain) in enumerate(zip(have, want)):
+            mine = [a for a in outside if a in schain or a in tchain]
+            if not mine:
+                continue
+            sspans, tspans = self._spans(d, schain), self._spans(d, tchain)
+
+            def offsets(chain: tuple[int, ...], digits: dict) -> list[int]:
+                # each member's piece index along `chain`, from its digits (group axes) and `digits`
+                ks = [0]
+                for a in chain:
+                    ks = [k * mesh[a] + i for k in ks for i in (range(mesh[a]) if a in axes else (digits[a],))]
+                return ks
+
+            kinds: dict[tuple, dict[int, int]] = {}
+            for where in itertools.product(*(range(mesh[a]) for a in mine)):
+                digits = dict(zip(mine, where))
+                ranges = [sspans[k] for k in offsets(schain, digits)] + [tspans[k] for k in offsets(tchain, digits)]
+                base = min(lo for lo, _ in ranges)
+                self.work += len(ranges)
+                kinds.setdefault(tuple((lo - base, hi - base) for lo, hi in ranges), digits)
+            per_dim.append(list(kinds.values()))
+        return [{a: x for part in parts for a, x in part.items()} for parts in itertools.product(*per_dim)]
 
     def _group_coords(self, axes: tuple[int, ...], fixed: dict[int, int]) -> list[tuple[int, ...]]:
         """The coords of the group along `axes` whose other coords are `fixed` (0 where not given), in
@@ -205,14 +247,17 @@ class Costing(Blocks):
         def tiles(layout: tuple) -> tuple:
             # (per dim the chain's ranges, per dim the members' piece indices, a member of each tile, the
             # members' tile numbers)
-            spans, index, number = [], [], np.zeros(members, dtype=np.int64)
+            spans, index, number, radix = [], [], np.zeros(members, dtype=np.int64), 1
             for d, chain in enumerate(layout):
                 k = np.zeros((), dtype=np.int64)
                 for a in chain:
                     k = k * mesh[a] + (digit_grid(sizes, axes.index(a)) if a in axes else fixed.get(a, 0))
                 spans.append(self._spans(d, chain))
                 index.append(np.broadcast_to(k, sizes).ravel())
-                number = np.unique(number * len(spans[-1]) + index[-1], return_inverse=True)[1]
+                if radix * len(spans[-1]) >= 2 ** 62:   # renumber the tiles so far before the product overflows
+                    number = np.unique(number, return_inverse=True)[1]
+                    radix = int(number.max(initial=0)) + 1
+                number, radix = number * len(spans[-1]) + index[-1], radix * len(spans[-1])
             _, first, number = np.unique(number, return_index=True, return_inverse=True)
             return spans, np.stack(index) if index else np.zeros((0, members), dtype=np.int64), first, number
 
@@ -240,12 +285,18 @@ class Costing(Blocks):
         rows = np.stack([x[meets] for x in lengths] + [pos[at], count[meets]], axis=1)
         by = np.lexsort((pos[at], dst[at]))          # per target tile, its held pieces by first needer
         rows, tile_of = rows[by], dst[at][by]
-        bounds = np.searchsorted(tile_of, np.arange(len(tfirst) + 1)).tolist()
-        rows = rows.tolist()
-        need_list = need.tolist()
+        bounds = np.searchsorted(tile_of, np.arange(len(tfirst) + 1))
+        sranges, tranges = [], []
+        for d, (schain, tchain) in enumerate(zip(have, want)):
+            (slo, shi), (tlo, thi) = self._spans_array(d, schain), self._spans_array(d, tchain)
+            sranges.append((slo[sindex[d, sfirst]], shi[sindex[d, sfirst]]))
+            tranges.append((tlo[tindex[d, tfirst]], thi[tindex[d, tfirst]]))
+        keep = _distinct_tiles(sranges, tranges, need, rows, bounds)
+        chosen = range(len(tfirst)) if keep is None else keep.tolist()
+        need_list, bounds = need.tolist(), bounds.tolist()
         return blocks(sspans, sindex, sfirst), [
-            (tile, need_list[c], tuple(map(tuple, rows[bounds[c]:bounds[c + 1]])))
-            for c, tile in enumerate(blocks(tspans, tindex, tfirst))]
+            (tile, need_list[c], tuple(map(tuple, rows[bounds[c]:bounds[c + 1]].tolist())))
+                         for c, tile in zip(chosen, blocks(tspans, tindex, tfirst[chosen]))]
 
     def _reduce_recv_closed(self, s: State, t: State, axes: tuple[int, ...]) -> Optional[int]:
         """`reduce_transfer_recv` from per-dim tables, with no per-rank schedule, in the two common cases
@@ -618,6 +669,60 @@ class Pricing:
         """The objective of a list of steps (the sum of their prices)."""
         prices = [self.price(s) for s in steps]
         return sum(p for p, _ in prices), sum(q for _, q in prices)
+
+
+def _distinct_tiles(sources: list[tuple], tiles: list[tuple], need: np.ndarray, rows: np.ndarray,
+                    bounds: np.ndarray) -> Optional[np.ndarray]:
+    """Of a group's target tiles (`tiles[d]`: their ranges along dim `d`, (lo, hi) arrays; `need` their
+    needers; `rows[bounds[c]:bounds[c + 1]]` tile ``c``'s held pieces as `Costing._group_tiles` lists them),
+    one per class that `sbp.planning.exchange.reduce_recv_max_tiles` prices alike: per dim the same pieces
+    cut by the source ranges (`sources[d]`, the distinct source tiles' ranges; counted as the number met,
+    the first and last lengths, and the lengths between counted per value), the same needers and held
+    pieces. The first tile of each class, in order; None when there are few tiles, too many held pieces to
+    compare (`_HELD_KEY`), many distinct source lengths, or the source tiles are no complete grid (pieces
+    then are not products of per-dim ones). Classes are found by a hash of each tile's key and checked
+    against the key itself (exact: on a collision, by the keys)."""
+    ntiles, per = len(need), np.diff(bounds)
+    if ntiles <= _SMALL_GROUP or not sources or ntiles * per.max(initial=0) > _HELD_KEY:
+        return None
+    cuts = [np.unique(np.stack([lo, hi], axis=1), axis=0) for lo, hi in sources]
+    distinct = np.unique(np.stack([x for lo, hi in sources for x in (lo, hi)], axis=1), axis=0)
+    if len(distinct) != math.prod(len(c) for c in cuts):
+        return None
+    columns = [need, per]
+    for cut, (lo, hi) in zip(cuts, tiles):
+        cut = cut[cut[:, 1] > cut[:, 0]]                # the non-empty source ranges, in order, disjoint
+        a, b = cut[:, 0], cut[:, 1]
+        values, which = np.unique(b - a, return_inverse=True)
+        if len(values) > 8:
+            return None
+        first = np.searchsorted(b, lo, side="right")    # the source ranges met: first .. stop - 1
+        n = np.maximum(np.searchsorted(a, hi, side="left") - first, 0)
+        last = np.minimum(first + np.maximum(n - 1, 0), len(a) - 1)
+        at = np.minimum(first, len(a) - 1)
+        if len(a):
+            head = np.where(n > 0, np.minimum(hi, b[at]) - np.maximum(lo, a[at]), 0)
+            tail = np.where(n > 1, np.minimum(hi, b[last]) - np.maximum(lo, a[last]), 0)
+        else:
+            head = tail = np.zeros(ntiles, dtype=np.int64)
+        prefix = np.zeros((len(a) + 1, len(values)), dtype=np.int64)
+        if len(a):
+            prefix[1:] = np.cumsum(np.eye(len(values), dtype=np.int64)[which], axis=0)
+        middle = np.where((n > 2)[:, None], prefix[np.maximum(last, 0)] - prefix[np.minimum(first + 1, len(a))], 0)
+        columns += [n, head, tail, *middle.T]
+    width = rows.shape[1]
+    held = np.full((ntiles, int(per.max(initial=0)) * width), -1, dtype=np.int64)
+    tile_of = np.repeat(np.arange(ntiles), per)
+    slot = (np.arange(len(rows)) - bounds[:-1][tile_of]) * width
+    for w in range(width):
+        held[tile_of, slot + w] = rows[:, w]
+    key = np.column_stack(columns + [held]).astype(np.int64)
+    mix = np.random.default_rng(0).integers(1, 2 ** 62, size=key.shape[1], dtype=np.int64) | 1
+    with np.errstate(over="ignore"):
+        _, first, inverse = np.unique((key * mix).sum(axis=1), return_index=True, return_inverse=True)
+    if not np.array_equal(key, key[first[inverse]]):   # a hash collision: by the keys themselves
+        _, first = np.unique(key, axis=0, return_index=True)
+    return np.sort(first)
 
 
 def _pareto(pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:

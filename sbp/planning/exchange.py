@@ -12,7 +12,6 @@ Pure: the planner uses both for exact byte counts and the executor for buffer si
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 import math
 from dataclasses import dataclass
@@ -385,6 +384,27 @@ def slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
     return math.prod(lengths) // n * (n // parts + (k < n % parts)) if n else 0
 
 
+def range_length_counts(cuts: list[tuple[int, int]], his: list[int], r: tuple[int, int]) -> tuple[int, tuple]:
+    """For range `r` of a dim whose source ranges are `cuts` (sorted, disjoint; `his` their ends): the length of
+    `r` they cover, and the pieces they cut it into counted by length ((length, count) pairs, in order). The
+    same as the lengths of `_SourceGrid.ranges`, counted in one pass.
+
+    >>> range_length_counts([(0, 3), (3, 5), (5, 8)], [3, 5, 8], (2, 8))
+    (6, ((1, 1), (2, 1), (3, 1)))
+    """
+    lo, hi = r
+    counts: dict[int, int] = {}
+    covered, k = 0, bisect.bisect_right(his, lo)
+    while k < len(cuts) and cuts[k][0] < hi:
+        a, b = cuts[k]
+        if b > a and b > lo:
+            n = (hi if hi < b else b) - (lo if lo > a else a)
+            counts[n] = counts.get(n, 0) + 1
+            covered += n
+        k += 1
+    return covered, tuple(sorted(counts.items()))
+
+
 def _needers(dst_blocks: list[Block]) -> dict[Block, list[int]]:
     """Per destination tile, the members needing it (in member order)."""
     out: dict[Block, list[int]] = {}
@@ -430,8 +450,7 @@ class _SourceGrid:
         key = ("counts", d, r)
         out = self._ranges.get(key)
         if out is None:
-            lengths = self.ranges(d, r)[0]
-            out = self._ranges[key] = (sum(lengths), tuple(sorted(collections.Counter(lengths).items())))
+            out = self._ranges[key] = range_length_counts(self.cuts[d], self.his[d], r)
         return out
 
     def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:

@@ -343,13 +343,17 @@ def test_uneven_lack_at_16k_ranks_on_arrays(monkeypatch, src, dst):
     assert got == Costing((1000, 1000), (16, 32, 32), 4).lack(s, t) > 0
 
 
-def test_group_tiles_price_as_the_listed_members():
+@pytest.mark.parametrize("classes", [False, True])
+def test_group_tiles_price_as_the_listed_members(monkeypatch, classes):
     # the listing path of `Costing.reduce_transfer_recv` (uneven layouts) builds each target tile's needers
     # on arrays (`Costing._group_tiles`: positions, first holders, counts); priced by `reduce_recv_max_tiles`
-    # it equals `reduce_recv_max` on the members' blocks listed one by one, for every group
+    # it equals `reduce_recv_max` on the members' blocks listed one by one, for every group. With `classes`,
+    # only one tile per class of those priced alike is kept (`_distinct_tiles`, on however few tiles)
+    from sbp.planning import cost
     from sbp.planning.exchange import reduce_recv_max, reduce_recv_max_tiles
+    monkeypatch.setattr(cost, "_SMALL_GROUP", 0 if classes else 10 ** 9)
     rng = random.Random(31)
-    later = 0
+    later = dropped = 0
     for _ in range(600):
         mesh = tuple(rng.choice([1, 2, 3, 4, 5]) for _ in range(rng.choice([2, 3, 4])))
         nd = rng.choice([1, 2, 3])
@@ -365,7 +369,45 @@ def test_group_tiles_price_as_the_listed_members():
         for q in (1, 2, 3, 7):
             assert reduce_recv_max_tiles(sources, tiles, q) == reduce_recv_max(*listed, q), (shape, mesh, s, t, axes)
         later += any(row[-2] > 0 for _, _, own in tiles for row in own)
+        dropped += len(tiles) < len(set(listed[1]))
     assert later > 100   # tiles whose needers hold sources first held at a later position
+    assert (dropped > 100) if classes else dropped == 0
+
+
+def test_translated_groups_are_priced_once():
+    # uneven layouts: the reduce_transfer groups along `axes` that differ on the axes outside it are priced
+    # once per class of groups whose pieces are translates, dim by dim (`Costing._distinct_groups`); the
+    # price is still the busiest group's, every group listed
+    from sbp.planning.exchange import reduce_recv_max, reducible
+    rng = random.Random(37)
+    checked = fewer = 0
+    while checked < 300:
+        mesh = tuple(rng.choice([2, 3, 4]) for _ in range(rng.choice([2, 3, 4])))
+        nd = rng.choice([1, 2])
+        shape = tuple(rng.choice([5, 7, 10, 13, 23]) for _ in range(nd))
+        one = [sbp.B] + [sbp.S(d) for d in range(nd)]
+        axes = tuple(a for a in range(len(mesh)) if rng.random() < 0.5)
+        s = tuple(rng.choice(one + [sbp.Partial()]) if a in axes else sbp.S(rng.randrange(nd))
+                  for a in range(len(mesh)))
+        t = tuple(rng.choice(one) if a in axes else s[a] for a in range(len(mesh)))
+        if not axes or len(axes) == len(mesh) or not reducible(s, t, axes) or sbp.Partial() not in s:
+            continue
+        q = math.prod(mesh[a] for a in axes if isinstance(s[a], sbp.Partial))
+        groups: dict = {}
+        for coord in itertools.product(*map(range, mesh)):
+            groups.setdefault(tuple(v for a, v in enumerate(coord) if a not in axes), []).append(coord)
+        expect = max(reduce_recv_max([block(shape, mesh, s, c) for c in group],
+                                     [block(shape, mesh, t, c) for c in group], q) for group in groups.values())
+        c = Costing(shape, mesh, 4)
+        outside = [a for a in range(len(mesh)) if a not in axes]
+        fewer += len(c._distinct_groups(c.layout_key(s), c.layout_key(t), axes, outside)) < len(groups)
+        assert c.reduce_transfer_recv(s, t, axes) == expect, (shape, mesh, s, t, axes)
+        checked += 1
+    assert fewer > 100
+    # 1000 x 1000 on 4x4x32x32: 128 groups of 16 along (1, 3), of a few kinds (17,760 units of work listed)
+    c = Costing((1000, 1000), (4, 4, 32, 32), 4)
+    c.reduce_transfer_recv(sbp.placements("S(1), P, S(0), S(0)"), sbp.placements("S(1), B, S(0), S(1)"), (1, 3))
+    assert c.work < 4000, c.work
 
 
 def test_even_tables_on_arrays_equal_the_listed_ones(monkeypatch):
