@@ -65,7 +65,7 @@ class Decision:
     Made once per cache key by `decide`; `execute` runs it for a call with those specs."""
 
     __slots__ = ("spec", "choice", "targets", "run", "paths", "out_shapes", "out_strides", "out_keys", "aliases",
-                 "writes", "fallback", "warned", "first", "fast", "view")
+                 "writes", "fallback", "warned", "first", "fast", "view", "fast_inplace")
 
     def __init__(self, spec: OpSpec, choice: Choice, run, paths: list[tuple], writes: list[tuple[int, Optional[int]]],
                  fallback: bool = False) -> None:
@@ -95,6 +95,12 @@ class Decision:
         self.fast = (not fallback and not writes and run is default_run and len(spec.outputs) == 1
                      and len(returns) == 1 and str(returns[0].type) == "Tensor" and all(t is None for t in self.targets)
                      and all(len(p) == 1 and isinstance(p[0], int) for p in paths))
+        # the in-place kind of that case (``buf.mul_(m)``, ``p.add_(g, alpha=-lr)``: an optimizer's update):
+        # nothing moves, only the first input is written, in its own layout, and the op returns it
+        self.fast_inplace = (not fallback and writes == [(0, 0)] and run is default_run and len(spec.outputs) == 1
+                             and len(returns) == 1 and not self.view and all(t is None for t in self.targets)
+                             and choice.outputs[0] == spec.inputs[0].placements
+                             and all(len(p) == 1 and isinstance(p[0], int) for p in paths))
 
     def execute(self, func, args: tuple, kwargs: dict, leaves: list) -> Any:
         """Run the decision for one call whose key it was made for; `leaves` are the call's tensors in

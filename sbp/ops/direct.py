@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, get_op_handler
+from ..tensor.global_tensor import GlobalTensor, get_op_handler, is_detached
 from .apply import mesh_coord
 from .cache import DECISIONS
 from .dispatch import float_key, handle, tensor_key
@@ -28,6 +28,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _autocast = torch._C._is_any_autocast_enabled
 _decision_of = DECISIONS.get   # the cache's own dict lookup (DECISIONS.clear() empties that same dict)
+_bump = torch.autograd.graph.increment_version
 
 
 def direct_ok(*tensors: torch.Tensor) -> bool:
@@ -100,6 +101,50 @@ def _binary(name: str, op) -> Callable:
     return _named(method, name)
 
 
+def _inplace(name: str, op) -> Callable:
+    slow = getattr(torch.Tensor, name)
+    keywords = ("alpha",) if name in ("add_", "sub_") else ()
+
+    def method(self, other, *args, **kwargs):
+        kind = type(other)
+        if (not args and not _grad_enabled() and (kind is GlobalTensor or kind is float or kind is int)
+                and (not kwargs or (len(kwargs) == 1 and keywords and type(kwargs.get("alpha")) in (float, int)))
+                and _quiet() and not self.is_inference()):
+            done = _direct_inplace(op, slow, self, other, kwargs.get("alpha", 1))
+            if done is not _MISS:
+                return done
+        return slow(self, other, *args, **kwargs)   # torch's own way (and, on a miss, the decision is made)
+
+    return _named(method, name)
+
+
+def _direct_inplace(op, local_method: Callable, a: GlobalTensor, b: Any, alpha: Any) -> Any:
+    """``a.op_(b, alpha=alpha)`` with autograd off, by a cached decision that writes `a` in its own layout
+    and moves nothing (`Decision.fast_inplace`): the op on the locals, `a`'s version counter bumped as the
+    dispatcher's in-place kernel would (saved-tensor checks and `parallelize`'s reuse of a conversion read
+    it); `_MISS` for anything else. The key is the one `sbp.ops.dispatch.handle` makes for the dispatcher's
+    call, which leaves out an ``alpha`` equal to its default (the int 1)."""
+    kind = type(b)
+    key_b = tensor_key(b) if kind is GlobalTensor else float_key(b) if kind is float else b
+    if type(alpha) is int and alpha == 1:
+        decision = _decision_of((op, tensor_key(a), key_b))
+    else:
+        decision = _decision_of((op, tensor_key(a), key_b, (("alpha", float_key(alpha) if type(alpha) is float
+                                                                else alpha),)))
+    if decision is None or not decision.fast_inplace:
+        return _MISS
+    mesh = a._mesh
+    if (kind is GlobalTensor and b._mesh is not mesh) or mesh_coord(mesh) is None or is_detached(a):
+        return _MISS   # the handler's way: it refuses mixed meshes and writes into detached views
+    other = b._local if kind is GlobalTensor else b
+    if type(alpha) is int and alpha == 1:
+        local_method(a._local, other)
+    else:
+        local_method(a._local, other, alpha=alpha)
+    _bump(a)
+    return a
+
+
 def _matmul(name: str) -> Callable:
     slow, mm = getattr(torch.Tensor, name), torch.ops.aten.mm.default
 
@@ -153,6 +198,9 @@ def install() -> None:
                      ("sub", aten.sub.Tensor), ("__mul__", aten.mul.Tensor), ("mul", aten.mul.Tensor),
                      ("__truediv__", aten.div.Tensor), ("div", aten.div.Tensor)):
         setattr(GlobalTensor, name, _binary(name, op))
+    for name, op in (("add_", aten.add_.Tensor), ("sub_", aten.sub_.Tensor), ("mul_", aten.mul_.Tensor),
+                     ("div_", aten.div_.Tensor)):
+        setattr(GlobalTensor, name, _inplace(name, op))
     for name in ("__matmul__", "matmul", "mm"):
         setattr(GlobalTensor, name, _matmul(name))
     for name, op in (("sum", aten.sum.default), ("mean", aten.mean.default)):

@@ -13,16 +13,21 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..values.layout import split_range
 from ..values.placement import Broadcast, Split
+from .fields import compared_digits
 from .states import State
 
 LARGE_TABLE = 512
 """Per-dim tables with more entries than this are computed on arrays (`Blocks._table_groups`)."""
+
+_SMALL_JOIN = 64
+"""Joins of per-dim tables over more digit combinations of their shared axes than this look each distinct
+combination of entries up once (`Blocks._shared_rows`)."""
 
 
 class Blocks:
@@ -253,7 +258,7 @@ class Blocks:
             per_dim.append(([shared.index(axes[i]) for i in where], {k: _best(v) for k, v in groups.items()}))
         combos = list(itertools.product(*(values[a] for a in shared)))
         self.work += len(combos)
-        return self._join_best(combos, per_dim, weight)
+        return self._join_best(_rows(combos, per_dim), weight)
 
     def _misses(self, have: tuple, want: tuple, largest: int) -> bool:
         """Whether a probe coord finds a rank that holds none of a largest target block: every axis of the
@@ -278,22 +283,54 @@ class Blocks:
     def _max_lack(self, have: tuple, want: tuple, weight: int, free: tuple[int, ...] = ()) -> int:
         """The most ``weight * N - O`` over coords, N a target block's size and O what is held of it: by
         one rank, or with `free` axes, by the ranks that differ from it only there (`_table`)."""
-        shared, per_dim = self._joined_tables(have, want, free, _best)
-        if math.prod(self.mesh_shape[a] for a in shared) > LARGE_TABLE:
-            out = self._max_lack_arrays(shared, per_dim, weight)
+        shared, per_dim, values = self._joined_tables(have, want, free, _best)
+        if math.prod(len(self._digit_list(a, values)) for a in shared) > LARGE_TABLE:
+            out = self._max_lack_arrays(shared, per_dim, weight, values)
             if out is not None:
                 return out
-        return self._join_best(self._shared_digits(shared), per_dim, weight)
+        return self._join_best(self._shared_rows(shared, per_dim, values=values), weight)
+
+    def _digit_list(self, a: int, values: Optional[dict]) -> Sequence[int]:
+        """The digits of axis `a` a join enumerates (increasing): all, or those `values` names (`_digit_values`)."""
+        return values[a] if values is not None and a in values else range(self.mesh_shape[a])
+
+    def _shared_rows(self, shared: tuple[int, ...], per_dim: list, default=None, values: Optional[dict] = None):
+        """Per digit combination of the `shared` axes, each dim's entry in its table (`per_dim`: positions in
+        `shared` and the table keyed by the digits there; `default` where it has none). Over more than
+        `_SMALL_JOIN` combinations, each distinct row once (tables take few distinct values): per dim an array
+        of entry numbers over its digits, broadcast over all of them, and the distinct rows. `values`: the digits
+        each axis takes (`_digit_values`)."""
+        lists = [self._digit_list(a, values) for a in shared]
+        sizes = [len(x) for x in lists]
+        if math.prod(sizes) <= _SMALL_JOIN:
+            return _rows(self._shared_digits(shared, values), per_dim, default)
+        numbers: dict = {}
+        entries, columns = [], []
+        places = [{v: k for k, v in enumerate(x)} for x in lists]
+        for pos, table in per_dim:   # (`pos` in increasing order: the table's axes in shared order)
+            number = np.full([sizes[i] for i in pos], -1, dtype=np.int64)
+            for digits, entry in table.items():
+                key = frozenset(entry) if isinstance(entry, (set, frozenset)) else tuple(entry)
+                k = numbers.get(key)
+                if k is None:
+                    k = numbers[key] = len(entries)
+                    entries.append(entry)
+                number[tuple(places[i][x] for i, x in zip(pos, digits))] = k
+            shape = [sizes[i] if i in pos else 1 for i in range(len(shared))]
+            columns.append(np.broadcast_to(number.reshape(shape), sizes).ravel())
+        self.work += math.prod(sizes)
+        entries.append(default)   # (number -1: no entry)
+        rows = np.stack(columns, axis=1)[first_rows(columns)]
+        return [[entries[k] for k in row] for row in rows.tolist()]
 
     @staticmethod
-    def _join_best(combos, per_dim: list, weight: int) -> int:
-        """The most ``weight * N - O`` over the digit combinations `combos` of the shared axes, each dim's best
-        (length, overlap) pairs looked up by the digits at its positions (`_joined_tables`'s result)."""
+    def _join_best(rows, weight: int) -> int:
+        """The most ``weight * N - O`` over `rows`: per digit combination of the shared axes, each dim's best
+        (length, overlap) pairs (`_shared_rows` of `_joined_tables`'s result)."""
         out = 0
-        for x in combos:
+        for row in rows:
             pairs = [(1, 1)]
-            for pos, best in per_dim:
-                options = best[tuple(x[i] for i in pos)]
+            for options in row:
                 if len(pairs) == 1 and len(options) == 1:  # (even pieces: one best pair per group)
                     (n, o), (m, p) = pairs[0], options[0]
                     pairs = [(n * m, o * p)]
@@ -302,21 +339,24 @@ class Blocks:
             out = max(out, max(weight * n - o for n, o in pairs))
         return out
 
-    def _max_lack_arrays(self, shared: tuple[int, ...], per_dim: list, weight: int) -> Optional[int]:
+    def _max_lack_arrays(self, shared: tuple[int, ...], per_dim: list, weight: int,
+                         values: Optional[dict] = None) -> Optional[int]:
         """`_max_lack`'s loop over the digits of the `shared` axes, on arrays: per dim and shared digits, at most
         two best pairs (a dim's pieces have two lengths at most: nested balanced splits of one length), every
         choice of one per dim tried. None where a group has more pairs or the products could overflow."""
-        mesh, top = self.mesh_shape, max(1, weight) * math.prod(max(1, n) for n in self.shape)
+        top = max(1, weight) * math.prod(max(1, n) for n in self.shape)
         if top >= 1 << 62:
             return None
-        sizes = [mesh[a] for a in shared]
+        lists = [np.asarray(self._digit_list(a, values), dtype=np.int64) for a in shared]
+        sizes = [len(x) for x in lists]
         options = []   # per dim: two (lengths, overlaps) arrays over the shared digits, broadcastable
         for pos, best in per_dim:
             grid = [sizes[i] for i in pos]
             if len(best) != math.prod(grid) or any(len(v) > 2 for v in best.values()):
                 return None
             keys = np.array(list(best), dtype=np.int64).reshape(len(best), len(pos))
-            index = np.ravel_multi_index(tuple(keys.T), grid) if pos else np.zeros(len(best), dtype=np.int64)
+            places = tuple(np.searchsorted(lists[i], keys[:, m]) for m, i in enumerate(pos))   # digits' places
+            index = np.ravel_multi_index(places, grid) if pos else np.zeros(len(best), dtype=np.int64)
             shape = [sizes[i] if i in pos else 1 for i in range(len(shared))]
             dim = []
             for c in range(1 + any(len(v) == 2 for v in best.values())):
@@ -337,23 +377,26 @@ class Blocks:
     def _max_per_rank(self, have: tuple, want: tuple, value) -> int:
         """The most ``value(lengths, overlaps)`` over coords (per dim, the length of the rank's target
         piece and how much of it the rank holds), for any `value`: per dim, every distinct pair."""
-        shared, per_dim = self._joined_tables(have, want, (), lambda pairs: sorted(set(pairs)))
+        shared, per_dim, values = self._joined_tables(have, want, (), lambda pairs: sorted(set(pairs)))
         out = 0
-        for x in self._shared_digits(shared):
-            for pairs in itertools.product(*(best[tuple(x[i] for i in pos)] for pos, best in per_dim)):
+        for row in self._shared_rows(shared, per_dim, values=values):
+            for pairs in itertools.product(*row):
                 out = max(out, value(tuple(n for n, _ in pairs), tuple(o for _, o in pairs)))
         return out
 
     def _joined_tables(self, have: tuple, want: tuple, free: tuple[int, ...], keep) -> tuple:
         """Per dim, its `_table` grouped by the digits of the axes it shares with other dims, each group
-        reduced by `keep`; and the shared axes. Dims that share no axis are chosen freely."""
+        reduced by `keep`; the shared axes; and the digits each axis takes (`_digit_values`: None for all).
+        Dims that share no axis are chosen freely."""
         dims = [tuple(sorted((set(p) | set(q)) - set(free))) for p, q in zip(have, want)]
         shared = shared_axes(dims)
+        values = self._digit_values([(have[d], want[d], tuple(a for a in have[d] if a in free), d)
+                                     for d in range(len(dims))], sorted(set().union(*dims)))
         per_dim = []
         for d, axes in enumerate(dims):
             where = [axes.index(a) for a in shared if a in axes]
             free_d = tuple(a for a in have[d] if a in free)
-            groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where))
+            groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where), values)
             if groups is None and math.prod(self.mesh_shape[a] for a in axes) > LARGE_TABLE:
                 groups = self._table_groups(d, have[d], want[d], free_d, axes, where, keep is _best)
                 per_dim.append(([shared.index(axes[i]) for i in where], groups))
@@ -368,7 +411,28 @@ class Blocks:
                     else:
                         groups[k] = [(n, o)]
             per_dim.append(([shared.index(axes[i]) for i in where], {k: keep(v) for k, v in groups.items()}))
-        return shared, per_dim
+        return shared, per_dim, values
+
+    def _digit_values(self, chains: list[tuple], axes: list[int]) -> Optional[dict]:
+        """The digits each of `axes` must take in a join of per-dim tables (None: all of them), given per dim
+        its (source chain, target chain, free axes, dim) as `_even_groups` compares them. When every dim splits
+        evenly and its chains nest aligned, a table entry depends on the digits only through equalities: the coarser
+        chain's piece index is the finer one's divided by the ratio, and where every chain's digit boundaries
+        (the products of the sizes after each axis) divide one another, each digit is a run of *fields* and
+        the comparisons are field for field (`sbp.planning.fields`). Any digits are then matched, equality for
+        equality, by digits whose every field is below the size of its group of compared fields (the values
+        used in a group renumbered in order), and what a piece holds does not depend on the values: the join
+        over those digits alone meets every case, whatever the axis sizes."""
+        relations = []
+        for have, want, free, d in chains:   # (where `_even_groups` has no table, `_table` lists every digit)
+            length, nh, nw = self.shape[d], self.group_size(have), self.group_size(want)
+            if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
+                return None
+            if nh >= nw and self._covering(have, nh // nw) is None:
+                return None
+            fine, coarse = (have, want) if nh >= nw else (want, have)
+            relations.append((fine, coarse, max(nh, nw) // min(nh, nw)))
+        return compared_digits(relations, self.mesh_shape, axes)
 
     def _table_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
                       axes: tuple[int, ...], where: list[int], best: bool) -> dict:
@@ -443,7 +507,7 @@ class Blocks:
         return out
 
     def _even_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
-                     kept: tuple[int, ...]) -> Optional[dict]:
+                     kept: tuple[int, ...], values: Optional[dict] = None) -> Optional[dict]:
         """`_table`'s (target length, overlap) pairs grouped by the digits of the `kept` axes, when dim `d`
         splits evenly in both chains and one grid nests in the other, aligned (a target piece inside one source
         piece, or covering the run of source pieces `_covering` describes); else None. What the source pieces
@@ -470,9 +534,9 @@ class Blocks:
         loose = any(mesh[a] > 1 for a in spelled if a not in where) or (
             part is not None and part not in free and part not in where and mesh[part] > u)
         n, out = length // nw, {}
-        if math.prod(mesh[a] for a in axes) > LARGE_TABLE:
-            return self._even_groups_arrays(axes, want, kept, front, part, u, free, nh, nw, n, held, loose)
-        for digits in itertools.product(*(range(mesh[a]) for a in axes)):
+        if math.prod(len(self._digit_list(a, values)) for a in axes) > LARGE_TABLE:
+            return self._even_groups_arrays(axes, want, kept, front, part, u, free, nh, nw, n, held, loose, values)
+        for digits in itertools.product(*(self._digit_list(a, values) for a in axes)):
             j = 0
             for a in want:
                 j = j * mesh[a] + digits[where[a]]
@@ -491,17 +555,19 @@ class Blocks:
                 pairs.append((n, held))
             if loose or not meets:
                 pairs.append((n, 0))
-        self.work += math.prod(mesh[a] for a in axes)
+        self.work += math.prod(len(self._digit_list(a, values)) for a in axes)
         return out
 
     def _even_groups_arrays(self, axes: tuple[int, ...], want: tuple[int, ...], kept: tuple[int, ...],
                             front: tuple[int, ...], part: Optional[int], u: int, free: tuple[int, ...], nh: int,
-                            nw: int, n: int, held: int, loose: bool) -> dict:
+                            nw: int, n: int, held: int, loose: bool, values: Optional[dict] = None) -> dict:
         """`_even_groups`' loop over the digits of `axes` on arrays (large tables): whether each target piece
         meets the source pieces off the free axes, then per digits of the `kept` axes the pairs that occur."""
         mesh = self.mesh_shape
-        sizes = [mesh[a] for a in axes]
-        digit = lambda a: digit_grid(sizes, axes.index(a))  # noqa: E731
+        lists = [np.asarray(self._digit_list(a, values), dtype=np.int64) for a in axes]
+        sizes = [len(x) for x in lists]
+        place = lambda a: digit_grid(sizes, axes.index(a))  # noqa: E731
+        digit = lambda a: lists[axes.index(a)][place(a)]  # noqa: E731
         j = np.zeros((), dtype=np.int64)
         for a in want:
             j = j * mesh[a] + digit(a)
@@ -519,16 +585,16 @@ class Blocks:
         self.work += meets.size
         group = np.zeros(meets.size, dtype=np.int64)
         for a in kept:
-            group = group * mesh[a] + np.broadcast_to(digit(a), sizes).ravel()
-        size = math.prod(mesh[a] for a in kept)
+            group = group * sizes[axes.index(a)] + np.broadcast_to(place(a), sizes).ravel()
+        size = math.prod(sizes[axes.index(a)] for a in kept)
         some = np.bincount(group[meets], minlength=size) > 0
         missed = np.bincount(group[~meets], minlength=size) > 0
         return {digits: ([(n, held)] if hit else []) + ([(n, 0)] if loose or miss else [])   # (groups row-major)
-                for digits, hit, miss in zip(itertools.product(*(range(mesh[a]) for a in kept)), some.tolist(),
-                                             missed.tolist())}
+                for digits, hit, miss in zip(itertools.product(*(self._digit_list(a, values) for a in kept)),
+                                             some.tolist(), missed.tolist())}
 
-    def _shared_digits(self, shared: tuple[int, ...]) -> list[tuple[int, ...]]:
-        combos = list(itertools.product(*(range(self.mesh_shape[a]) for a in shared)))
+    def _shared_digits(self, shared: tuple[int, ...], values: Optional[dict] = None) -> list[tuple[int, ...]]:
+        combos = list(itertools.product(*(self._digit_list(a, values) for a in shared)))
         self.work += len(combos)
         return combos
 
@@ -607,6 +673,13 @@ class Blocks:
         return out
 
 
+def _rows(combos, per_dim: list, default=None):
+    """Per digit combination in `combos`, each table's entry at its positions (`per_dim`: positions and table;
+    `default` where it has none)."""
+    for x in combos:
+        yield [table.get(tuple(x[i] for i in pos), default) for pos, table in per_dim]
+
+
 def _best(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The pairs (length, overlap) no other pair beats on both (longer and less overlapping): for positive
     factors, the largest ``N - O`` over products is reached among these."""
@@ -648,6 +721,20 @@ def shared_axes(axes_per_table) -> tuple[int, ...]:
         for a in axes:
             seen[a] = seen.get(a, 0) + 1
     return tuple(a for a in sorted(seen) if seen[a] > 1)
+
+
+def first_rows(columns: list[np.ndarray]) -> np.ndarray:
+    """The index of the first of each distinct row of these equal-length columns, ordered by row (lexicographic):
+    `np.unique` over rows, with 1-d sorts only (the row form loads `numpy.ma`, tens of ms on a cold call).
+
+    >>> first_rows([np.array([2, 1, 2, 1]), np.array([5, 7, 5, 6])]).tolist()
+    [3, 1, 0]
+    """
+    key = np.zeros(len(columns[0]) if columns else 1, dtype=np.int64)
+    for column in columns:   # (renumbered densely at each step: the combined number stays below the row count)
+        values, dense = np.unique(column, return_inverse=True)
+        key = np.unique(key, return_inverse=True)[1] * len(values) + dense
+    return np.unique(key, return_index=True)[1]
 
 
 def digit_grid(sizes: list[int], k: int, step: int = 1) -> np.ndarray:

@@ -29,8 +29,9 @@ import numpy as np
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
-from .blocks import LARGE_TABLE, Blocks, digit_grid, shared_axes
+from .blocks import LARGE_TABLE, Blocks, digit_grid, first_rows, shared_axes
 from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
+from .fields import compared_digits
 from .states import State
 
 _SMALL_GROUP = 64
@@ -346,6 +347,7 @@ class Costing(Blocks):
         chains = [(tuple(a for a in schain if a in axes), tuple(a for a in tchain if a in axes))
                   for schain, tchain in zip(slayout, tlayout)]
         shape, per_dim, tables = [], [], []
+        values = self._holds_values(chains)
         for e, (cs, ct) in enumerate(chains):
             ns, nt = self.group_size(cs), self.group_size(ct)
             if ns % nt and nt % ns:
@@ -353,14 +355,14 @@ class Costing(Blocks):
             shape.append(min(sdims[e][1], tdims[e][1]))
             per_dim.append(ns // nt if ns >= nt else 1)
             elsewhere = frozenset(a for f, (c, d) in enumerate(chains) if f != e for a in c + d)
-            tables.append(self._even_holds(cs, ct, fixed, needers, elsewhere))
+            tables.append(self._even_holds(cs, ct, fixed, needers, elsewhere, values))
         nneed = self.group_size(needers)
         h = self.group_size(tuple(a for a in needers if not isinstance(s[a], Split)))
         lengths, m = tuple(shape), math.prod(per_dim)
         first = slab_numel(lengths, nneed, 0)
         own = (q - 2) * slab_numel(lengths, h, 0)
         best = 0
-        for held, pos in self._join_options(tables):
+        for held, pos in self._join_options(tables, values):
             if held == 0:
                 value = (q - 1) * m * first
             else:
@@ -369,8 +371,21 @@ class Costing(Blocks):
             best = max(best, value)
         return tlargest + best
 
-    def _even_holds(self, cs: tuple[int, ...], ct: tuple[int, ...], fixed: tuple[int, ...],
-                    needers: tuple[int, ...], elsewhere: frozenset) -> tuple[tuple, dict]:
+    def _holds_values(self, chains: list[tuple]) -> Optional[dict]:
+        """The digits `_reduce_recv_even`'s tables must take per axis (None: all): a dim's chains in the group
+        compare as a finer and a coarser one (`sbp.planning.fields.compared_digits`). What a needer holds
+        depends on the digits through equalities only, and its position grows with them, so the digits
+        that keep every equality with the least values meet the busiest member."""
+        relations = []
+        for cs, ct in chains:
+            ns, nt = self.group_size(cs), self.group_size(ct)
+            if (ns % nt and nt % ns) or (ns >= nt and self._covering(cs, ns // nt) is None):
+                return None   # (`_even_holds` lists pieces one by one)
+            relations.append((cs, ct, ns // nt) if ns >= nt else (ct, cs, nt // ns))
+        return compared_digits(relations, self.mesh_shape, sorted({a for pair in chains for c in pair for a in c}))
+
+    def _even_holds(self, cs: tuple[int, ...], ct: tuple[int, ...], fixed: tuple[int, ...], needers: tuple[int, ...],
+                    elsewhere: frozenset, values: Optional[dict] = None) -> tuple[tuple, dict]:
         """For one dim of `_reduce_recv_even` (source chain `cs` and target chain `ct` inside the group):
         the fixed axes of both chains and, per digits of them, the set of (pieces of ``T`` held by some
         needer, the least position a needer holding one adds from its digits on the `needers` axes of
@@ -379,7 +394,8 @@ class Costing(Blocks):
         of every ``T`` along the dim; otherwise such an axis is left out where it cannot change which
         source piece holds ``T``, or enumerated one digit per distinct source piece."""
         private = not any(a in cs or a in elsewhere for a in ct)
-        key = ("even_holds", cs, ct, fixed, needers, frozenset(a for a in cs + ct if a in elsewhere))
+        key = ("even_holds", cs, ct, fixed, needers, frozenset(a for a in cs + ct if a in elsewhere),
+               values and tuple((a, values[a]) for a in sorted(set(cs + ct)) if a in values))
         out = self._memo.get(key)
         if out is not None:
             return out
@@ -399,7 +415,7 @@ class Costing(Blocks):
             spelled = [a for a in front if a in fixed] + ([part] if part in fixed else [])
             misses = any(mesh[a] > (u if a == part else 1) for a in spelled)
             options = {(held, 0), (0, 0)} if misses else {(held, 0)}
-            table = {digits: options for digits in itertools.product(*(range(mesh[a]) for a in keys))}
+            table = {digits: options for digits in itertools.product(*(self._digit_list(a, values) for a in keys))}
             self.work += len(table)
             out = self._memo[key] = (keys, table)
             return out
@@ -435,13 +451,13 @@ class Costing(Blocks):
                 if inner[1] not in cs and inner[1] not in elsewhere:
                     steps[inner[1]] = inner[2]
             where = {a: k for k, a in enumerate(keys)}
-            grid = [len(range(0, mesh[a], steps.get(a, 1))) for a in keys]
-            if math.prod(grid) > LARGE_TABLE:
-                out = self._even_holds_arrays(keys, steps, grid, elsewhere, ct, cover, (front, part, u, spread),
+            lists = {a: [v for v in self._digit_list(a, values) if v % steps.get(a, 1) == 0] for a in keys}
+            if math.prod(len(x) for x in lists.values()) > LARGE_TABLE:
+                out = self._even_holds_arrays(keys, lists, elsewhere, ct, cover, (front, part, u, spread),
                                               fixed, loose, stride, nt // ns if not cover else 1)
                 self._memo[key] = out
                 return out
-            for digits in itertools.product(*(range(0, mesh[a], steps.get(a, 1)) for a in keys)):
+            for digits in itertools.product(*(lists[a] for a in keys)):
                 j = 0
                 for a in ct:
                     j = j * mesh[a] + (digits[where[a]] if a in where else 0)
@@ -470,18 +486,21 @@ class Costing(Blocks):
         out = self._memo[key] = (keys, table)
         return out
 
-    def _even_holds_arrays(self, keys: tuple[int, ...], steps: dict, grid: list[int], elsewhere: frozenset,
+    def _even_holds_arrays(self, keys: tuple[int, ...], lists: dict, elsewhere: frozenset,
                            ct: tuple[int, ...], cover, cut: tuple, fixed: tuple[int, ...], loose: set,
                            stride: dict, r: int) -> tuple[tuple, dict]:
         """`_even_holds`' table per target digits, on arrays, for large ones: every digit combination of `keys`
-        (every `steps[a]`-th digit) at once, then the options unioned over the digits of the axes no other dim
+        (the digits `lists[a]` names) at once, then the options unioned over the digits of the axes no other dim
         names (their digits are never joined on: `_join_options` would union them) and reduced to the pairs
         no other beats (per group, the least position of a holder; nothing held where some combination
         misses). `cut`: (front, part, u, spread) of the source chain's covering; `r`: target pieces per
         source piece (1 when the target tile covers source pieces)."""
         mesh = self.mesh_shape
         front, part, u, spread = cut
-        digit = lambda a: digit_grid(grid, keys.index(a), steps.get(a, 1))  # noqa: E731
+        grid = [len(lists[a]) for a in keys]
+        arrays = [np.asarray(lists[a], dtype=np.int64) for a in keys]
+        place = lambda a: digit_grid(grid, keys.index(a))  # noqa: E731
+        digit = lambda a: arrays[keys.index(a)][place(a)]  # noqa: E731
         j = np.zeros((), dtype=np.int64)
         for a in ct:
             j = j * mesh[a] + (digit(a) if a in keys else 0)
@@ -510,14 +529,14 @@ class Costing(Blocks):
         kept = tuple(a for a in keys if a in elsewhere)
         group = np.zeros(dead.size, dtype=np.int64)
         for a in kept:
-            group = group * grid[keys.index(a)] + np.broadcast_to(digit(a), grid).ravel()
+            group = group * grid[keys.index(a)] + np.broadcast_to(place(a), grid).ravel()
         size = math.prod(grid[keys.index(a)] for a in kept)
         alive = ~dead
         least = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(least, group[alive], pos[alive])
         some_dead = np.bincount(group[dead], minlength=size) > 0
         table: dict[tuple, set] = {}
-        for digits, p, no in zip(itertools.product(*(range(0, mesh[a], steps.get(a, 1)) for a in kept)),
+        for digits, p, no in zip(itertools.product(*(lists[a] for a in kept)),
                                  least.tolist(), some_dead.tolist()):   # (groups row-major over `kept`)
             options = set() if p == np.iinfo(np.int64).max else {(held, p)}
             if no or misses or not options:
@@ -525,11 +544,11 @@ class Costing(Blocks):
             table[digits] = options
         return kept, table
 
-    def _join_options(self, tables: list[tuple[tuple, dict]]) -> set[tuple[int, int]]:
+    def _join_options(self, tables: list[tuple[tuple, dict]], values: Optional[dict] = None) -> set[tuple[int, int]]:
         """Every (pieces held, least position of a needer holding one) a target tile can have, from the
         per-dim tables of `_even_holds` joined on the axes several
         dims' tables share: held pieces multiply, positions add; dominated pairs (more held, a later
-        position) are dropped."""
+        position) are dropped. `values`: the digits the tables were built on (`_holds_values`)."""
         shared = shared_axes(keys for keys, _ in tables)
         grouped = []
         for keys, table in tables:
@@ -539,10 +558,9 @@ class Costing(Blocks):
                 groups.setdefault(tuple(digits[i] for i in where), set()).update(options)
             grouped.append(([shared.index(keys[i]) for i in where], groups))
         out: set[tuple[int, int]] = set()
-        for x in self._shared_digits(shared):
+        for row in self._shared_rows(shared, grouped, default={(0, 0)}, values=values):
             combos = {(1, 0)}
-            for pos, groups in grouped:
-                options = groups.get(tuple(x[i] for i in pos), {(0, 0)})
+            for options in row:
                 combos = _pareto({(n * k, p + r) if n * k else (0, 0) for n, p in combos for k, r in options})
             out.update(combos)
         return out
@@ -685,9 +703,8 @@ def _distinct_tiles(sources: list[tuple], tiles: list[tuple], need: np.ndarray, 
     ntiles, per = len(need), np.diff(bounds)
     if ntiles <= _SMALL_GROUP or not sources or ntiles * per.max(initial=0) > _HELD_KEY:
         return None
-    cuts = [np.unique(np.stack([lo, hi], axis=1), axis=0) for lo, hi in sources]
-    distinct = np.unique(np.stack([x for lo, hi in sources for x in (lo, hi)], axis=1), axis=0)
-    if len(distinct) != math.prod(len(c) for c in cuts):
+    cuts = [np.stack([lo, hi], axis=1)[first_rows([lo, hi])] for lo, hi in sources]   # (sorted)
+    if len(first_rows([x for pair in sources for x in pair])) != math.prod(len(c) for c in cuts):
         return None
     columns = [need, per]
     for cut, (lo, hi) in zip(cuts, tiles):
@@ -721,7 +738,7 @@ def _distinct_tiles(sources: list[tuple], tiles: list[tuple], need: np.ndarray, 
     with np.errstate(over="ignore"):
         _, first, inverse = np.unique((key * mix).sum(axis=1), return_index=True, return_inverse=True)
     if not np.array_equal(key, key[first[inverse]]):   # a hash collision: by the keys themselves
-        _, first = np.unique(key, axis=0, return_index=True)
+        first = first_rows(list(key.T))
     return np.sort(first)
 
 

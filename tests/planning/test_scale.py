@@ -343,15 +343,23 @@ def test_uneven_lack_at_16k_ranks_on_arrays(monkeypatch, src, dst):
     assert got == Costing((1000, 1000), (16, 32, 32), 4).lack(s, t) > 0
 
 
-@pytest.mark.parametrize("classes", [False, True])
+class _Colliding:   # a generator whose hash weights are all 1: tile keys collide, classes come from the keys
+    def integers(self, low, high, size, dtype):
+        return __import__("numpy").zeros(size, dtype=dtype)
+
+
+@pytest.mark.parametrize("classes", [False, True, "colliding"])
 def test_group_tiles_price_as_the_listed_members(monkeypatch, classes):
     # the listing path of `Costing.reduce_transfer_recv` (uneven layouts) builds each target tile's needers
     # on arrays (`Costing._group_tiles`: positions, first holders, counts); priced by `reduce_recv_max_tiles`
     # it equals `reduce_recv_max` on the members' blocks listed one by one, for every group. With `classes`,
-    # only one tile per class of those priced alike is kept (`_distinct_tiles`, on however few tiles)
+    # only one tile per class of those priced alike is kept (`_distinct_tiles`, on however few tiles; its
+    # hash made to collide: classes then from the keys themselves)
     from sbp.planning import cost
     from sbp.planning.exchange import reduce_recv_max, reduce_recv_max_tiles
     monkeypatch.setattr(cost, "_SMALL_GROUP", 0 if classes else 10 ** 9)
+    if classes == "colliding":
+        monkeypatch.setattr(cost.np.random, "default_rng", lambda seed: _Colliding())
     rng = random.Random(31)
     later = dropped = 0
     for _ in range(600):
