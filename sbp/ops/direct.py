@@ -11,6 +11,12 @@ locals and wraps the result; everything else (a cache miss, a rule with its own 
 tensor operand, keyword arguments, a rank outside the mesh) goes to the handler with exactly the call
 the dispatcher would have made, or to torch's own method. Same decisions, same results, less overhead
 (docs/operators.md, "Dispatch overhead").
+
+The in-place ``add_ sub_ mul_ div_`` (a global tensor or a Python number; ``alpha=`` for ``add_`` and
+``sub_``) take it with autograd off -- what an optimizer's per-tensor update runs, three of them per
+parameter for SGD with momentum: a decision that writes the first input in its own layout and moves nothing
+(`Decision.fast_inplace`) runs the same torch method on the locals and bumps the global tensor's version
+counter, as the dispatcher's in-place kernel does; anything else goes torch's own way.
 """
 from __future__ import annotations
 
@@ -103,12 +109,12 @@ def _binary(name: str, op) -> Callable:
 
 def _inplace(name: str, op) -> Callable:
     slow = getattr(torch.Tensor, name)
-    keywords = ("alpha",) if name in ("add_", "sub_") else ()
+    takes_alpha = name in ("add_", "sub_")
 
     def method(self, other, *args, **kwargs):
         kind = type(other)
         if (not args and not _grad_enabled() and (kind is GlobalTensor or kind is float or kind is int)
-                and (not kwargs or (len(kwargs) == 1 and keywords and type(kwargs.get("alpha")) in (float, int)))
+                and (not kwargs or (takes_alpha and len(kwargs) == 1 and type(kwargs.get("alpha")) in (float, int)))
                 and _quiet() and not self.is_inference()):
             done = _direct_inplace(op, slow, self, other, kwargs.get("alpha", 1))
             if done is not _MISS:
@@ -175,6 +181,14 @@ def _reduction(name: str, op) -> Callable:
 
 def _named(method: Callable, name: str) -> Callable:
     method.__name__ = method.__qualname__ = name
+    if name.endswith("_"):   # in place
+        method.__doc__ = (f"As `torch.Tensor.{name}`; on global tensors with autograd off (an optimizer's step) "
+                          f"it skips torch's dispatcher (`sbp.ops.direct`).\n\n"
+                          f"Example (every rank, e.g. in ``sbp.testing.spmd(fn, (2,))``)::\n\n"
+                          f"    x = sbp.distribute(torch.arange(4.).view(2, 2), mesh, \"S(0)\")\n"
+                          f"    with torch.no_grad():\n"
+                          f"        x.{name}(2.0)   # x.full() equals torch.arange(4.).view(2, 2).{name}(2.0)\n")
+        return method
     call = {"sum": "x.sum()", "mean": "x.mean()", "matmul": "x.matmul(x)", "mm": "x.mm(x)",
             "__matmul__": "x @ x", "__add__": "x + x", "__sub__": "x - x", "__mul__": "x * x",
             "__truediv__": "x / x"}.get(name, f"x.{name}(x)")

@@ -17,7 +17,12 @@ digits however large the axis: the planning work no longer grows with the mesh (
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
+
+SMALL = 64
+"""Over at most this many digit combinations of the axes, `compared_digits` does not look for fewer (the
+tables are small, and looking costs more than it saves)."""
 
 Relation = tuple[tuple[int, ...], tuple[int, ...], int]   # (fine chain, coarse chain, ratio of piece counts)
 
@@ -25,8 +30,8 @@ Relation = tuple[tuple[int, ...], tuple[int, ...], int]   # (fine chain, coarse 
 def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> Optional[dict[int, tuple]]:
     """Per axis of `axes`, the digits (increasing) that meet every case of tables comparing the chains of
     `relations` (fine chain, coarse chain, piece-count ratio ``r``: a fine piece lies in coarse piece
-    ``i // r``); None when some boundaries do not divide one another (the comparisons carry), or when the
-    digits would be all of them anyway.
+    ``i // r``); None when some boundaries do not divide one another (the comparisons carry), when the
+    digits would be all of them anyway, or when the axes have at most `SMALL` digit combinations.
 
     >>> compared_digits([((2,), (1,), 1), ((1,), (2,), 1)], (16, 32, 32), [1, 2])   # (S(0), S(1)) vs (S(1), S(0))
     {1: (0, 1), 2: (0, 1)}
@@ -35,6 +40,8 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
     >>> compared_digits([((0, 1), (2, 3), 1)], (3, 2, 2, 3), [0, 1, 2, 3]) is None   # 3 x 2 against 2 x 3
     True
     """
+    if math.prod(mesh[a] for a in axes) <= SMALL:
+        return None
     splits: dict[int, set[int]] = {a: set() for a in range(len(mesh))}   # per axis, field boundaries inside
     pairs = []   # (axis, start, end) ~ (axis, start, end): digit weights of two compared stretches
     for fine, coarse, r in relations:
@@ -77,7 +84,10 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
 
     for (a, lo, hi), (b, lo2, hi2) in pairs:   # align the two stretches' fields, one for one
         for (x, w) in [f for f in fields if f[0] == a and lo <= f[1] < hi]:
-            parent[root((x, w))] = root((b, w // lo * lo2))
+            other = (b, w // lo * lo2)
+            if fields.get(other) != fields[(x, w)]:   # pragma: no cover - the boundaries were made to agree
+                return None
+            parent[root((x, w))] = root(other)
     group = {}
     for f in fields:
         group[root(f)] = group.get(root(f), 0) + 1

@@ -226,3 +226,115 @@ def test_direct_ok_names_what_blocks_the_short_way():
     assert not direct.direct_ok(x)
     with torch.no_grad():
         assert direct.direct_ok(x)
+
+
+# in-place spellings an optimizer runs, and the ATen call (with keywords) the dispatcher hands the handler
+INPLACE = {
+    "add_": (lambda a, b: a.add_(b), aten.add_.Tensor, {}),
+    "add_ alpha": (lambda a, b: a.add_(b, alpha=-0.5), aten.add_.Tensor, {"alpha": -0.5}),
+    "sub_ alpha": (lambda a, b: a.sub_(b, alpha=2), aten.sub_.Tensor, {"alpha": 2}),
+    "mul_": (lambda a, b: a.mul_(b), aten.mul_.Tensor, {}),
+    "div_": (lambda a, b: a.div_(b), aten.div_.Tensor, {}),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(INPLACE)), st.sampled_from(SMALL_MESHES), st.data())
+def test_inplace_operators_with_autograd_off_equal_the_dispatcher_route(name, mesh_shape, data):
+    spell, op, kw = INPLACE[name]
+    shape = data.draw(st.sampled_from([(5, 3), (4, 4), (0, 3)]))
+    pa = data.draw(placements_for(len(shape), len(mesh_shape), partial=("sum",)))
+    pb = data.draw(placements_for(len(shape), len(mesh_shape), partial=("sum",)))
+    scalar = data.draw(st.sampled_from([None, 0.9, 3]))
+    fa, fb = randn(shape, seed=1), randn(shape, seed=2).abs() + 1
+
+    def fn(mesh):
+        got, want = make_global(fa, mesh, pa, seed=1), make_global(fa, mesh, pa, seed=1)
+        other = make_global(fb, mesh, pb, seed=2) if scalar is None else scalar
+        with torch.no_grad():
+            for _ in range(2):  # the first call decides (handler), the second takes the cached decision
+                assert spell(got, other) is got
+                assert op(want, other, **kw) is want   # an OpOverload call goes through torch's dispatcher
+                _same(got, want)
+                assert got._version == want._version   # the in-place kernel's version bump, either way
+        return got.full()
+
+    other, ref = fb if scalar is None else scalar, fa.clone()
+    spell(spell(ref, other), other)
+    for full in sbp.testing.spmd(fn, mesh_shape):
+        torch.testing.assert_close(full, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_an_sgd_step_skips_the_dispatcher_and_equals_plain_sgd():
+    """torch.optim.SGD with momentum, per tensor (its default on CPU): ``buf.mul_(m).add_(g, alpha=1.0)`` and
+    ``p.add_(buf, alpha=-lr)``, three dispatcher trips per parameter on the dispatcher route; none once the
+    decisions are cached. The parameters equal plain SGD's on the full tensors."""
+    fulls = [randn((6, 4), seed=1), randn((4,), seed=2), randn((3, 6), seed=3)]
+    grads = [randn(tuple(f.shape), seed=10 + i) for i, f in enumerate(fulls)]
+    pls = [(S(0),), (B,), (S(1),)]
+
+    def fn(mesh):
+        params = [torch.nn.Parameter(make_global(f, mesh, p)) for f, p in zip(fulls, pls)]
+        for p, g, pl in zip(params, grads, pls):
+            p.grad = make_global(g, mesh, pl)
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+        opt.step()   # makes the momentum buffers (a clone of each gradient)
+        opt.step()   # decides the in-place ops
+        before = len(counter.mine())
+        opt.step()
+        return [str(f) for f in counter.mine()[before:]], [p.full() for p in params]
+
+    plain = [torch.nn.Parameter(f.clone()) for f in fulls]
+    for p, g in zip(plain, grads):
+        p.grad = g.clone()
+    opt = torch.optim.SGD(plain, lr=0.1, momentum=0.9, foreach=False)
+    for _ in range(3):
+        opt.step()
+    with _DispatchCounter() as counter:
+        results = sbp.testing.spmd(fn, (2,))
+    for calls, got in results:
+        assert calls == [], calls
+        for g, want in zip(got, plain):
+            torch.testing.assert_close(g, want.detach(), rtol=0, atol=0)
+
+
+def test_inplace_direct_path_keeps_autograd_s_checks_and_refusals():
+    """A write on the direct path bumps the version counter (autograd then refuses a backward through the
+    changed saved tensor, as torch does); a view laid out anew still refuses writes; a dispatch mode still
+    sees the op."""
+    full = randn((4, 6))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def fn(mesh):
+        w = make_global(full, mesh, (S(0),), requires_grad=True)
+        x = make_global(full, mesh, (S(0),))
+        with torch.no_grad():
+            x.mul_(2.0)                  # decides
+        y = (w * x).sum()                # saves x for the backward
+        version = x._version
+        before = len(counter.mine())
+        with torch.no_grad():
+            x.mul_(2.0)                  # the direct path
+        assert counter.mine()[before:] == [] and x._version == version + 1
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.full().backward()
+        v = sbp.distribute(torch.arange(24.0).view(4, 6), mesh, "S(1)").view(24)   # laid out anew
+        with torch.no_grad():
+            for _ in range(2):
+                with pytest.raises(sbp.SbpError, match="could not stay a view"):
+                    v.mul_(2.0)
+            with Seen() as seen:
+                x.mul_(2.0)
+        return seen.ops
+
+    with _DispatchCounter() as counter:
+        for ops in sbp.testing.spmd(fn, (2,)):
+            assert "aten.mul_.Tensor" in ops

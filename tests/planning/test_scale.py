@@ -436,3 +436,59 @@ def test_even_tables_on_arrays_equal_the_listed_ones(monkeypatch):
             prices.append(Costing(shape, mesh, 4).reduce_transfer_recv(s, t, axes))
         assert prices[0] == prices[1], (shape, mesh, s, t, axes)
         checked += 1
+
+
+def test_tables_over_compared_digits_equal_the_full_tables(monkeypatch):
+    # even layouts whose chains' digit boundaries divide one another: the per-dim tables of group lacks and
+    # reduce_transfer holds enumerate a few digits per axis (`sbp.planning.fields.compared_digits`); prices,
+    # lacks and group lacks equal those of the tables over every digit
+    from sbp.planning import blocks, cost
+    from sbp.planning.exchange import reducible
+    rng = random.Random(41)
+    cases = []
+    while len(cases) < 400:
+        mesh = tuple(rng.choice([2, 4, 8, 16, 3, 6, 12]) for _ in range(rng.choice([2, 3])))
+        if math.prod(mesh) > 2048:
+            continue
+        nd = rng.choice([1, 2])
+        one = [sbp.B] + [sbp.S(d) for d in range(nd)]
+        axes = tuple(a for a in range(len(mesh)) if rng.random() < 0.7)
+        s = tuple(rng.choice(one + [sbp.Partial()] * 2) if a in axes else rng.choice(one) for a in range(len(mesh)))
+        t = tuple(rng.choice(one) if a in axes else s[a] for a in range(len(mesh)))
+        if sbp.Partial() in s and reducible(s, t, axes):
+            cases.append(((2 ** 12 * 27,) * nd, mesh, s, t, axes))
+
+    def prices():
+        out = []
+        for shape, mesh, s, t, axes in cases:
+            c = Costing(shape, mesh, 4)
+            partial = tuple(a for a in axes if isinstance(s[a], sbp.Partial))
+            out.append((c.reduce_transfer_recv(s, t, axes), c.group_lack(s, t, partial), c.lack(s, t)))
+        return out
+
+    from sbp.planning.fields import compared_digits
+    shrunk = []
+
+    def counted(*args):
+        out = compared_digits(*args)
+        shrunk.append(out is not None)
+        return out
+
+    for module in (blocks, cost):
+        monkeypatch.setattr(module, "compared_digits", counted)
+    few = prices()
+    assert sum(shrunk) > 150   # (joins over a few digits per axis)
+    for module in (blocks, cost):
+        monkeypatch.setattr(module, "compared_digits", lambda *args: None)
+    assert prices() == few
+
+
+@pytest.mark.parametrize("src, dst", [("S(0), S(1), S(1)", "S(1), P, S(0)"), ("P, S(0), S(1)", "B, S(1), S(0)"),
+                                      ("S(1), S(1), P", "S(0), S(0), S(0)"), ("S(1), S(1), S(1)", "S(0), P, S(0)"),
+                                      ("S(0), S(0), P", "S(1), S(1), B")])
+def test_partial_planning_work_is_the_same_at_1k_and_16k_ranks(src, dst):
+    # tables over every digit of the axes the chains compare made these 4-8x more work at 16,384 ranks than
+    # at 1,024 (192 against 1,536 units; 768 against 3,072); over the compared digits' fields, the same
+    small, small_steps = _work((65536, 65536), (4, 16, 16), src, dst)
+    large, large_steps = _work((65536, 65536), (16, 32, 32), src, dst)
+    assert small == large and small_steps == large_steps, (small, large)
