@@ -19,7 +19,7 @@ import numpy as np
 
 from ..values.layout import split_range
 from ..values.placement import Broadcast, Split
-from .fields import compared_digits
+from . import fields
 from .states import State
 
 LARGE_TABLE = 512
@@ -423,6 +423,8 @@ class Blocks:
         equality, by digits whose every field is below the size of its group of compared fields (the values
         used in a group renumbered in order), and what a piece holds does not depend on the values: the join
         over those digits alone meets every case, whatever the axis sizes."""
+        if max((self.mesh_shape[a] for a in axes), default=1) <= fields.SMALL:
+            return None
         relations = []
         for have, want, free, d in chains:   # (where `_even_groups` has no table, `_table` lists every digit)
             length, nh, nw = self.shape[d], self.group_size(have), self.group_size(want)
@@ -432,7 +434,7 @@ class Blocks:
                 return None
             fine, coarse = (have, want) if nh >= nw else (want, have)
             relations.append((fine, coarse, max(nh, nw) // min(nh, nw)))
-        return compared_digits(relations, self.mesh_shape, axes)
+        return fields.compared_digits(relations, self.mesh_shape, axes)
 
     def _table_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
                       axes: tuple[int, ...], where: list[int], best: bool) -> dict:

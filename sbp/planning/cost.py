@@ -29,9 +29,9 @@ import numpy as np
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
+from . import fields
 from .blocks import LARGE_TABLE, Blocks, digit_grid, first_rows, shared_axes
 from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
-from .fields import compared_digits
 from .states import State
 
 _SMALL_GROUP = 64
@@ -376,13 +376,16 @@ class Costing(Blocks):
         compare as a finer and a coarser one (`sbp.planning.fields.compared_digits`). What a needer holds
         depends on the digits through equalities only, and its position grows with them, so the digits
         that keep every equality with the least values meet the busiest member."""
+        axes = sorted({a for pair in chains for c in pair for a in c})
+        if max((self.mesh_shape[a] for a in axes), default=1) <= fields.SMALL:
+            return None
         relations = []
         for cs, ct in chains:
             ns, nt = self.group_size(cs), self.group_size(ct)
             if (ns % nt and nt % ns) or (ns >= nt and self._covering(cs, ns // nt) is None):
                 return None   # (`_even_holds` lists pieces one by one)
             relations.append((cs, ct, ns // nt) if ns >= nt else (ct, cs, nt // ns))
-        return compared_digits(relations, self.mesh_shape, sorted({a for pair in chains for c in pair for a in c}))
+        return fields.compared_digits(relations, self.mesh_shape, axes)
 
     def _even_holds(self, cs: tuple[int, ...], ct: tuple[int, ...], fixed: tuple[int, ...], needers: tuple[int, ...],
                     elsewhere: frozenset, values: Optional[dict] = None) -> tuple[tuple, dict]:

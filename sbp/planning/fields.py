@@ -17,12 +17,11 @@ digits however large the axis: the planning work no longer grows with the mesh (
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Optional
 
-SMALL = 64
-"""Over at most this many digit combinations of the axes, `compared_digits` does not look for fewer (the
-tables are small, and looking costs more than it saves)."""
+SMALL = 2
+"""When no axis has more digits than this, `compared_digits` does not look for fewer (the tables are small,
+and looking costs more than it saves)."""
 
 Relation = tuple[tuple[int, ...], tuple[int, ...], int]   # (fine chain, coarse chain, ratio of piece counts)
 
@@ -31,7 +30,7 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
     """Per axis of `axes`, the digits (increasing) that meet every case of tables comparing the chains of
     `relations` (fine chain, coarse chain, piece-count ratio ``r``: a fine piece lies in coarse piece
     ``i // r``); None when some boundaries do not divide one another (the comparisons carry), when the
-    digits would be all of them anyway, or when the axes have at most `SMALL` digit combinations.
+    digits would be all of them anyway, or when no axis has more than `SMALL` digits.
 
     >>> compared_digits([((2,), (1,), 1), ((1,), (2,), 1)], (16, 32, 32), [1, 2])   # (S(0), S(1)) vs (S(1), S(0))
     {1: (0, 1), 2: (0, 1)}
@@ -40,7 +39,7 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
     >>> compared_digits([((0, 1), (2, 3), 1)], (3, 2, 2, 3), [0, 1, 2, 3]) is None   # 3 x 2 against 2 x 3
     True
     """
-    if math.prod(mesh[a] for a in axes) <= SMALL:
+    if max((mesh[a] for a in axes), default=1) <= SMALL:
         return None
     splits: dict[int, set[int]] = {a: set() for a in range(len(mesh))}   # per axis, field boundaries inside
     pairs = []   # (axis, start, end) ~ (axis, start, end): digit weights of two compared stretches
