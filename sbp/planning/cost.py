@@ -737,12 +737,18 @@ def _distinct_tiles(sources: list[tuple], tiles: list[tuple], need: np.ndarray, 
     for w in range(width):
         held[tile_of, slot + w] = rows[:, w]
     key = np.column_stack(columns + [held]).astype(np.int64)
-    mix = np.random.default_rng(0).integers(1, 2 ** 62, size=key.shape[1], dtype=np.int64) | 1
     with np.errstate(over="ignore"):
-        _, first, inverse = np.unique((key * mix).sum(axis=1), return_index=True, return_inverse=True)
+        _, first, inverse = np.unique((key * _hash_weights(key.shape[1])).sum(axis=1), return_index=True,
+                                      return_inverse=True)
     if not np.array_equal(key, key[first[inverse]]):   # a hash collision: by the keys themselves
         first = first_rows(list(key.T))
     return np.sort(first)
+
+
+def _hash_weights(n: int) -> np.ndarray:
+    """`n` fixed odd 62-bit weights (multiples of the golden ratio's 64-bit fraction): a row's weighted sum,
+    wrapping, hashes it the same on every rank."""
+    return np.array([(0x9E3779B97F4A7C15 * (k + 1)) % (1 << 62) | 1 for k in range(n)], dtype=np.int64)
 
 
 def _pareto(pairs: set[tuple[int, int]]) -> set[tuple[int, int]]:

@@ -349,11 +349,6 @@ def test_uneven_lack_at_16k_ranks_on_arrays(monkeypatch, src, dst):
     assert got == Costing((1000, 1000), (16, 32, 32), 4).lack(s, t) > 0
 
 
-class _Colliding:   # a generator whose hash weights are all 1: tile keys collide, classes come from the keys
-    def integers(self, low, high, size, dtype):
-        return __import__("numpy").zeros(size, dtype=dtype)
-
-
 @pytest.mark.parametrize("classes", [False, True, "colliding"])
 def test_group_tiles_price_as_the_listed_members(monkeypatch, classes):
     # the listing path of `Costing.reduce_transfer_recv` (uneven layouts) builds each target tile's needers
@@ -364,8 +359,8 @@ def test_group_tiles_price_as_the_listed_members(monkeypatch, classes):
     from sbp.planning import cost
     from sbp.planning.exchange import reduce_recv_max, reduce_recv_max_tiles
     monkeypatch.setattr(cost, "_SMALL_GROUP", 0 if classes else 10 ** 9)
-    if classes == "colliding":
-        monkeypatch.setattr(cost.np.random, "default_rng", lambda seed: _Colliding())
+    if classes == "colliding":   # hash weights all 1: tile keys collide, classes then come from the keys
+        monkeypatch.setattr(cost, "_hash_weights", lambda n: cost.np.ones(n, dtype=cost.np.int64))
     rng = random.Random(31)
     later = dropped = 0
     for _ in range(600):
