@@ -16,7 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ..values.errors import PlanError
 from ..values.layout import Block, block, block_numel, intersect, split_range
@@ -365,8 +365,19 @@ def reduce_recv_max_tiles(sources: list[Block], tiles, contributions: int) -> in
                 best = max(best, total - min(slab_numel(row[:-2], row[-1], row[-1] - 1) for row in own))
             continue
         first_own = {row[-2]: row for row in own}
+        # a slab of each piece at position k: `small`, or `big` for k below `rem` (`_slab_split`): per position
+        # the smalls' sum plus the extras of the shapes whose `rem` exceeds it
+        smalls, extras = 0, []
+        for shape, n in counts.items():
+            if n:
+                small, big, rem = _slab_split(shape, nneed)
+                smalls += n * small
+                if rem:
+                    extras.append((rem, n * (big - small)))
+        extras.sort()
+        rems, after = [r for r, _ in extras], list(itertools.accumulate(e for _, e in reversed(extras)))[::-1] + [0]
         for pos in {0} | set(first_own):
-            recv = total + sum(n * slab_numel(shape, nneed, pos) for shape, n in counts.items() if n) * (q - 1)
+            recv = total + (smalls + after[bisect.bisect_right(rems, pos)]) * (q - 1)
             row = first_own.get(pos)
             if row is not None:  # its slab of the piece it holds, shared with the needers holding the same block
                 recv += slab_numel(row[:-2], row[-1], 0) * (q - 2)
@@ -379,9 +390,21 @@ def slab_numel(lengths: tuple[int, ...], parts: int, k: int) -> int:
     building the slabs."""
     if parts == 1 or not lengths:
         return math.prod(lengths) if k == 0 else 0
+    small, big, rem = _slab_split(lengths, parts)
+    return big if k < rem else small
+
+
+def _slab_split(lengths: tuple[int, ...], parts: int) -> tuple[int, int, int]:
+    """The slabs of `_slabs` (a piece of these per-dim lengths cut into `parts`, parts >= 1) by size: each of
+    the first ``rem`` holds ``big`` elements, the others ``small`` (for one part: the piece, ``rem`` 0)."""
+    if parts == 1 or not lengths:
+        return math.prod(lengths), math.prod(lengths), 0
     d = next((d for d, n in enumerate(lengths) if n >= parts), lengths.index(max(lengths)))
     n = lengths[d]
-    return math.prod(lengths) // n * (n // parts + (k < n % parts)) if n else 0
+    if not n:
+        return 0, 0, 0
+    unit = math.prod(lengths) // n
+    return unit * (n // parts), unit * (n // parts + 1), n % parts
 
 
 def range_length_counts(cuts: list[tuple[int, int]], his: list[int], r: tuple[int, int]) -> tuple[int, tuple]:
@@ -423,8 +446,8 @@ class _SourceGrid:
         self.ndim = len(self.sources[0]) if self.sources else 0
         self.cuts = [sorted({b[d] for b in self.sources}) for d in range(self.ndim)]  # per dim, in order
         self.his = [[hi for _, hi in c] for c in self.cuts]
-        self.order = {b: k for k, b in enumerate(self.sources)}
         self.complete = self.ndim > 0 and len(self.sources) == math.prod(map(len, self.cuts))
+        self._order: Optional[dict] = None
         self._met_memo: dict[tuple, list] = {}
         self._ranges: dict[tuple, tuple] = {}
 
@@ -469,9 +492,12 @@ class _SourceGrid:
 
     def pieces(self, tile: Block, per_dim: list) -> list[tuple[Block, Block]]:
         """The (source tile, non-empty piece) pairs `tile` is cut into, in the sources' first appearance."""
-        hits = [src for src in itertools.product(*per_dim) if src in self.order] if self.ndim else self.sources
+        order = self._order
+        if order is None:   # (built on first use: complete grids never need it)
+            order = self._order = {b: k for k, b in enumerate(self.sources)}
+        hits = [src for src in itertools.product(*per_dim) if src in order] if self.ndim else self.sources
         out = []
-        for source in sorted(hits, key=self.order.__getitem__):
+        for source in sorted(hits, key=order.__getitem__):
             piece = tuple((max(a, b), min(c, e)) for (a, c), (b, e) in zip(tile, source))
             if all(hi > lo for lo, hi in piece):
                 out.append((source, piece))
