@@ -41,6 +41,7 @@ machine are still noisy; compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 import os
@@ -96,9 +97,9 @@ def dtensor_plan(layers: int) -> dict:
     return plan
 
 
-def build(framework: str, ex, dim: int, args, compiled: bool = False):
-    """The example's model, sharded by `framework`; returns (step function, parameters per rank). With
-    `compiled`, forward and loss run as one compiled graph (``fullgraph=True``)."""
+def sharded_model(framework: str | None, ex, dim: int, args):
+    """The example's GPT (seed 0) at hidden size `dim`, sharded in place by `framework` ("sbp": its
+    `tp_plan()`; "dtensor": `dtensor_plan`; None: left whole), and the batch (inputs, targets) it trains on."""
     data, vocab = ex.encode()
     cfg = ex.Config(vocab=vocab, dim=dim, heads=max(WORLD, dim // 64), layers=args.layers, block=args.block)
     model = ex.build(cfg, seed=0)
@@ -106,14 +107,16 @@ def build(framework: str, ex, dim: int, args, compiled: bool = False):
         import sbp
         import sbp.nn
         sbp.nn.parallelize(model, sbp.init_mesh((WORLD,), device_type="cpu"), ex.tp_plan())
-    else:
+    elif framework == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
         parallelize_module(model, init_device_mesh("cpu", (WORLD,)), dtensor_plan(args.layers))
-    params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    idx, targets = next(ex.batches(data, args.batch, cfg.block, 1, seed=0))
+    return model, next(ex.batches(data, args.batch, cfg.block, 1, seed=0))
 
+
+def forward_loss_of(framework: str | None, model):
+    """Forward and cross-entropy of `model` as one function returning a plain scalar tensor (what the
+    compiled steps compile)."""
     def forward_loss(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = model(idx)
         if framework == "dtensor" and hasattr(logits, "to_local"):  # a DTensor output stays Replicate
@@ -121,6 +124,16 @@ def build(framework: str, ex, dim: int, args, compiled: bool = False):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return loss.full() if framework == "sbp" else loss
 
+    return forward_loss
+
+
+def build(framework: str, ex, dim: int, args, compiled: bool = False):
+    """The example's model, sharded by `framework`; returns (step function, parameters per rank). With
+    `compiled`, forward and loss run as one compiled graph (``fullgraph=True``)."""
+    model, (idx, targets) = sharded_model(framework, ex, dim, args)
+    params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    forward_loss = forward_loss_of(framework, model)
     loss_of = torch.compile(forward_loss, fullgraph=True) if compiled else forward_loss
 
     def step() -> float:
@@ -200,13 +213,15 @@ def init_worker(rank: int, port: int, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def worker(rank: int, port: int, mode: str, args, queue) -> None:
-    if mode != "time":  # timings keep the default allocator (mmap per buffer costs page faults)
+def worker(rank: int, port: int, case, args, queue, pin_mmap: bool) -> None:
+    """One rank: join the gloo world, run `case(ex, dim, args)` for each of `args.dims`; rank 0 queues
+    (dim, every rank's result)."""
+    if pin_mmap:  # memory only: timings keep the default allocator (mmap per buffer costs page faults)
         fixed_mmap_threshold()
     init_worker(rank, port, WORLD)
     ex = example()
     for dim in args.dims:
-        result = time_case(ex, dim, args) if mode == "time" else memory_case(mode, ex, dim, args)
+        result = case(ex, dim, args)
         gathered = [None] * WORLD
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -221,10 +236,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(mode: str, args) -> dict[int, list[dict]]:
+def measure(case, args, pin_mmap: bool = False) -> dict[int, list[dict]]:
+    """`case(ex, dim, args)` (ex: the example module) for each of `args.dims` in `WORLD` spawned gloo
+    processes on 127.0.0.1, a free port picked now: {dim: [each rank's result]}."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(free_port(), mode, args, queue), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(worker, args=(free_port(), case, args, queue, pin_mmap), nprocs=WORLD, start_method="spawn")
     out = {}
     while not queue.empty():
         dim, per_rank = queue.get()
@@ -259,8 +276,9 @@ def main(argv=None) -> None:
     args.dims = [int(d) for d in args.dims.split(",")]
     if any(d % 64 or d < 64 for d in args.dims):
         p.error("--dims must be multiples of 64 (heads of 64 features)")
-    timing = measure("time", args)
-    memory = {fw: measure(fw, args) if args.memory else {} for fw in ("sbp", "dtensor")}
+    timing = measure(time_case, args)
+    memory = {fw: measure(functools.partial(memory_case, fw), args, pin_mmap=True) if args.memory else {}
+              for fw in ("sbp", "dtensor")}
     print(f"torch {torch.__version__}, {WORLD} gloo ranks (TP=4), fp32, {args.layers} layers, batch {args.batch} x "
           f"{args.block} tokens, median of {args.steps} steps after {args.warmup} warm-up\n")
     print(f"{'case':<14} {'sbp ms':>8} {'DT ms':>8} {'ratio':>6} {'sbp MiB':>8} {'DT MiB':>8} {'mem ratio':>9} "
