@@ -31,7 +31,7 @@ from ..values.steps import STEP_CALLS, Step
 from ..values.topology import Topology
 from . import fields
 from .blocks import LARGE_TABLE, Blocks, digit_grid, first_rows, shared_axes
-from .exchange import reduce_recv_max, reduce_recv_max_tiles, slab_numel
+from .exchange import complete_grid, reduce_recv_max, reduce_recv_max_tiles, slab_numel
 from .states import State
 
 _SMALL_GROUP = 64
@@ -262,8 +262,15 @@ class Costing(Blocks):
             _, first, number = np.unique(number, return_index=True, return_inverse=True)
             return spans, np.stack(index) if index else np.zeros((0, members), dtype=np.int64), first, number
 
-        sspans, sindex, sfirst, src = tiles(have)
-        tspans, tindex, tfirst, dst = tiles(want)
+        def memo_tiles(layout: tuple) -> tuple:   # (the target side recurs across the search's moves)
+            key = ("group tiles", layout, axes, tuple(sorted(fixed.items())))
+            out = self._memo.get(key)
+            if out is None:
+                out = self._memo[key] = tiles(layout)
+            return out
+
+        sspans, sindex, sfirst, src = memo_tiles(have)
+        tspans, tindex, tfirst, dst = memo_tiles(want)
 
         def blocks(spans: list, index: np.ndarray, at: np.ndarray) -> list:   # the blocks of members `at`
             if not spans:
@@ -292,10 +299,13 @@ class Costing(Blocks):
             (slo, shi), (tlo, thi) = self._spans_array(d, schain), self._spans_array(d, tchain)
             sranges.append((slo[sindex[d, sfirst]], shi[sindex[d, sfirst]]))
             tranges.append((tlo[tindex[d, tfirst]], thi[tindex[d, tfirst]]))
-        keep = _distinct_tiles(sranges, tranges, need, rows, bounds)
+        cuts = _complete_cuts(sranges)
+        keep = _distinct_tiles(cuts, tranges, need, rows, bounds) if cuts is not None else None
         chosen = range(len(tfirst)) if keep is None else keep.tolist()
         need_list, bounds = need.tolist(), bounds.tolist()
-        return blocks(sspans, sindex, sfirst), [
+        sources = complete_grid([list(map(tuple, c.tolist())) for c in cuts]) if cuts is not None else \
+            blocks(sspans, sindex, sfirst)
+        return sources, [
             (tile, need_list[c], tuple(map(tuple, rows[bounds[c]:bounds[c + 1]].tolist())))
                          for c, tile in zip(chosen, blocks(tspans, tindex, tfirst[chosen]))]
 
@@ -692,22 +702,29 @@ class Pricing:
         return sum(p for p, _ in prices), sum(q for _, q in prices)
 
 
-def _distinct_tiles(sources: list[tuple], tiles: list[tuple], need: np.ndarray, rows: np.ndarray,
+def _complete_cuts(sources: list[tuple]) -> Optional[list[np.ndarray]]:
+    """Per dim the distinct ranges (rows (lo, hi), sorted) of a group's source tiles (`sources[d]`: their
+    ranges along dim `d`, (lo, hi) arrays), when every combination of them is a tile; else None."""
+    if not sources or not len(sources[0][0]):
+        return None
+    cuts = [np.stack([lo, hi], axis=1)[first_rows([lo, hi])] for lo, hi in sources]
+    if len(first_rows([x for pair in sources for x in pair])) != math.prod(len(c) for c in cuts):
+        return None
+    return cuts
+
+
+def _distinct_tiles(cuts: list[np.ndarray], tiles: list[tuple], need: np.ndarray, rows: np.ndarray,
                     bounds: np.ndarray) -> Optional[np.ndarray]:
     """Of a group's target tiles (`tiles[d]`: their ranges along dim `d`, (lo, hi) arrays; `need` their
     needers; `rows[bounds[c]:bounds[c + 1]]` tile ``c``'s held pieces as `Costing._group_tiles` lists them),
     one per class that `sbp.planning.exchange.reduce_recv_max_tiles` prices alike: per dim the same pieces
-    cut by the source ranges (`sources[d]`, the distinct source tiles' ranges; counted as the number met,
+    cut by the source ranges (`cuts[d]`, of a complete grid: `_complete_cuts`; counted as the number met,
     the first and last lengths, and the lengths between counted per value), the same needers and held
     pieces. The first tile of each class, in order; None when there are few tiles, too many held pieces to
-    compare (`_HELD_KEY`), many distinct source lengths, or the source tiles are no complete grid (pieces
-    then are not products of per-dim ones). Classes are found by a hash of each tile's key and checked
-    against the key itself (exact: on a collision, by the keys)."""
+    compare (`_HELD_KEY`) or many distinct source lengths. Classes are found by a hash of each tile's key
+    and checked against the key itself (exact: on a collision, by the keys)."""
     ntiles, per = len(need), np.diff(bounds)
-    if ntiles <= _SMALL_GROUP or not sources or ntiles * per.max(initial=0) > _HELD_KEY:
-        return None
-    cuts = [np.stack([lo, hi], axis=1)[first_rows([lo, hi])] for lo, hi in sources]   # (sorted)
-    if len(first_rows([x for pair in sources for x in pair])) != math.prod(len(c) for c in cuts):
+    if ntiles <= _SMALL_GROUP or ntiles * per.max(initial=0) > _HELD_KEY:
         return None
     columns = [need, per]
     for cut, (lo, hi) in zip(cuts, tiles):

@@ -323,7 +323,7 @@ def reduce_recv_max_tiles(sources: list[Block], tiles, contributions: int) -> in
     """`reduce_recv_max` from its tiles: (tile, members needing it, per source tile held by one of them that
     meets the tile, in the order of their first needers: its piece's per-dim lengths followed by the first
     needer's position and the needers' count, one tuple); `sources`: the members' source tiles (repeats
-    allowed).
+    allowed), or a `complete_grid` of them.
 
     Slabs are balanced, so their sizes never grow along the owners' order: the busiest member of a tile is
     the first holder of some source tile (its own slab the first one), or the first member (of the slabs
@@ -336,7 +336,7 @@ def reduce_recv_max_tiles(sources: list[Block], tiles, contributions: int) -> in
     2
     """
     q, best = contributions, 0
-    grid = _SourceGrid(sources)
+    grid = sources if isinstance(sources, _SourceGrid) else _SourceGrid(sources)
     done: set[tuple] = set()
     for tile, nneed, own in tiles:
         if grid.complete:
@@ -407,6 +407,17 @@ def _slab_split(lengths: tuple[int, ...], parts: int) -> tuple[int, int, int]:
     return unit * (n // parts), unit * (n // parts + 1), n % parts
 
 
+def complete_grid(cuts: list[list[tuple[int, int]]]):
+    """The source tiles of a group given as their per-dim ranges (sorted, distinct) when every combination of
+    them is a tile (a complete grid), for `reduce_recv_max_tiles` in place of the tiles listed: nothing per
+    tile is built.
+
+    >>> reduce_recv_max_tiles(complete_grid([[(0, 2), (2, 4)]]), [(((0, 2),), 2, ((2, 0, 1),))], 2)
+    2
+    """
+    return _SourceGrid([], cuts)
+
+
 def range_length_counts(cuts: list[tuple[int, int]], his: list[int], r: tuple[int, int]) -> tuple[int, tuple]:
     """For range `r` of a dim whose source ranges are `cuts` (sorted, disjoint; `his` their ends): the length of
     `r` they cover, and the pieces they cut it into counted by length ((length, count) pairs, in order). The
@@ -441,12 +452,14 @@ class _SourceGrid:
     dim, a partition), so the tiles a destination tile meets are found per dim by bisection, not by
     trying every tile; `complete` when every combination of per-dim ranges is a tile."""
 
-    def __init__(self, src_blocks: list[Block]) -> None:
+    def __init__(self, src_blocks: list[Block], cuts: Optional[list] = None) -> None:
         self.sources = list(dict.fromkeys(src_blocks))
-        self.ndim = len(self.sources[0]) if self.sources else 0
-        self.cuts = [sorted({b[d] for b in self.sources}) for d in range(self.ndim)]  # per dim, in order
+        self.ndim = len(self.sources[0]) if self.sources else len(cuts or ())
+        if cuts is None:
+            cuts = [sorted({b[d] for b in self.sources}) for d in range(self.ndim)]
+        self.cuts = cuts   # per dim, in order
         self.his = [[hi for _, hi in c] for c in self.cuts]
-        self.complete = self.ndim > 0 and len(self.sources) == math.prod(map(len, self.cuts))
+        self.complete = self.ndim > 0 and (not self.sources or len(self.sources) == math.prod(map(len, self.cuts)))
         self._order: Optional[dict] = None
         self._met_memo: dict[tuple, list] = {}
         self._ranges: dict[tuple, tuple] = {}
