@@ -426,12 +426,10 @@ class Blocks:
         if max((self.mesh_shape[a] for a in axes), default=1) <= fields.SMALL:
             return None
         relations = []
-        for have, want, free, d in chains:   # (where `_even_groups` has no table, `_table` lists every digit)
-            length, nh, nw = self.shape[d], self.group_size(have), self.group_size(want)
-            if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
-                return None
-            if nh >= nw and self._covering(have, nh // nw) is None:
-                return None
+        for have, want, free, d in chains:
+            if self._even_cover(d, have, want, free) is None:
+                return None   # (`_even_groups` has no table there: `_table` lists every digit)
+            nh, nw = self.group_size(have), self.group_size(want)
             fine, coarse = (have, want) if nh >= nw else (want, have)
             relations.append((fine, coarse, max(nh, nw) // min(nh, nw)))
         return fields.compared_digits(relations, self.mesh_shape, axes)
@@ -519,16 +517,13 @@ class Blocks:
         match the one the target spells, or (on more than one digit) not to."""
         mesh, length = self.mesh_shape, self.shape[d]
         nh, nw = math.prod(mesh[a] for a in have), math.prod(mesh[a] for a in want)
-        if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
+        cover = self._even_cover(d, have, want, free)
+        if cover is None:
             return None
+        front, part, u, back = cover
         if nh >= nw:
-            cover = self._covering(have, nh // nw)
-            if cover is None:
-                return None
-            front, part, u, back = cover
             held = length // nh * math.prod(mesh[a] for a in back if a in free) * (u if part in free else 1)
         else:
-            front, part, u = have, None, 1
             held = length // nw
         spelled = [a for a in front if a not in free]   # compared with the digits the target spells
         axes = tuple(sorted(set(kept) | set(want)))
@@ -559,6 +554,16 @@ class Blocks:
                 pairs.append((n, 0))
         self.work += math.prod(len(self._digit_list(a, values)) for a in axes)
         return out
+
+    def _even_cover(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...]):
+        """Where `_even_groups` has a table for dim `d` (both chains split it evenly, one grid nests in the
+        other, aligned, no free axis in `want`): how a target piece lies on the source digits, (front, part, u,
+        back) as `_covering` gives it when the source pieces are finer (``(have, None, 1, ())`` when coarser);
+        else None."""
+        length, nh, nw = self.shape[d], self.group_size(have), self.group_size(want)
+        if length % nh or length % nw or (nh % nw and nw % nh) or any(a in want for a in free):
+            return None
+        return self._covering(have, nh // nw) if nh >= nw else (have, None, 1, ())
 
     def _even_groups_arrays(self, axes: tuple[int, ...], want: tuple[int, ...], kept: tuple[int, ...],
                             front: tuple[int, ...], part: Optional[int], u: int, free: tuple[int, ...], nh: int,

@@ -418,27 +418,6 @@ def complete_grid(cuts: list[list[tuple[int, int]]]):
     return _SourceGrid([], cuts)
 
 
-def range_length_counts(cuts: list[tuple[int, int]], his: list[int], r: tuple[int, int]) -> tuple[int, tuple]:
-    """For range `r` of a dim whose source ranges are `cuts` (sorted, disjoint; `his` their ends): the length of
-    `r` they cover, and the pieces they cut it into counted by length ((length, count) pairs, in order). The
-    same as the lengths of `_SourceGrid.ranges`, counted in one pass.
-
-    >>> range_length_counts([(0, 3), (3, 5), (5, 8)], [3, 5, 8], (2, 8))
-    (6, ((1, 1), (2, 1), (3, 1)))
-    """
-    lo, hi = r
-    counts: dict[int, int] = {}
-    covered, k = 0, bisect.bisect_right(his, lo)
-    while k < len(cuts) and cuts[k][0] < hi:
-        a, b = cuts[k]
-        if b > a and b > lo:
-            n = (hi if hi < b else b) - (lo if lo > a else a)
-            counts[n] = counts.get(n, 0) + 1
-            covered += n
-        k += 1
-    return covered, tuple(sorted(counts.items()))
-
-
 def _needers(dst_blocks: list[Block]) -> dict[Block, list[int]]:
     """Per destination tile, the members needing it (in member order)."""
     out: dict[Block, list[int]] = {}
@@ -462,31 +441,24 @@ class _SourceGrid:
         self.complete = self.ndim > 0 and (not self.sources or len(self.sources) == math.prod(map(len, self.cuts)))
         self._order: Optional[dict] = None
         self._met_memo: dict[tuple, list] = {}
-        self._ranges: dict[tuple, tuple] = {}
+        self._counts: dict[tuple, tuple] = {}
 
     def met(self, tile: Block) -> list[list[tuple[int, int]]]:
         """Per dim, the non-empty source ranges that `tile`'s range meets."""
         return [self._met(d, r) for d, r in enumerate(tile)]
 
-    def ranges(self, d: int, r: tuple[int, int]) -> tuple[tuple[int, ...], dict]:
-        """For range `r` of dim `d`: the lengths of its pieces (cut by the source ranges it meets), and
-        each of those ranges' place among them."""
-        key = (d, r)
-        out = self._ranges.get(key)
-        if out is None:
-            met = self._met(d, r)
-            lo, hi = r
-            out = self._ranges[key] = (tuple(min(hi, c) - max(lo, a) for a, c in met),
-                                       {m: k for k, m in enumerate(met)})
-        return out
-
     def length_counts(self, d: int, r: tuple[int, int]) -> tuple[int, tuple[tuple[int, int], ...]]:
         """For range `r` of dim `d`: its length covered by source ranges, and its pieces counted by length
         ((length, count) pairs, in order)."""
-        key = ("counts", d, r)
-        out = self._ranges.get(key)
+        key = (d, r)
+        out = self._counts.get(key)
         if out is None:
-            out = self._ranges[key] = range_length_counts(self.cuts[d], self.his[d], r)
+            lo, hi = r
+            counts: dict[int, int] = {}
+            for a, c in self._met(d, r):
+                n = (hi if hi < c else c) - (lo if lo > a else a)
+                counts[n] = counts.get(n, 0) + 1
+            out = self._counts[key] = (sum(n * k for n, k in counts.items()), tuple(sorted(counts.items())))
         return out
 
     def _met(self, d: int, r: tuple[int, int]) -> list[tuple[int, int]]:

@@ -44,19 +44,18 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
     splits: dict[int, set[int]] = {a: set() for a in range(len(mesh))}   # per axis, field boundaries inside
     pairs = []   # (axis, start, end) ~ (axis, start, end): digit weights of two compared stretches
     for fine, coarse, r in relations:
-        spans = _spans(fine, mesh, 1) + _spans(coarse, mesh, r)
-        bounds = sorted({b for _, p, q in spans for b in (p, q)} | {r})
+        mine, theirs = _spans(fine, mesh, 1), _spans(coarse, mesh, r)
+        bounds = sorted({b for _, p, q in mine + theirs for b in (p, q)} | {r})
         if any(b % a for a, b in zip(bounds, bounds[1:])):
             return None
-        for a, p, q in spans:
+        for a, p, q in mine + theirs:
             splits[a].update(b // p for b in bounds if p < b < q)
         for lo, hi in zip(bounds, bounds[1:]):
             if lo < r:
                 continue   # (below the ratio: fine positions only, compared with nothing)
-            mine = [(a, lo // p, hi // p) for a, p, q in _spans(fine, mesh, 1) if p <= lo and hi <= q]
-            theirs = [(a, lo // p, hi // p) for a, p, q in _spans(coarse, mesh, r) if p <= lo and hi <= q]
-            if mine and theirs and mine[0] != theirs[0]:
-                pairs.append((mine[0], theirs[0]))
+            here = [[(a, lo // p, hi // p) for a, p, q in side if p <= lo and hi <= q] for side in (mine, theirs)]
+            if all(here) and here[0][0] != here[1][0]:
+                pairs.append((here[0][0], here[1][0]))
     changed = True
     while changed:   # a field boundary inside one side of a comparison is one of the other side too
         changed = False
@@ -93,7 +92,7 @@ def compared_digits(relations: list[Relation], mesh: tuple[int, ...], axes) -> O
     out, shrinks = {}, False
     for a in axes:
         own = sorted((w, size) for (x, w), size in fields.items() if x == a)
-        ranges = [range(min(size, group[root((a, w))] if group[root((a, w))] > 1 else 1)) for w, size in own]
+        ranges = [range(min(size, group[root((a, w))])) for w, size in own]   # (a lone field: 0 only)
         digits = tuple(sorted(sum(v * w for v, (w, _) in zip(combo, own)) for combo in itertools.product(*ranges)))
         shrinks = shrinks or len(digits) < mesh[a]
         out[a] = digits
