@@ -130,6 +130,12 @@ class Unit:
         self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at its inputs
         self.owners: dict[int, nn.Module] = {}
         self._gathered_bytes: Optional[int] = None
+        # the stored parameters' version counters when the gather was issued: a gather issued before an
+        # in-place change (optimizer step, load_state_dict) is stale and is dropped (`unshard`)
+        self.versions: tuple[int, ...] = ()
+        # id(stored param) -> the gathered tensor forward bound: bound again for backward, where activation
+        # checkpointing recomputes the forward (their storage is freed and refilled with the unit's)
+        self.bound: Optional[dict[int, torch.Tensor]] = None
 
     # ---- gather --------------------------------------------------------------------------------
     def issue_gather(self, phase: str) -> None:
@@ -140,6 +146,7 @@ class Unit:
             self.state = "gathered"
             return
         self.state = "gathering"
+        self.versions = self.current_versions()
         self.schedule.log.append(("issue_gather", self.name, phase))
         comm, n = self.mesh.binding, self.mesh.shape[self.axis]
         dtype = self.param_dtype or self.slots[0].param.dtype
@@ -184,11 +191,22 @@ class Unit:
             matrix = GlobalTensor(side, self.mesh, g.stored, (g.rows, g.width))
             self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True))
 
+    def current_versions(self) -> tuple[int, ...]:
+        """The stored parameters' version counters (in-place changes bump them)."""
+        return tuple(s.param._version for s in self.slots)
+
     def unshard(self, phase: str) -> None:
         """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
+        if self.state != "sharded" and self.versions != self.current_versions():
+            if self.state == "gathering":   # a prefetch issued before the parameters changed: drop it
+                self._wait_gather()
+            self.reshard()
         self.issue_gather(phase)
         if self.state != "gathering":
             return
+        self._wait_gather()
+
+    def _wait_gather(self) -> None:
         self.gathering.wait()
         for s, g in zip(self.slots, self.planned):
             if g is not None:
@@ -460,6 +478,8 @@ class _UnitGather(torch.autograd.Function):
         unit: Unit = ctx.unit
         out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
+        for (owner_id, name), s in unit.tied.items():   # the stored parameters again
+            _owner_of(unit, owner_id)._parameters[name] = s.param
         return (None, None) + _store_grads(unit, out)
 
 
@@ -561,7 +581,8 @@ class Schedule:
             unit.reshard()
 
     def pre_backward(self, unit: Unit) -> None:
-        if unit.backward_started:
+        if unit.backward_started:   # another use of the unit in this backward, or a retained graph: gather again
+            unit.unshard("backward")
             return
         unit.backward_started = True
         self.log.append(("backward_start", unit.name))
@@ -571,6 +592,10 @@ class Schedule:
             prev.issue_gather("backward")   # prefetch in backward: the unit before runs next
         self.note_memory()
         unit.unshard("backward")
+        bound = unit.bound
+        if bound is not None:   # a recomputed forward (activation checkpointing) reads the gathered parameters
+            for (owner_id, name), s in unit.tied.items():
+                _owner_of(unit, owner_id)._parameters[name] = bound[id(s.param)]
 
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
@@ -619,6 +644,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     if module in _UNITS:
         raise SbpError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
                        f"(blocks first, then the root)")
+    if not isinstance(reshard_after_forward, bool):
+        raise SbpError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): needs True or False (resharding "
+                       f"to a smaller group after forward, FSDP2's int form, is not supported)")
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise SbpError(f"fully_shard({what}={dtype!r}): needs a floating point torch.dtype or None")
@@ -663,6 +691,8 @@ def _modules_outside(module: nn.Module, inner: set[int]):
 def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: str) -> nn.Parameter:
     """The stored (sharded) parameter for `param`; a tied parameter already stored by this unit is reused."""
     mesh, a = unit.mesh, unit.axis
+    # a parameter met again (tied within or across units) is its stored parameter: ties survive fully_shard
+    param = getattr(param, "_sbp_stored", param)
     other = _OWNER.get(id(param))
     slot = next((s for s in other.slots if s.param is param), None) if other is not None else None
     if slot is not None:
@@ -708,6 +738,7 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
         slot.even_rows = dim == 0 and len(set(slot.sizes)) == 1 and slot.sizes[0] > 0
     unit.slots.append(slot)
     _OWNER[id(new)] = unit
+    param._sbp_stored = new   # (the original parameter is dropped with its module's old slot: no cycle kept)
     return new
 
 
@@ -852,6 +883,8 @@ def _bind(unit: Unit, local: bool) -> None:
     gathered = _UnitGather.apply(unit, local, *[s.param for s in unit.slots]) if torch.is_grad_enabled() and any(
         s.param.requires_grad for s in unit.slots) else unit.gathered(local)
     by_param = {id(s.param): g for s, g in zip(unit.slots, gathered)}
+    if torch.is_grad_enabled():
+        unit.bound = by_param   # kept: bound again for backward (activation checkpointing recomputes the forward there)
     for (owner_id, name), s in unit.tied.items():
         _owner_of(unit, owner_id)._parameters[name] = by_param[id(s.param)]
 
@@ -876,7 +909,12 @@ def _verify_local(unit: Unit, out: Any) -> None:
     "global" for good otherwise (an op mixing samples, a random op, a shape used as a number...)."""
     args, kwargs = unit.probe
     unit.probe = None
-    buffers = [(b, b.detach().clone()) for b in unit.module.buffers()]
+    swapped = []   # (module, name, original): the local run gets clones, the originals are never written
+    for mod in unit.module.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                swapped.append((mod, name, b))
+                mod._buffers[name] = b.detach().clone()
     try:
         with torch.no_grad():
             largs, lkwargs = _local_inputs(unit, args, kwargs)
@@ -888,9 +926,8 @@ def _verify_local(unit: Unit, out: Any) -> None:
     except Exception:   # a local run that fails cannot stand in for the global one: keep computing globally
         ok = False
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        for mod, name, b in swapped:
+            mod._buffers[name] = b
     comm = unit.mesh.binding
     flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=comm_device_of(unit.mesh))
     axes = tuple(range(unit.mesh.ndim))

@@ -69,10 +69,10 @@ class Move:
 class _Origin:
     """The state moves start from, with what every generator reads of it (computed once per state)."""
 
-    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits")
+    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits", "direct_fills")
 
-    def __init__(self, ndim: int, s: State, dst: State) -> None:
-        self.s, self.dst, self.ndim = s, dst, ndim
+    def __init__(self, ndim: int, s: State, dst: State, direct_fills: bool = False) -> None:
+        self.s, self.dst, self.ndim, self.direct_fills = s, dst, ndim, direct_fills
         self.splitters: list[list[int]] = [[] for _ in range(ndim)]  # per dim, its splitters in axis order
         # per dim, its last splitter (-1: none): a new split of d on axis a nests inside when a > last[d]
         self.last = [-1] * ndim
@@ -135,10 +135,10 @@ def _all_to_alls(o: _Origin, out: list[Candidate], a: int) -> None:
 
 def _slices(o: _Origin, out: list[Candidate], a: int) -> None:
     """(Called for Broadcast axes with a Split or Partial target.) Slicing pays off only towards the
-    target's split there, or before a zero-fill into P."""
+    target's split there, or before a zero-fill into P (not with `direct_fills`: ``B -> P`` directly)."""
     q = o.dst[a]
     for d in range(o.ndim):
-        if a > o.last[d] and (q == o.splits[d] or isinstance(q, Partial)):
+        if a > o.last[d] and (q == o.splits[d] or (isinstance(q, Partial) and not o.direct_fills)):
             out.append(("local", (a,), put(o.s, (a,), o.splits[d]), (d,), None))
 
 
@@ -267,9 +267,11 @@ def _runs(point_to_point: bool) -> tuple[tuple[str, tuple[Callable, ...], dict],
 _RING_AND_LOCAL, _POINT_TO_POINT = _runs(False), _runs(True)
 
 
-def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool = False) -> list[Candidate]:
+def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool = False,
+               direct_fills: bool = False) -> list[Candidate]:
     """The unpriced moves out of `s` towards `dst`, in generation order: the collectives and local
-    moves, or (`point_to_point=True`) the transfers and reduce_transfers.
+    moves, or (`point_to_point=True`) the transfers and reduce_transfers. With `direct_fills` a
+    Broadcast axis with a Partial target is zero-filled, never sliced first.
 
     >>> from sbp import S, B
     >>> [c[0] for c in candidates(Costing((8, 8), (2,), 4), (S(0),), (B,))]
@@ -277,7 +279,7 @@ def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool =
     >>> [c[0] for c in candidates(Costing((8, 8), (2,), 4), (S(0),), (B,), point_to_point=True)]
     ['transfer']
     """
-    o = _Origin(costing.ndim, s, dst)
+    o = _Origin(costing.ndim, s, dst, direct_fills)
     out: list[Candidate] = []
     for scope, gens, per_kinds in _POINT_TO_POINT if point_to_point else _RING_AND_LOCAL:
         match scope:
@@ -319,6 +321,16 @@ def table() -> str:
     rows = ["| move | change | valid when | busiest rank receives | runs as |", "|---|---|---|---|---|"]
     rows += [f"| {m.name} | {m.change} | {m.valid_when} | {m.prices} | {m.runs} |" for m in MOVES]
     return "\n".join(rows)
+
+
+def reaches_locally(s: State, dst: State) -> bool:
+    """Whether local moves alone (slices, zero-fills; no communication) turn state `s` into `dst`.
+
+    >>> from sbp import S, B, Partial
+    >>> reaches_locally((B, S(0)), (Partial("sum"), S(0))), reaches_locally((S(0),), (B,))
+    (True, False)
+    """
+    return _reaches_locally(tuple(map(split_code, s)), tuple(map(split_code, dst)))
 
 
 @lru_cache(maxsize=65536)

@@ -23,7 +23,7 @@ from ..values.steps import STEP_CALLS, Plan, Step
 from ..values.topology import Topology
 from .bounds import Bounds
 from .cost import Costing, Pricing
-from .moves import POINT_TO_POINT_KINDS, candidates
+from .moves import POINT_TO_POINT_KINDS, candidates, reaches_locally
 from .states import State, pending
 
 _DEFERRED = ("point-to-point moves",)  # a queue entry standing for all of them out of one state
@@ -48,7 +48,16 @@ def plan_cached(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: State,
     cap = 2 * (costing.max_local_bytes(src) + costing.max_local_bytes(dst))
     bound = bounds.lower_bound(src, dst)
     capped: list[bool] = []
-    steps = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, capped=capped, pricing=pricing)
+    steps = None
+    if reaches_locally(src, dst):
+        # a change with no communication takes the direct conversions where they keep the whole tensor off
+        # the ranks (DESIGN.md: B -> P(sum) keeps the value on coord 0 and zeros elsewhere, B -> P(min|max)
+        # keeps it everywhere), though slicing first would model a smaller peak
+        direct = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, pricing=pricing, direct_fills=True)
+        if direct is not None and all(s.kind == "local" for s in direct):
+            steps = direct
+    if steps is None:
+        steps = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, capped=capped, pricing=pricing)
     if steps is None or (capped and sum(s.bytes for s in steps) > bound):
         # the cap is a preference, bytes come first: a plan above the lower bound, found by a search the
         # cap pruned, is checked against the search without the cap (which still keeps the whole tensor
@@ -72,7 +81,7 @@ CACHES = (("search.plan_cached", plan_cached),)
 
 def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int | None, *,
                bounds: Bounds | None = None, whole_off: bool = True, capped: list | None = None,
-               pricing: Pricing | None = None) -> list[Step] | None:
+               pricing: Pricing | None = None, direct_fills: bool = False) -> list[Step] | None:
     """The cheapest steps from `src` to `dst` (None when none is found): A* over states with
     lexicographic cost (the objective's primary and secondary parts (`Pricing`), collectives,
     transfers, peak, steps, then move order). Without a topology the primary part is bytes + latency
@@ -82,6 +91,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
     steps whose peak exceeds `cap` bytes are left out (None: no cap), and so, with `whole_off`, are
     states in the middle of a plan that hold the whole tensor (unless an end point does); `capped` gets
     one entry when the cap left a step out. `bounds` (of the same `costing`) may be shared between searches.
+    `direct_fills` leaves out slicing a Broadcast axis before zero-filling it into Partial.
 
     Among plans equal in bytes and collectives, ring collectives win over point-to-point transfers
     (NCCL and gloo run them as tuned rings), then the smaller peak memory, then fewer steps.
@@ -172,7 +182,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
         if move is _DEFERRED:  # the point-to-point moves out of the state, deferred until now
             family = candidates(costing, state, dst, point_to_point=True)
         else:
-            family = candidates(costing, state, dst)
+            family = candidates(costing, state, dst, direct_fills=direct_fills)
             # what any point-to-point move costs at least: one call, one transfer
             key = (cost[0] + max(p2p_least[0], est[0]), cost[1] + max(p2p_least[1], est[1]),
                    cost[2] + max(1, est[2]), cost[3] + 1, cost[4], cost[5] + 1)

@@ -68,6 +68,29 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     >>> sbp.testing.spmd(fn, (2, 2))
     [[[0.0, 1.0], [2.0, 3.0]], [[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]]]
     """
+    if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (slicing, no collective)
+        if src is not None or requires_grad or (isinstance(tensor, torch.Tensor) and tensor.requires_grad
+                                                and requires_grad is None):
+            raise CompileError(_DISTRIBUTE_IN_GRAPH)
+        return _compiled_distribute(tensor, mesh_description(mesh), placements_text(placements))
+    return _distribute(tensor, mesh, placements, src, requires_grad)
+
+
+_DISTRIBUTE_IN_GRAPH = ("distribute inside torch.compile lays out a tensor that does not require grad, from every "
+                        "rank's full tensor (src=None): scattering from one rank (src=) needs a collective on "
+                        "the tensor's shape, and a new leaf that requires grad cannot be made in a graph; call "
+                        "distribute outside the compiled function (or pass a tensor that does not require grad)")
+
+
+def _distribute_described(tensor: torch.Tensor, mesh: tuple, placements) -> GlobalTensor:
+    return _distribute(tensor, mesh_of(mesh), placements, None, False)
+
+
+_compiled_distribute = torch._dynamo.nonstrict_trace(_distribute_described)
+
+
+def _distribute(tensor, mesh: DeviceMesh, placements, src: Optional[int],
+                requires_grad: Optional[bool]) -> GlobalTensor:
     _check_bound(mesh, "distribute")
     if isinstance(tensor, GlobalTensor):
         raise SbpError("distribute needs a plain torch.Tensor, got a GlobalTensor; use x.redistribute(placements)")

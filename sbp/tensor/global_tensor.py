@@ -335,6 +335,42 @@ class GlobalTensor(torch.Tensor):
         mesh, pls, shape = meta
         return GlobalTensor(inner["_local"], mesh, pls, shape)
 
+    def __coerce_tangent_metadata__(self) -> "GlobalTensor":
+        """The placements AOTAutograd traces a compiled output's gradient with: the output's, with `B` for
+        each Partial axis (the gradient of a ``P(op)`` value is ``B``; DESIGN.md "Autograd").
+
+        >>> import sbp
+        >>> x = GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.Partial("sum"),), (2,))
+        >>> x.__coerce_tangent_metadata__().placements
+        (B,)
+        """
+        if not any(isinstance(p, Partial) for p in self._placements):
+            return self
+        dst = tuple(Broadcast() if isinstance(p, Partial) else p for p in self._placements)
+        # a P(op) axis holds full-size locals, so B on it keeps the local shape: only the guess's metadata
+        # matters here (AOTAutograd traces the backward with it)
+        return GlobalTensor(self._local, self._mesh, dst, tuple(self.shape))
+
+    def __coerce_same_metadata_as_tangent__(self, expected, expected_type: Optional[type] = None):
+        """A compiled function's output gradient, redistributed to the placements its backward was traced
+        with (eager code after the compiled call may hand back a gradient with other placements: a `B`
+        output used with an ``S(0)`` tensor gets an ``S(0)`` gradient). None (AOTAutograd's error) for
+        another type, mesh or shape.
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     g = sbp.distribute(torch.arange(4.), mesh, "B")
+        ...     return g.__coerce_same_metadata_as_tangent__((mesh, (sbp.S(0),), (4,))).to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [[0.0, 1.0], [2.0, 3.0]]
+        """
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        mesh, placements, shape = expected
+        if mesh != self._mesh or tuple(shape) != tuple(self.shape):
+            return None
+        return self.redistribute(placements)
+
     def _stable_hash_for_caching(self) -> str:
         """This tensor's part of torch.compile's cache keys (AOTAutograd's on-disk cache): the layout, the
         local tensor's metadata, sbp's code and this process's rank -- ranks share the cache, and a traced

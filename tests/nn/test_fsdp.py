@@ -420,12 +420,14 @@ def test_colwise_biases_move_together() -> None:
             assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name
 
 
-def _compiled(mesh, backend: Optional[str], whole: bool = False):
+def _compiled(mesh, backend: Optional[str], whole: bool = False, fullgraph: bool = False):
     net, x, y = _model(EVEN)
-    for block in net.blocks:
-        sbp.nn.fully_shard(block, mesh, "dp")
-        if backend is not None and not whole:
-            block.compile(backend=backend)   # each unit's compute compiles; its hooks run eagerly between graphs
+    for i in range(len(net.blocks)):
+        if fullgraph:   # torchtitan's order: compile the block, then shard the compiled module (its hooks outside)
+            net.blocks[i] = torch.compile(net.blocks[i], backend=backend, fullgraph=True)
+        sbp.nn.fully_shard(net.blocks[i], mesh, "dp")
+        if backend is not None and not whole and not fullgraph:
+            net.blocks[i].compile(backend=backend)   # the unit compiles; its hooks run eagerly between graphs
     sbp.nn.fully_shard(net, mesh, "dp")
     model = torch.compile(net, backend=backend) if whole else net
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
@@ -437,7 +439,23 @@ def _compiled(mesh, backend: Optional[str], whole: bool = False):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.full().detach() for n, p in net.named_parameters()}
+    return losses, {n.replace("_orig_mod.", ""): p.full().detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.gloo
+def test_blocks_compiled_with_fullgraph_then_sharded_match_eager() -> None:
+    """torch.compile(block, fullgraph=True) and then fully_shard(the compiled module), as torchtitan orders it
+    (FSDP2 needs the same order): the unit's hooks run around the graph, which holds the whole block."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    run = functools.partial(sbp.testing.spmd, names=("dp",), backend="gloo", timeout=300)
+    eager = run(functools.partial(_compiled, backend=None), (2,))
+    compiled = run(functools.partial(_compiled, backend="aot_eager", fullgraph=True), (2,))
+    for (losses, params), (ref_losses, ref) in zip(compiled, eager):
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, ref[name], atol=1e-10, rtol=0), name
 
 
 @pytest.mark.slow
@@ -690,6 +708,8 @@ def _bad(mesh, case: str):
     elif case == "local_tp":
         sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="rep")
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch=True)   # TP parameters: not plain-computable
+    elif case == "reshard_int":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reshard_after_forward=2)   # FSDP2's int form
 
 
 @pytest.mark.parametrize("case, message", [
@@ -697,6 +717,7 @@ def _bad(mesh, case: str):
     ("axis", "the mesh has no axis 'fsdp'"),
     ("shared", "is shared with unit"),
     ("local_tp", "local_batch=True. computes on plain tensors"),
+    ("reshard_int", "reshard_after_forward=2.: needs True or False"),
 ])
 def test_bad_input(case: str, message: str) -> None:
     with pytest.raises(sbp.SbpError, match=message) as info:

@@ -105,6 +105,23 @@ def test_distribute_partial_locals():
     assert all(r[1] for r in out)
 
 
+@pytest.mark.parametrize("mesh_shape, src, dst", [
+    ((4,), "B", "P(sum)"), ((4,), "B", "P(min)"), ((4,), "B", "P(max)"), ((2, 2), "B, B", "P(sum), P(sum)"),
+    ((2, 2), "B, B", "P(max), P(max)"), ((2, 2), "S(0), B", "S(0), P(sum)"), ((2, 2), "B, S(1)", "P(min), S(1)"),
+    ((2, 2), "B, B", "P(sum), S(1)"), ((2, 3), "B, B", "P(max), P(sum)")])
+def test_redistribute_broadcast_to_partial_keeps_the_design_locals(mesh_shape, src, dst):
+    # DESIGN.md: B -> P(sum) keeps the value on coord 0 of the axis and zeros elsewhere, B -> P(min|max)
+    # keeps it everywhere -- the locals distribute() makes. (The planner once sliced first, a smaller
+    # modeled peak, leaving each rank a slice embedded into the op's identity.)
+    def fn(mesh):
+        t = reference((5, 3))
+        got = sbp.distribute(t, mesh, src).redistribute(dst).to_local()
+        return torch.equal(got, sbp.distribute(t, mesh, dst).to_local())
+
+    assert all(spmd(fn, mesh_shape))
+    assert all(s.kind == "local" for s in sbp.plan((5, 3), mesh_shape, src, dst).steps)
+
+
 @pytest.mark.parametrize("pls", ["S(0), S(1)", "P(sum), S(0)", "B, P(max)", "S(1), S(1)", "B, S(0)", "S(1), P(min)"])
 def test_distribute_from_src_rank_sends_only_blocks(pls):
     shape = (5, 3)
