@@ -126,6 +126,7 @@ class Unit:
         # "local" or "global"; "off" where the unit cannot compute locally (inner units, tensor parallelism)
         self.auto = "off"
         self.computing_local = False   # the forward in progress runs on plain local tensors
+        self.forward_local = False     # how the last forward with autograd ran (its recompute runs the same way)
         self.probe = False             # the forward in progress is compared against a local run
         self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at its inputs
         self.owners: dict[int, nn.Module] = {}
@@ -820,9 +821,16 @@ def _install_hooks(unit: Unit) -> None:
             if unit is sched.root:
                 args, kwargs = _root_inputs(unit, args, kwargs)
             sched.pre_forward(unit)
-            on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
-            unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
-            unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
+            if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
+                # a forward recomputed in backward (activation checkpointing): the way the original ran, which
+                # the first step's check may have changed since (unverified and global -> local)
+                unit.computing_local, unit.probe = unit.forward_local, None
+            else:
+                on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
+                unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
+                unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
+                if torch.is_grad_enabled():
+                    unit.forward_local = unit.computing_local
             if unit.computing_local:
                 args, kwargs = _local_inputs(unit, args, kwargs)
             _bind(unit, unit.computing_local)

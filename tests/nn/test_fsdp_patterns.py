@@ -1,6 +1,6 @@
 """`sbp.nn.fully_shard` under training-loop patterns FSDP2 users rely on, each against one process (float64):
 blocks with buffers and batch norm, tied parameters (within the root and across units), a unit used twice in
-one backward, activation checkpointing around a unit, a unit skipped for a step (its prefetched gather must
+one backward, activation checkpointing of a unit (wrapped, and around its call), a unit skipped for a step (its prefetched gather must
 not go stale), and evaluation after the parameters change in place (`load_state_dict`).
 
 Threads backend, mesh (2,) named dp; the default `local_batch=None` unless a case says otherwise.
@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -71,6 +72,20 @@ class Skippable(nn.Module):
         return self.head(x)
 
 
+class CheckpointedCalls(nn.Module):
+    """Activation checkpointing around each unit's call (torch.utils.checkpoint in the parent's forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in range(2)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
 def _blocks(kind: str) -> nn.Module:
     if kind == "buffer":
         return nn.Sequential(Scaled(), Scaled(), nn.Linear(4, 1))
@@ -80,6 +95,8 @@ def _blocks(kind: str) -> nn.Module:
         return Tied()
     if kind == "skip":
         return Skippable()
+    if kind == "checkpointed_calls":
+        return CheckpointedCalls()
     return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)),
                          nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)), nn.Linear(6, 1))
 
@@ -91,7 +108,7 @@ def _make(kind: str) -> nn.Module:
 
 
 def _units(m: nn.Module, kind: str) -> list[int]:
-    return [0, 1] if kind in ("buffer", "batch_norm", "tied", "skip") else [1, 2]
+    return [0, 1] if kind in ("buffer", "batch_norm", "tied", "skip", "checkpointed_calls") else [1, 2]
 
 
 def _loss(m: nn.Module, kind: str, step: int) -> torch.Tensor:
@@ -121,7 +138,7 @@ def _train(m: nn.Module, kind: str, steps: int = 3):
 
 def _sharded(kind: str, mesh):
     m = _make(kind)
-    blocks = m.blocks if kind in ("tied", "skip") else m
+    blocks = m.blocks if kind in ("tied", "skip", "checkpointed_calls") else m
     for i in _units(m, kind):
         if kind == "checkpointed":
             blocks[i] = checkpoint_wrapper(blocks[i])
@@ -132,11 +149,13 @@ def _sharded(kind: str, mesh):
     return _train(m, kind)
 
 
-@pytest.mark.parametrize("kind", ["buffer", "batch_norm", "tied", "twice", "checkpointed", "skip"])
+@pytest.mark.parametrize("kind", ["buffer", "batch_norm", "tied", "twice", "checkpointed", "checkpointed_calls",
+                                  "skip"])
 def test_training_pattern_matches_one_process(kind: str) -> None:
     # each failed before: buffers/batch norm (in-place restore of a saved buffer), tied (untied: a second
     # stored parameter), twice (the unit's gathered storage freed after its first backward), checkpointed
-    # (the recomputed forward read the stored shards), skip (a stale prefetched gather after the step)
+    # (the recomputed forward read the stored shards), checkpointed_calls (the first step's recompute ran on local
+    # shares, the forward on global tensors), skip (a stale prefetched gather after the step)
     losses, params, buffers, count = _train(_make(kind), kind)
     for got in sbp.testing.spmd(functools.partial(_sharded, kind), (2,), names=("dp",)):
         assert got[3] == count   # tied parameters stay one parameter
