@@ -1,7 +1,7 @@
 """`sbp.nn.fully_shard` under training-loop patterns FSDP2 users rely on, each against one process (float64):
 blocks with buffers and batch norm, tied parameters (within the root and across units), a unit used twice in
-one backward, activation checkpointing of a unit (wrapped, and around its call), a unit skipped for a step (its prefetched gather must
-not go stale), and evaluation after the parameters change in place (`load_state_dict`).
+one backward, activation checkpointing of a unit (wrapped, and around its call), a unit skipped for a step (its
+prefetched gather must not go stale), and evaluation after the parameters change in place (`load_state_dict`).
 
 Threads backend, mesh (2,) named dp; the default `local_batch=None` unless a case says otherwise.
 """
