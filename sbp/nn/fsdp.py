@@ -668,6 +668,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
                            f"{[u.name for u in inner]} and parameters {tp} (valid: a block on a data-parallel mesh)")
         unit.local_batch = True
     _UNITS[module] = unit
+    module._sbp_fully_sharded = _NoCopy()   # copy.deepcopy of the module (or a parent) refuses clearly
     for path, m in module.named_modules():   # names for the log: paths under the outermost unit
         if m in _UNITS:
             _UNITS[m].name = path or "<root>"
@@ -875,6 +876,16 @@ def _refuse_compiled_root(unit: Unit) -> None:
         f"fully-sharded model per block, not whole (the root's global tensors, created by its hooks between "
         f"graphs, do not trace): compile each fully_shard block instead (block.compile(backend=...) or "
         f"torch.compile(block)) and call the root eagerly")
+
+
+class _NoCopy:
+    """Held by each fully-sharded module: deep-copying it raises, as FSDP2 does. A copy would share the units'
+    hooks, gathers and schedule with the original (their collectives would interleave on the mesh)."""
+
+    def __deepcopy__(self, memo: dict) -> "_NoCopy":
+        raise SbpError("copy.deepcopy of a fully_shard module is not supported (its units hold gathers, hooks and a "
+                       "schedule bound to the original): deep-copy the model before fully_shard, or move weights "
+                       "with state_dict() / load_state_dict() (or sbp.save / sbp.load)")
 
 
 class CompileNotSupported(SbpError):

@@ -708,6 +708,9 @@ def _bad(mesh, case: str):
     elif case == "local_tp":
         sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="rep")
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch=True)   # TP parameters: not plain-computable
+    elif case == "deepcopy":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
+        copy.deepcopy(net)   # the unit's hooks and gathers would be shared with the original
     elif case == "reshard_int":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reshard_after_forward=2)   # FSDP2's int form
 
@@ -718,6 +721,7 @@ def _bad(mesh, case: str):
     ("shared", "is shared with unit"),
     ("local_tp", "local_batch=True. computes on plain tensors"),
     ("reshard_int", "reshard_after_forward=2.: needs True or False"),
+    ("deepcopy", "copy.deepcopy of a fully_shard module is not supported"),
 ])
 def test_bad_input(case: str, message: str) -> None:
     with pytest.raises(sbp.SbpError, match=message) as info:
