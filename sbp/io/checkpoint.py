@@ -18,15 +18,18 @@ logical value, never partial parts. Plain tensors are written once, by the mesh'
 Loading: each rank intersects its target block with the saved blocks and opens only the files whose
 blocks it needs. A shared filesystem is assumed (every rank sees the directory).
 ``format="dcp"`` and ``format="safetensors"`` write the ecosystem's formats instead (`sbp.io.dcp`,
-`sbp.io.safetensors`); `load` recognises all three.
+`sbp.io.safetensors`), each committed by one atomic rename too; `load` recognises all three. After its
+commit a save removes the other formats' commit files (`sbp.io.state.retire_others`): the newest save
+into a directory is what loads, whatever its format.
+Agreement: the all_gather of the files' hashes carries a digest of each rank's keys, layouts and JSON
+values (ranks that differ raise `RankMismatchError`, nothing is committed); a load makes every check
+before its first write and then all-reduces one failure flag, so all ranks raise together or none does.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
-import shutil
 from typing import Any, Optional
 
 import torch
@@ -39,6 +42,8 @@ from ..values.mesh import DeviceMesh
 from ..values.placement import normalize, placements as parse_placements
 from . import dcp, safetensors
 from .state import (
+    GENERATION,
+    agree_loaded,
     agree_max,
     as_path,
     check_tuple_slot,
@@ -48,10 +53,15 @@ from .state import (
     host_barrier,
     host_copy,
     json_value,
+    last_generation,
     leaves,
     like,
     reduced,
+    refuse_disagreement,
+    retire_others,
+    save_digest,
     target_block,
+    target_meshes,
     writers,
 )
 
@@ -60,8 +70,6 @@ VERSION = 2
 READS = (1, 2)           # version 1: the rank files beside metadata.json, no data directory
 METADATA = "metadata.json"
 FORMATS = ("sbp", "dcp", "safetensors")
-GENERATION = re.compile(r"gen-(\d{8})")
-OWN_FILE = re.compile(r"rank\d{5}\.pt(\.tmp)?|\.metadata\.json\.tmp")   # what a save may remove
 
 
 # ---- save ----------------------------------------------------------------------------------------------
@@ -122,28 +130,22 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
             continue
         tensors[key] = entry
     # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
-    data = f"gen-{agree_max(mesh, _last_generation(path)) + 1:08d}"
+    data = f"gen-{agree_max(mesh, last_generation(path)) + 1:08d}"
     try:
         os.makedirs(os.path.join(path, data), exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"save: cannot create the checkpoint directory {path!r}: {e}") from e
     digest = _write(shard, os.path.join(path, data, _file_name(me))) if shard else None
-    files = _gather_digests(digest, mesh)
+    files, same = _gather_digests(digest, mesh, save_digest(found))
+    if not same:    # every rank sees it in the same table: all raise, nothing is committed
+        refuse_disagreement(mesh, found)
     if first:
         meta = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, "data": data, "files": files,
                 "tensors": tensors, "values": values}
         _commit(path, meta)
-        _remove_stale(path, keep=data)
+        retire_others(path, "sbp", data)   # other formats' commits, then earlier saves' data
     if mesh is not None:  # nobody returns before metadata.json is there
         host_barrier(mesh)
-
-
-def _last_generation(path: str) -> int:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return 0
-    return max((int(m.group(1)) for m in map(GENERATION.fullmatch, names) if m), default=0)
 
 
 def _commit(path: str, meta: dict) -> None:
@@ -156,20 +158,6 @@ def _commit(path: str, meta: dict) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, METADATA))
     fsync_dir(path)
-
-
-def _remove_stale(path: str, keep: str) -> None:
-    """After the switch: the data of earlier saves (older generations, abandoned ones, version-1 rank files).
-    Only names a save writes are touched; anything else in the directory is left alone."""
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if name != keep and GENERATION.fullmatch(name) and os.path.isdir(full):
-            shutil.rmtree(full, ignore_errors=True)
-        elif OWN_FILE.fullmatch(name) and os.path.isfile(full):
-            try:
-                os.remove(full)
-            except OSError:
-                pass
 
 
 def _describe_global(x: GlobalTensor, original) -> tuple[dict, Optional[Block]]:
@@ -221,22 +209,27 @@ def _sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh]) -> dict[str, dict]:
-    """Every writer's file digest and size, for coord 0's metadata (one all_gather of 5 int64 per rank)."""
+def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh],
+                    state: int) -> tuple[dict[str, dict], bool]:
+    """Every writer's file digest and size, for coord 0's metadata, and whether every rank's `state` (its
+    `save_digest`: keys, layouts, JSON values) is the same -- one all_gather of 6 int64 per rank."""
     if mesh is None:
-        return {} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}
-    row = torch.zeros(5, dtype=torch.int64, device="cpu")   # built on the host, then moved
+        return ({} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}), True
+    row = torch.zeros(6, dtype=torch.int64, device="cpu")   # built on the host, then moved
     if digest is not None:
         row[:4] = torch.frombuffer(bytearray(bytes.fromhex(digest[0])), dtype=torch.int64)
         row[4] = digest[1] + 1  # 0 means "wrote no file"
+    row[5] = state
     # the collective takes the row on the mesh's device (NCCL: CUDA tensors); the table comes back to the host
     rows = mesh.binding.all_gather(row.to(comm_device(mesh)), tuple(range(mesh.ndim)))
     out = {}
+    states = set()
     for rank, r in zip(mesh.ranks, rows):
         r = r.cpu()
+        states.add(int(r[5]))
         if int(r[4]):
             out[_file_name(rank)] = {"sha256": r[:4].contiguous().numpy().tobytes().hex(), "bytes": int(r[4]) - 1}
-    return out
+    return out, len(states) == 1
 
 
 def checkpoint_format(path: str) -> str:
@@ -272,7 +265,9 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     updates the model's parameters); JSON values are replaced. The checkpoint may come from another
     mesh shape, another number of ranks or other placements. With `strict` (default) the keys must be
     the same; otherwise only the common keys are loaded. Any mismatch or damage raises
-    `sbp.CheckpointError` naming the tensor and what differs. Returns `state_dict`. `path` may also be a
+    `sbp.CheckpointError` naming the tensor and what differs; every check comes before the first write,
+    so a failed load changes nothing, and every rank of the mesh raises when any rank fails (one
+    all_reduce of one flag). Returns `state_dict`. `path` may also be a
     DCP directory (``.metadata``: `sbp.io.dcp`) or a safetensors file, a directory holding
     ``model.safetensors`` or a transformers index (`sbp.io.safetensors`).
 
@@ -299,33 +294,59 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
         return dcp.load_dcp(path, state_dict, strict=strict)
     if kind == "safetensors":
         return safetensors.load_safetensors(path, state_dict, strict=strict)
-    meta = _read_metadata(path)
     found = leaves(state_dict)
+    meshes = target_meshes(found)
+    try:
+        writes = _prepare(path, found, strict)   # every check, this rank's files verified: nothing written yet
+        error = None
+    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
+        writes, error = [], e
+    agree_loaded(meshes, path, error)               # one all_reduce of one flag: all ranks raise, or none
+    with torch.no_grad():
+        for leaf, container, index, pieces in writes:
+            if container is not None:
+                container[index] = pieces         # a JSON value
+                continue
+            local, _ = target_block(leaf)         # (zeroes a P(sum) target away from coord 0)
+            for at, piece in pieces:
+                local[at] = piece
+    return state_dict
+
+
+def _prepare(path: str, found: dict, strict: bool) -> list[tuple]:
+    """Every check a load makes, before anything is written: the metadata, the keys, each tensor's global
+    shape and dtype, and each file this rank reads (size, SHA-256, the blocks it must hold). Returns the
+    writes: (leaf, None, None, [(slices of the local tensor, the piece that fills them)]) per tensor and
+    (None, container, index, value) per JSON value."""
+    meta = _read_metadata(path)
     saved = set(meta["tensors"]) | set(meta["values"])
     missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
     if strict and (missing or extra):
         parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                 ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
         raise CheckpointError(f"checkpoint {path!r} and the state_dict have different keys: " + "; ".join(parts))
-    for key, (leaf, container, index) in found.items():   # every refusal before anything is written
+    for key, (leaf, container, index) in found.items():
         if key in meta["values"] and isinstance(leaf, torch.Tensor):
             raise CheckpointError(f"entry {key!r} is a value in the checkpoint ({meta['values'][key]!r}) but a "
                                   f"tensor in the state_dict")
         if key in meta["values"]:
             check_tuple_slot(key, container)
+        elif key in meta["tensors"]:
+            _check_tensor(key, meta["tensors"][key], leaf)
     files = _Files(os.path.join(path, meta["data"]), meta)
+    writes: list[tuple] = []
     for key, (leaf, container, index) in found.items():
         if key in meta["values"]:
-            container[index] = like(meta["values"][key], leaf)
+            writes.append((None, container, index, like(meta["values"][key], leaf)))
         elif key in meta["tensors"]:
-            if not isinstance(leaf, torch.Tensor):
-                raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "
-                                      f"the state_dict")
-            _load_tensor(key, meta["tensors"][key], leaf, files)
-    return state_dict
+            writes.append((leaf, None, None, _pieces(key, meta["tensors"][key], leaf, files)))
+    return writes
 
 
-def _load_tensor(key: str, entry: dict, target: torch.Tensor, files: "_Files") -> None:
+def _check_tensor(key: str, entry: dict, target: Any) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(target).__name__} in "
+                              f"the state_dict")
     shape = tuple(entry["global_shape"])
     if tuple(target.shape) != shape:
         raise CheckpointError(f"tensor {key!r}: global shape {shape} in the checkpoint, {tuple(target.shape)} in "
@@ -333,17 +354,22 @@ def _load_tensor(key: str, entry: dict, target: torch.Tensor, files: "_Files") -
     if dtype_name(target.dtype) != entry["dtype"]:
         raise CheckpointError(f"tensor {key!r}: dtype {entry['dtype']} in the checkpoint, "
                               f"{dtype_name(target.dtype)} in the state_dict")
-    local, want = target_block(target)
+
+
+def _pieces(key: str, entry: dict, target: torch.Tensor, files: "_Files") -> list[tuple]:
+    """[(slices of this rank's local target, the saved piece for them)]: the target block intersected with
+    every saved block; the files holding them are opened (and checked) here."""
+    local, want = target_block(target, zero=False)
     if local is None:
-        return
-    with torch.no_grad():
-        for saved in entry["blocks"]:
-            b = tuple(tuple(r) for r in saved["block"])
-            common = intersect(b, want)
-            if common is None:
-                continue
+        return []
+    out = []
+    for saved in entry["blocks"]:
+        b = tuple(tuple(r) for r in saved["block"])
+        common = intersect(b, want)
+        if common is not None:
             piece = files.block(saved["file"], key, b, entry["dtype"])
-            local[relative(common, want)] = piece[relative(common, b)]
+            out.append((relative(common, want), piece[relative(common, b)]))
+    return out
 
 
 class _Files:

@@ -12,6 +12,11 @@ global tensor a rank holds:
 - loading, each rank asks DCP for the chunk of its target block (`create_read_items_for_chunk_list`
   intersects it with the saved chunks) and DCP copies the overlaps straight into the local tensor.
 
+Saving is crash-safe as in the sbp format: DCP's files go into a new ``gen-*`` directory, and the
+coordinator commits ``.metadata`` (entries naming ``gen-N/__0_0.distcp``) by one atomic rename
+(`_GenerationWriter`). Loading checks keys, shapes, dtypes and the files' lengths in DCP's planning
+step, whose failures DCP gathers: every rank raises before any rank reads (`_CheckedReader`).
+
 So a DTensor job's ``dcp.save({"model": model.state_dict(), "optim": opt.state_dict()})`` loads into
 an sbp-parallelized model on any mesh and placements, and a checkpoint sbp writes with
 ``format="dcp"`` loads into DTensors with ``dcp.load``. DCP is collective over the mesh's processes:
@@ -21,7 +26,10 @@ or no mesh at all (a plain state dict, one process). Values DTensor code pickled
 """
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
+import pickle
 import warnings
 from typing import Any, Optional
 
@@ -48,14 +56,18 @@ from ..values.errors import CheckpointError
 from ..values.layout import Block, block, block_shape
 from ..values.mesh import DeviceMesh
 from .state import (
+    agree_save,
     check_tuple_slot,
     common_mesh,
     dtype_name,
+    fsync_dir,
     host_copy,
     json_value,
+    last_generation,
     leaves,
     like,
     reduced,
+    retire_others,
     target_block,
     writers,
 )
@@ -95,7 +107,10 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
         if not isinstance(leaf, torch.Tensor):
             json_value(key, leaf)
     mirror = _mirror(state_dict, local_of)
-    _run(dcp.save, mesh, mirror, storage_writer=dcp.FileSystemWriter(path), planner=_SavePlanner(chunks))
+    # the data go into a new directory beside the committed one (one all_reduce agrees on it and checks that
+    # the ranks save the same keys, layouts and values); the coordinator's `.metadata` rename is the switch
+    data = f"gen-{agree_save(mesh, found, last_generation(path)) + 1:08d}"
+    _run(dcp.save, mesh, mirror, storage_writer=_GenerationWriter(path, data), planner=_SavePlanner(chunks))
 
 
 def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
@@ -118,15 +133,20 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
         if not isinstance(leaf, torch.Tensor):
             check_tuple_slot(key, container)
     targets: dict[int, tuple[str, torch.Size, Optional[Block]]] = {}
+    unheld: list[GlobalTensor] = []   # P(sum) targets away from coord 0: zeroed once the load succeeded
 
     def local_of(leaf: GlobalTensor) -> torch.Tensor:
-        local, want = target_block(leaf)
-        local = leaf._local if local is None else local
+        local, want = target_block(leaf, zero=False)
+        if local is None:
+            local = leaf._local
+            unheld.append(leaf)
         targets[id(local)] = (dtype_name(leaf.dtype), torch.Size(leaf.shape), want)
         return local
 
     mirror = _mirror(state_dict, local_of, lists=True)
-    _run(dcp.load, mesh, mirror, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(targets, strict))
+    _run(dcp.load, mesh, mirror, storage_reader=_CheckedReader(path), planner=_LoadPlanner(targets, strict))
+    for leaf in unheld:
+        target_block(leaf)
     back = leaves(mirror)
     for key, (leaf, container, index) in found.items():
         if not isinstance(leaf, torch.Tensor) and key in back:
@@ -170,13 +190,77 @@ def _run(call, mesh: Optional[DeviceMesh], state: dict, **kw) -> None:
         with warnings.catch_warnings():   # no_dist in one process is the intent, not a surprise
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             call(state, **kw, **options)
-    except dcp.api.CheckpointException as e:
-        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+    except dcp.api.CheckpointException as e:   # DCP gathers every rank's failure: each rank raises
+        group = options.get("process_group")
+        me = dist.get_rank(group) if dist.is_initialized() else 0   # ranks of DCP's group
+        mine = e.failures.get(me)
+        if mine is not None and isinstance(mine[0], CheckpointError):
+            raise mine[0] from None
+        ours = [(r, exc) for r, (exc, _) in sorted(e.failures.items()) if isinstance(exc, CheckpointError)]
         if ours:
-            raise ours[0] from None
+            rank = ours[0][0] if group is None else dist.get_global_rank(group, ours[0][0])
+            raise CheckpointError(f"{'save' if call is dcp.save else 'load'} failed on rank {rank}: "
+                                  f"{ours[0][1]}") from None
         raise CheckpointError(f"torch.distributed.checkpoint failed: {e}") from e
     except (RuntimeError, ValueError, OSError) as e:
         raise CheckpointError(f"torch.distributed.checkpoint failed: {e}") from e
+
+
+class _GenerationWriter(dcp.FileSystemWriter):
+    """DCP's own writer, writing into the data directory `root/data`; its ``finish`` (the coordinator, once
+    every rank's files are written) then commits ``root/.metadata`` -- DCP's metadata with each entry's file
+    named ``data/__0_0.distcp`` -- through a temporary file and one atomic rename, and only then removes the
+    other formats' commit files and the data of earlier saves. A save that fails or dies before the rename
+    leaves the previous ``.metadata`` and the files it names untouched; `dcp.load(checkpoint_id=root)` and
+    `sbp.load(root)` read the committed one (DCP's reader opens each entry's file relative to the root)."""
+
+    def __init__(self, root: str, data: str) -> None:
+        super().__init__(os.path.join(root, data), overwrite=True)
+        self.root, self.data = root, data
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)           # DCP's metadata, written inside the data directory
+        inner = os.path.join(self.root, self.data, METADATA)
+        storage = {index: dataclasses.replace(info, relative_path=f"{self.data}/{info.relative_path}")
+                   for index, info in metadata.storage_data.items()}
+        top = dataclasses.replace(metadata, storage_data=storage)
+        if top.storage_meta is not None:
+            top.storage_meta = dataclasses.replace(top.storage_meta, checkpoint_id=self.root)
+        fsync_dir(os.path.join(self.root, self.data))
+        tmp = os.path.join(self.root, f"{METADATA}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(top, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.root, METADATA))   # the switch
+        fsync_dir(self.root)
+        try:
+            os.remove(inner)                        # one .metadata per checkpoint: the committed one
+        except OSError:
+            pass                                    # committed already: a leftover is harmless
+        retire_others(self.root, "dcp", self.data)
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's own reader, which first checks that every file this rank will read is there and long enough for
+    the byte ranges ``.metadata`` gives. DCP runs this in its planning step, before any rank reads, and
+    gathers every rank's failure: a missing or truncated file fails the load on every rank with nothing
+    written. (DCP files carry no checksum: changed bytes inside a file are not detected.)"""
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        ends: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            file = os.path.join(self.path, name)
+            if not os.path.isfile(file):
+                raise CheckpointError(f"DCP checkpoint file {file!r} is missing (.metadata names it)")
+            size = os.path.getsize(file)
+            if size < end:
+                raise CheckpointError(f"DCP checkpoint file {file!r} has {size} bytes, .metadata places data up to "
+                                      f"byte {end}: it is truncated or altered")
+        return super().prepare_local_plan(plan)
 
 
 class _SavePlanner(DefaultSavePlanner):

@@ -32,6 +32,8 @@ from ..values.errors import CheckpointError
 from ..values.layout import Block, block, block_numel, block_shape
 from ..values.mesh import DeviceMesh
 from .state import (
+    agree_loaded,
+    agree_save,
     check_tuple_slot,
     common_mesh,
     fsync_dir,
@@ -41,7 +43,9 @@ from .state import (
     leaves,
     like,
     reduced,
+    retire_others,
     target_block,
+    target_meshes,
     writers,
 )
 
@@ -110,8 +114,8 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
                 f.truncate(start + offset)
         except OSError as e:
             raise CheckpointError(f"save: cannot write {tmp!r}: {e}") from e
-    if mesh is not None:
-        host_barrier(mesh)                    # the file exists, sized, before anyone writes into it
+    if mesh is not None:                      # the file exists, sized, before anyone writes into it; the same
+        agree_save(mesh, found, 0)            # all_reduce checks the ranks save the same keys, layouts, values
     if pieces:
         fd = os.open(tmp, os.O_WRONLY)
         try:
@@ -127,6 +131,8 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
     if first:
         os.replace(tmp, file)                 # the switch: the old file stays whole until here
         fsync_dir(os.path.dirname(file) or ".")
+        if file != path:                      # saved into a directory: the newest save is what loads
+            retire_others(path, "safetensors")
     if mesh is not None:
         host_barrier(mesh)                    # nobody returns before the file is in place
 
@@ -188,8 +194,30 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
     [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
     >>> shutil.rmtree(path)
     """
-    entries, values = _read_headers(path)
     found = leaves(state_dict)
+    meshes = target_meshes(found)
+    try:
+        entries, values = _check(path, found, strict)   # every check before the first write
+        error = None
+    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
+        entries, values, error = {}, {}, e
+    agree_loaded(meshes, path, error)                       # one all_reduce of one flag: all ranks raise, or none
+    fds: dict[str, int] = {}
+    try:
+        for key, (leaf, container, index) in found.items():
+            if key in values:
+                container[index] = like(values[key], leaf)
+            elif key in entries:
+                _load_tensor(entries[key], leaf, fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return state_dict
+
+
+def _check(path: str, found: dict, strict: bool) -> tuple[dict[str, tuple], dict[str, Any]]:
+    """The headers of every file involved, checked against the state dict (keys, shapes, dtypes)."""
+    entries, values = _read_headers(path)
     saved = set(entries) | set(values)
     missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
     if strict and (missing or extra):
@@ -213,17 +241,7 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
                                       f"state_dict")
             if leaf.dtype != dtype:
                 raise CheckpointError(f"tensor {key!r}: dtype {dtype} in {file!r}, {leaf.dtype} in the state_dict")
-    fds: dict[str, int] = {}
-    try:
-        for key, (leaf, container, index) in found.items():
-            if key in values:
-                container[index] = like(values[key], leaf)
-            elif key in entries:
-                _load_tensor(entries[key], leaf, fds)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return state_dict
+    return entries, values
 
 
 def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:

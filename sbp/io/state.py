@@ -10,18 +10,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from typing import Any, Iterator, Optional
 
 import torch
 
+from ..runtime.agreement import agree, digest, mesh_gather
 from ..runtime.backends.base import comm_device
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw, sum_holds_value
-from ..values.errors import CheckpointError
+from ..values.errors import CheckpointError, RankMismatchError
 from ..values.layout import Block, block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial
 
 Leaf = Any  # a tensor, or a JSON value (int, float, str, bool, None, lists and dicts of them)
+
+GENERATION = re.compile(r"gen-(\d{8})")   # a save's data directory (the sbp format's and DCP's)
+# the commit files a save of another format removes: `sbp.load` prefers metadata.json, then .metadata, then
+# model.safetensors, so a safetensors file (perhaps a transformers model's own) never hides a newer save
+COMMITS = {"sbp": "metadata.json", "dcp": ".metadata"}
+# besides generation directories, what saves write and a later save may remove once it has committed:
+# version-1 sbp rank files, DCP data files written flat (by DTensor code, or sbp before generations), temporaries
+SAVE_DATA = re.compile(r"rank\d{5}\.pt(\.tmp)?|__\d+_\d+\.distcp|\.metadata(\.json)?\.tmp|model\.safetensors\.tmp")
+MESSAGE_BYTES = 2048   # per rank in the gather that tells every rank why a load failed (only when one did)
 
 
 # ---- flattening nested state dicts ---------------------------------------------------------------------
@@ -171,9 +183,10 @@ def writers(x: GlobalTensor) -> dict[Block, tuple[int, ...]]:
     return out
 
 
-def target_block(target: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[Block]]:
+def target_block(target: torch.Tensor, *, zero: bool = True) -> tuple[Optional[torch.Tensor], Optional[Block]]:
     """(the local tensor to fill, its block of the global tensor) for a load target; (None, None) when this
-    rank fills nothing (outside the mesh; a `P(sum)` axis away from coord 0: its local is zeroed here).
+    rank fills nothing (outside the mesh; a `P(sum)` axis away from coord 0: its local is zeroed here,
+    unless `zero` is False -- the checks before the first write change nothing).
 
     >>> target_block(torch.zeros(2, 3))[1]
     ((0, 2), (0, 3))
@@ -184,8 +197,9 @@ def target_block(target: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional
     if coord is None:
         return None, None
     if not sum_holds_value(mesh, target.placements, coord):  # P(sum) holds the value at coord 0 only
-        with torch.no_grad():
-            target._local.zero_()
+        if zero:
+            with torch.no_grad():
+                target._local.zero_()
         return None, None
     return target._local, block(tuple(target.shape), mesh.shape, target.placements, coord)
 
@@ -230,6 +244,118 @@ def agree_max(mesh: Optional[DeviceMesh], n: int) -> int:
     return int(mesh.binding.all_reduce(t, tuple(range(mesh.ndim)), "max").item())
 
 
+def _save_fields(found: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
+    """What every rank of a save must pass alike: the keys, the tensors' layouts, the JSON values."""
+    layouts, values = {}, {}
+    for key, (leaf, _, _) in found.items():
+        if isinstance(leaf, torch.Tensor):
+            where = repr(tuple(leaf.placements)) if isinstance(leaf, GlobalTensor) else "plain"
+            layouts[key] = (tuple(leaf.shape), dtype_name(leaf.dtype), where)
+        else:
+            values[key] = leaf
+    return {"keys": list(found), "tensor layouts": layouts, "JSON values": values}
+
+
+def save_digest(found: dict[str, tuple[Any, Any, Any]]) -> int:
+    """A 56-bit digest of a save's keys, tensor layouts and JSON values (an int64 for a collective).
+
+    >>> save_digest(leaves({"step": 1})) == save_digest(leaves({"step": 1})) != save_digest(leaves({"step": 2}))
+    True
+    """
+    return digest(_save_fields(found))
+
+
+def refuse_disagreement(mesh: DeviceMesh, found: dict[str, tuple[Any, Any, Any]]) -> None:
+    """Every rank of `mesh` has seen that the ranks' `save_digest`s differ: one all_gather of one digest per
+    field (and one of their texts) names the ranks and what differs, in the `sbp.RankMismatchError` every
+    rank raises."""
+    gather, members = mesh_gather(mesh)
+    agree(gather, members, "save", _save_fields(found), device=comm_device(mesh))
+    raise RankMismatchError("save: the ranks' state_dicts differ (every rank must pass the same keys, layouts "
+                            "and JSON values; SPMD)")   # pragma: no cover - agree named them and raised
+
+
+def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]], n: int) -> int:
+    """The largest `n` any rank of `mesh` passes (`n` itself without a mesh), in one all_reduce of 3 int64
+    that also checks that every rank saves the same keys, tensor layouts and JSON values: the ranks'
+    `save_digest` and its negation ride along, so the maximum gives its maximum and minimum. Where they
+    differ, every rank sees it and `refuse_disagreement` names the ranks.
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": 1}), mesh.rank * 10), (3,))
+    [20, 20, 20]
+    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": mesh.rank}), 0), (2,))
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.testing.spmd.SpmdError: ... disagree on JSON values ...: {'step': 0} on ranks [0]; {'step': 1} on ranks [1]
+    """
+    if mesh is None:
+        return n
+    d = save_digest(found)
+    row = torch.tensor([n, d, -d], dtype=torch.int64, device=comm_device(mesh))
+    top, high, low = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
+    if high != -low:
+        refuse_disagreement(mesh, found)
+    return top
+
+
+def target_meshes(found: dict[str, tuple[Any, Any, Any]]) -> list[DeviceMesh]:
+    """The distinct meshes of the global tensors among `found` (from `leaves`), in key order: the meshes a
+    load agrees over (a state dict being loaded may span several).
+
+    >>> target_meshes(leaves({"w": torch.ones(1)}))
+    []
+    """
+    out: list[DeviceMesh] = []
+    for leaf, _, _ in found.values():
+        if isinstance(leaf, GlobalTensor) and leaf.mesh not in out:
+            out.append(leaf.mesh)
+    return out
+
+
+def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, error: Optional[BaseException]) -> None:
+    """After a load's checks and before its first write: every rank learns whether any rank of its meshes
+    failed its checks (one all_reduce of one int64 per mesh) and then all raise together -- a failing
+    rank its own error, the others a `CheckpointError` naming the failing ranks with the first one's
+    message (an all_gather of the messages, only then). Without a mesh (plain state dicts) a rank just
+    raises its own error.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     agree_loaded(mesh, "ckpt", CheckpointError("file 'x' is corrupt") if mesh.rank == 1 else None)
+    >>> sbp.testing.spmd(fn, (3,))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.testing.spmd.SpmdError: rank 0 of 3 raised CheckpointError: load of 'ckpt' failed on rank 1 ...
+    """
+    meshes = [] if meshes is None else [meshes] if isinstance(meshes, DeviceMesh) else meshes
+    joined = [mesh for mesh in meshes if mesh.coord is not None]
+    failing = []   # the meshes where some rank failed: every member of a mesh finds the same
+    for mesh in joined:
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=comm_device(mesh))
+        if int(mesh.binding.all_reduce(flag, tuple(range(mesh.ndim)), "max").item()):
+            failing.append(mesh)
+    messages: dict[int, str] = {}
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
+    for mesh in failing:
+        gather, members = mesh_gather(mesh)
+        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device="cpu")   # built on the host, then moved
+        if text:
+            buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        for rank, got in zip(members, gather(buf.to(comm_device(mesh)))):
+            message = bytes(got.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+            if message:   # a failing rank's message is never empty: "<type>: <text>"
+                messages[rank] = message
+    if error is not None:
+        raise error
+    if messages:
+        failed = sorted(messages)
+        which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+        raise CheckpointError(f"load of {path!r} failed on {which} (no rank's state_dict was changed); "
+                              f"rank {failed[0]}: {messages[failed[0]]}")
+
+
 # ---- files ----------------------------------------------------------------------------------------------
 
 def as_path(call: str, path: Any) -> str:
@@ -248,6 +374,53 @@ def as_path(call: str, path: Any) -> str:
     else:
         what = f"{type(path).__name__} ({path!r:.60})"
     raise CheckpointError(f"{call}: path must be a str or os.PathLike naming the checkpoint directory, got {what}")
+
+
+def last_generation(path: str) -> int:
+    """The highest generation number among the ``gen-*`` data directories in `path` (0 when none).
+
+    >>> import tempfile; last_generation(tempfile.mkdtemp())
+    0
+    """
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    return max((int(m.group(1)) for m in map(GENERATION.fullmatch, names) if m), default=0)
+
+
+def retire_others(path: str, kept: str, data: Optional[str] = None) -> None:
+    """After a save of format `kept` committed in directory `path`: remove the other formats' commit files
+    in `COMMITS` (so the newest save is what `sbp.load` reads), then the data no commit names any more --
+    ``gen-*`` directories but `data`, and the files in `SAVE_DATA`. Only names saves write are touched;
+    anything else in the directory is left alone.
+
+    >>> import os, tempfile
+    >>> path = tempfile.mkdtemp()
+    >>> for name in (".metadata", "__0_0.distcp", "metadata.json", "notes.txt"):
+    ...     open(os.path.join(path, name), "w").close()
+    >>> retire_others(path, "safetensors"); sorted(os.listdir(path))
+    ['notes.txt']
+    """
+    if any([_remove(os.path.join(path, name)) for kind, name in COMMITS.items() if kind != kept]):
+        fsync_dir(path)   # the older commit is gone for good before its data goes
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name != data and GENERATION.fullmatch(name) and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif SAVE_DATA.fullmatch(name):
+            _remove(full)
+
+
+def _remove(file: str) -> bool:
+    """Remove `file` if it is there; whether it was removed."""
+    try:
+        if os.path.isfile(file):
+            os.remove(file)
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def fsync_dir(path: str) -> None:

@@ -1,0 +1,293 @@
+"""Checkpoints under faults: a DCP save that fails on one rank, saves of different formats into one
+directory, loads that fail (on every rank or on one), and ranks that save different values.
+
+Each test states the rule it checks; the threads tier runs the sbp format and safetensors, the gloo
+tier (`torch.distributed`) the DCP cases. Worker functions are module-level (they travel pickled).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+import sbp
+import sbp.testing
+from sbp.io.state import host_barrier
+from sbp.values.errors import CheckpointError, RankMismatchError
+
+gloo = functools.partial(sbp.testing.spmd, backend="gloo", timeout=60)
+pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
+
+
+def state(mesh, step, shape_b=(6,)):
+    return {"a": sbp.distribute(torch.full((8, 4), float(step)), mesh, "S(0)"),
+            "b": sbp.distribute(torch.full(shape_b, float(step)), mesh, "S(0)"),
+            "step": step}
+
+
+def _save(mesh, path, step, fmt="sbp"):
+    sbp.save(state(mesh, step), path, format=fmt)
+
+
+def _loaded(mesh, path):
+    """(step, the distinct values of 'a' and 'b') of the checkpoint at `path`, or the error it raised."""
+    sd = state(mesh, 0)
+    try:
+        sbp.load(path, sd)
+    except sbp.SbpError as e:
+        return f"{type(e).__name__}: {e}"
+    return sd["step"], torch.unique(torch.cat([sd["a"].full().flatten(), sd["b"].full()])).tolist()
+
+
+# ---- a DCP save that fails on one rank -----------------------------------------------------------------------
+
+def _failing_dcp_save(mesh, path, step, fail_rank):
+    """`sbp.save(format="dcp")` whose file write fails on `fail_rank` (after the others wrote theirs)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs.FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        raise OSError("injected: disk full while writing")
+    if mesh.rank == fail_rank:
+        fs.FileSystemWriter.write_data = full_disk
+    try:
+        _save(mesh, path, step, "dcp")
+        return "saved"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        fs.FileSystemWriter.write_data = real   # the gloo worker is reused by later tests
+
+
+def _dtensor_reads(mesh, path):
+    """What DTensor code's `torch.distributed.checkpoint.load` reads from the committed directory."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"a": torch.zeros(8, 4), "b": torch.zeros(6), "step": -1}
+    dcp.load(sd, checkpoint_id=path)
+    return sd["step"], torch.unique(torch.cat([sd["a"].flatten(), sd["b"]])).tolist()
+
+
+@pytest.mark.gloo
+def test_a_dcp_save_that_fails_on_one_rank_leaves_the_previous_checkpoint(tmp_path):
+    path = str(tmp_path)
+    gloo(functools.partial(_save, path=path, step=1, fmt="dcp"), (2,))
+    got = gloo(functools.partial(_failing_dcp_save, path=path, step=2, fail_rank=1), (2,))
+    assert all("injected: disk full" in g for g in got), got   # every rank learns the save failed
+    assert gloo(functools.partial(_loaded, path=path), (2,))[0] == (1, [1.0])      # the old state, whole
+    assert gloo(functools.partial(_dtensor_reads, path=path), (2,))[0] == (1, [1.0])
+    assert sorted(os.listdir(path)) == [".metadata", "gen-00000001", "gen-00000002"]
+    gloo(functools.partial(_save, path=path, step=3, fmt="dcp"), (2,))
+    assert sorted(os.listdir(path)) == [".metadata", "gen-00000003"]   # the failed save's data went too
+    assert gloo(functools.partial(_loaded, path=path), (2,))[0] == (3, [3.0])
+    assert gloo(functools.partial(_dtensor_reads, path=path), (2,))[0] == (3, [3.0])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # one process is the intent
+def test_dcp_saves_in_one_process_switch_generations(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(4), "step": 0}, checkpoint_id=tmp_path)   # DTensor code: flat
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.distcp"]
+    for step in (1, 2):
+        sbp.save({"w": torch.full((4,), float(step)), "step": step}, tmp_path, format="dcp")
+        assert sorted(os.listdir(tmp_path)) == [".metadata", f"gen-{step:08d}"]
+        sd = {"w": torch.zeros(4), "step": 0}
+        dcp.load(sd, checkpoint_id=tmp_path)
+        assert sd["step"] == step and sd["w"].tolist() == [float(step)] * 4
+    sd = {"w": torch.zeros(4), "step": 0}
+    sbp.load(tmp_path, sd)
+    assert sd["step"] == 2 and sd["w"].tolist() == [2.0] * 4
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("stage", ["before the switch", "after the switch"])
+def test_a_dcp_save_that_dies_at_its_commit_loads_as_old_or_new(tmp_path, monkeypatch, stage):
+    from sbp.io import dcp as sbp_dcp
+
+    def save(step):
+        sbp.save({"w": torch.full((4,), float(step)), "step": step}, tmp_path, format="dcp")
+
+    def loaded():
+        sd = {"w": torch.zeros(4), "step": 0}
+        sbp.load(tmp_path, sd)
+        return sd["step"], torch.unique(sd["w"]).tolist()
+
+    def killed(*args, **kwargs):
+        raise Killed(stage)
+    save(1)
+    if stage == "before the switch":   # DCP's files and its inner metadata are written, .metadata not replaced
+        monkeypatch.setattr(sbp_dcp.os, "replace", killed)
+    else:                              # .metadata replaced, the previous data not yet removed
+        monkeypatch.setattr(sbp_dcp, "retire_others", killed)
+    with pytest.raises((Killed, CheckpointError)):
+        save(2)
+    monkeypatch.undo()
+    assert sorted(n for n in os.listdir(tmp_path) if n != ".metadata.tmp") == [
+        ".metadata", "gen-00000001", "gen-00000002"]
+    assert loaded() == ((1, [1.0]) if stage == "before the switch" else (2, [2.0]))
+    save(3)
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "gen-00000003"] and loaded() == (3, [3.0])
+
+
+# ---- saves of different formats into one directory --------------------------------------------------------
+
+PAIRS = [("sbp", "dcp"), ("dcp", "sbp"), ("sbp", "safetensors"), ("safetensors", "sbp"),
+         ("dcp", "safetensors"), ("safetensors", "dcp")]
+
+
+def _two_formats(mesh, path, first, second):
+    _save(mesh, path, 1, first)
+    _save(mesh, path, 2, second)
+    return _loaded(mesh, path)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("first, second", PAIRS)
+def test_the_newest_save_loads_whatever_its_format(tmp_path, first, second):
+    got = gloo(functools.partial(_two_formats, path=str(tmp_path), first=first, second=second), (2,))
+    assert got == [(2, [2.0])] * 2
+    names = set(os.listdir(tmp_path))
+    commits = {"sbp": "metadata.json", "dcp": ".metadata"}
+    assert {commits[f] for f in (first, second) if f in commits} & names == \
+        ({commits[second]} if second in commits else set())   # the older format's commit file is gone
+
+
+# ---- loads that fail change nothing --------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    sbp.testing.spmd(functools.partial(_save, path=tmp_path, step=7), (4,))
+    return tmp_path
+
+
+def _failed_load(mesh, path, damage):
+    """Load into a state dict that a check refuses; return the error and what the targets hold after."""
+    sd = state(mesh, 0, shape_b=(7,) if damage == "shape of b" else (6,))
+    sd["p"] = sbp.from_local(torch.ones(3), mesh, "P(sum)", global_shape=(3,))   # P(sum): zeroed off coord 0
+    try:
+        sbp.load(path, sd, strict=False)
+        error = None
+    except sbp.SbpError as e:
+        error = type(e).__name__
+    return error, torch.unique(sd["a"].to_local()).tolist(), sd["p"].to_local().tolist(), sd["step"]
+
+
+@pytest.mark.parametrize("damage", ["shape of b", "truncated file"])
+def test_a_failed_load_changes_nothing(saved, damage):
+    if damage == "truncated file":
+        file = saved / json.loads((saved / "metadata.json").read_text())["data"] / "rank00003.pt"
+        file.write_bytes(file.read_bytes()[:-10])
+    got = sbp.testing.spmd(functools.partial(_failed_load, path=saved, damage=damage), (4,))
+    assert got == [("CheckpointError", [0.0], [1.0, 1.0, 1.0], 0)] * 4
+
+
+def _truncated_dcp_load(mesh, path):
+    _save(mesh, path, 7, "dcp")
+    if mesh.rank == 0:
+        file = next(os.path.join(d, "__1_0.distcp") for d, _, names in os.walk(path) if "__1_0.distcp" in names)
+        with open(file, "r+b") as f:                     # rank 1's chunks: only rank 1 reads them
+            f.truncate(os.path.getsize(file) // 2)
+    host_barrier(mesh)                                   # the damage is done before anyone loads
+    return _one_rank_fails(mesh, path)
+
+
+@pytest.mark.gloo
+def test_a_truncated_dcp_file_fails_the_load_on_every_rank_before_any_write(tmp_path):
+    got = gloo(functools.partial(_truncated_dcp_load, path=str(tmp_path)), (2,))
+    assert got[1][0].startswith("DCP checkpoint file") and "__1_0.distcp' has" in got[1][0], got
+    assert got[0][0] == f"load failed on rank 1: {got[1][0]}"
+    assert [values for _, values in got] == [[0.0]] * 2
+
+
+def _one_rank_fails(mesh, path):
+    sd = state(mesh, 0)
+    try:
+        sbp.load(path, sd)
+        error = "returned normally"
+    except CheckpointError as e:
+        error = str(e)
+    return error, torch.unique(sd["a"].to_local()).tolist()
+
+
+def _flip_a_byte_of_rank3(path):
+    file = path / json.loads((path / "metadata.json").read_text())["data"] / "rank00003.pt"
+    data = bytearray(file.read_bytes())
+    data[-40] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_when_one_rank_cannot_load_every_rank_raises(saved, backend):
+    _flip_a_byte_of_rank3(saved)      # only rank 3 (of 4, S(0)) reads rank00003.pt
+    got = sbp.testing.spmd(functools.partial(_one_rank_fails, path=str(saved)), (4,), backend=backend)
+    assert "rank00003.pt' does not match its SHA-256" in got[3][0] and "failed on rank" not in got[3][0]
+    for message, _ in got[:3]:
+        assert message.startswith(f"load of {str(saved)!r} failed on rank 3 (no rank's state_dict was changed); "
+                                  f"rank 3: CheckpointError: checkpoint file"), message
+        assert "does not match its SHA-256" in message
+    assert [values for _, values in got] == [[0.0]] * 4
+
+
+def _two_mesh_load(world, path, fmt, damaged):
+    """Load one checkpoint into a state dict spanning two meshes (ranks 0-1 and 2-3 of the world)."""
+    low, high = (sbp.testing.submesh(world, (2,), ranks=r) for r in ([0, 1], [2, 3]))
+    sd = {"a": sbp.zeros((8, 4), low, "S(0)"), "b": sbp.zeros((6,), high, "S(0)"), "step": 0}
+    try:
+        sbp.load(path, sd)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    mine = sd["a"] if world.rank < 2 else sd["b"]
+    return error, torch.unique(mine.to_local()).tolist(), sd["step"]
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_a_state_dict_on_two_meshes_loads_and_agrees_per_mesh(tmp_path, fmt):
+    sbp.testing.spmd(functools.partial(_save, path=tmp_path, step=7, fmt=fmt), (4,))
+    got = sbp.testing.spmd(functools.partial(_two_mesh_load, path=tmp_path, fmt=fmt, damaged=False), (4,))
+    assert got == [(None, [7.0], 7)] * 4
+    if fmt == "sbp":                  # rank00003.pt holds a's rows 6-7 (loaded by rank 1) and b's 4-5 (rank 3)
+        _flip_a_byte_of_rank3(tmp_path)
+        got = sbp.testing.spmd(functools.partial(_two_mesh_load, path=tmp_path, fmt=fmt, damaged=True), (4,))
+        assert [e is not None and "rank00003.pt' does not match its SHA-256" in e for e, _, _ in got] == [True] * 4, got
+        assert [(values, step) for _, values, step in got] == [([0.0], 0)] * 4
+
+
+# ---- ranks that save different values ------------------------------------------------------------------------
+
+def _disagreeing_save(mesh, path, fmt):
+    try:
+        sbp.save({"a": sbp.distribute(torch.ones(4), mesh, "S(0)"), "step": 100 + mesh.rank % 2}, path,
+                 format=fmt)
+        return "saved"
+    except RankMismatchError as e:
+        return str(e)
+
+
+def _step(mesh, path):
+    sd = {"a": sbp.zeros((4,), mesh, "S(0)"), "step": -1}
+    sbp.load(path, sd)
+    return sd["step"]
+
+
+def _first_save(mesh, path, fmt):
+    sbp.save({"a": sbp.distribute(torch.ones(4), mesh, "S(0)"), "step": 1}, path, format=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors", pytest.param("dcp", marks=pytest.mark.gloo)])
+def test_ranks_saving_different_values_are_named_and_nothing_is_committed(tmp_path, fmt):
+    run = functools.partial(sbp.testing.spmd, backend="gloo" if fmt == "dcp" else "threads")
+    run(functools.partial(_first_save, path=str(tmp_path), fmt=fmt), (4,))
+    got = run(functools.partial(_disagreeing_save, path=str(tmp_path), fmt=fmt), (4,))
+    assert got == ["save: ranks disagree on JSON values (every rank must pass the same; SPMD): "
+                   "{'step': 100} on ranks [0, 2]; {'step': 101} on ranks [1, 3]"] * 4
+    assert run(functools.partial(_step, path=str(tmp_path)), (4,)) == [1] * 4   # the previous save still loads
