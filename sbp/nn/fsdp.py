@@ -183,14 +183,14 @@ class Unit:
 
         self.gathering = pending.submit(comm, run, (0,), dtype, send.device)
         in_group = {k for g in self.groups for k in g.at}
-        self.planned = [redistribute_raw(_cast(s.param, self.param_dtype), s.compute, async_op=True)
+        self.planned = [redistribute_raw(_cast(s.param, self.param_dtype), s.compute, async_op=True, snapshot=False)
                         if not s.flat and s.dim is not None and k not in in_group else None
                         for k, s in enumerate(self.slots)]
         self.grouped = []
         for g in self.groups:   # one redistribution per group: the slots' stored pieces side by side
             side = torch.cat([_cast(s.param, self.param_dtype)._local.reshape(1, -1) for s in g.slots], dim=1)
             matrix = GlobalTensor(side, self.mesh, g.stored, (g.rows, g.width))
-            self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True))
+            self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True, snapshot=False))
 
     def current_versions(self) -> tuple[int, ...]:
         """The stored parameters' version counters (in-place changes bump them)."""
@@ -291,7 +291,7 @@ class Unit:
         for k, s in enumerate(self.slots):
             if not s.flat and grads[k] is not None and k not in done:   # planned slots: their own (async)
                 g = self._global_grad(s, grads[k], local)
-                out[k] = _cast(redistribute_raw(g, s.stored, async_op=True), s.param.dtype)
+                out[k] = _cast(redistribute_raw(g, s.stored, async_op=True, snapshot=False), s.param.dtype)
         log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
         numels = self.numels
 
@@ -330,7 +330,8 @@ class Unit:
             return []
         rows = g.rows // math.prod(self.mesh.shape[i] for i in split)   # this rank's rows of the matrix
         side = torch.cat([pending.ready(t._local).reshape(rows, -1) for t in gs], dim=1)
-        moved = redistribute_raw(GlobalTensor(side, self.mesh, pls, (g.rows, g.width)), g.stored, async_op=True)
+        moved = redistribute_raw(GlobalTensor(side, self.mesh, pls, (g.rows, g.width)), g.stored, async_op=True,
+                                 snapshot=False)
         local = moved._local   # (1, width): the stored pieces side by side
         for k, s, (lo, n) in zip(g.at, g.slots, g.cols):
             want = s.param.dtype

@@ -539,9 +539,12 @@ def full_local(x: GlobalTensor) -> torch.Tensor:
     return redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
 
 
-def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool = False) -> GlobalTensor:
+def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool = False, *,
+                     snapshot: bool = True) -> GlobalTensor:
     """Redistribute without recording autograd: the executor runs the planned steps on the local tensor
-    (with `async_op`, on the rank's ordered queue: the result's local is a `PendingTensor`).
+    (with `async_op`, on the rank's ordered queue: the result's local is a `PendingTensor`; the source's
+    local is copied when queued, so a write into the source before the queue reads it cannot reach the
+    result -- `snapshot=False` for a source nobody writes meanwhile, e.g. a buffer made for the move).
 
     >>> import sbp, sbp.testing
     >>> def fn(mesh):
@@ -554,15 +557,19 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool
     if dst == x._placements:
         return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
     if async_op and x._mesh.coord is not None and not is_tracing(x._local):
-        return GlobalTensor(_submit_redistribute(x, dst), x._mesh, dst, tuple(x.shape))
+        return GlobalTensor(_submit_redistribute(x, dst, snapshot), x._mesh, dst, tuple(x.shape))
     local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
     return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
 
 
-def _submit_redistribute(x: GlobalTensor, dst: tuple[Placement, ...]) -> PendingTensor:
-    """The planned redistribution of `x`'s local to `dst` as queued work; a result that would alias the
-    source (a slice of it) is copied, so a later write to either never reaches the other."""
+def _submit_redistribute(x: GlobalTensor, dst: tuple[Placement, ...], snapshot: bool = True) -> PendingTensor:
+    """The planned redistribution of `x`'s local to `dst` as queued work. With `snapshot` the source is the
+    local as it is now (a copy: the queue reads it later, after the caller may have written into `x`); a
+    result that would alias the source (a slice of it) is copied, so a later write to either never reaches
+    the other."""
     src_local, mesh, shape, src = x._local, x._mesh, tuple(x.shape), x._placements
+    if snapshot and not isinstance(src_local, PendingTensor):
+        src_local = src_local.clone()
 
     def run() -> torch.Tensor:
         source = pending.ready(src_local)

@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from ..runtime.agreement import mesh_gather
+from ..runtime.backends.base import comm_device
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
 from ..values.placement import Partial
@@ -56,15 +58,29 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     partial = any(isinstance(t, GlobalTensor) and any(isinstance(p, Partial) for p in t.placements) for t in (x, y))
     if exact is None:
         exact = not partial or not fx.dtype.is_floating_point
-    if exact and _equal(fx, fy):
-        return
-    if not exact:
-        try:
-            torch.testing.assert_close(fx, fy, rtol=rtol, atol=atol, equal_nan=True)
-            return
-        except AssertionError:
-            pass
-    raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: {_where(fx, fy)}")
+    same = _same(fx, fy, exact, rtol, atol)
+    mesh = next((t.mesh for t in (x, y) if isinstance(t, GlobalTensor)), None)
+    if mesh is not None and (isinstance(x, GlobalTensor) != isinstance(y, GlobalTensor)):
+        # a plain side is each rank's own: one that differs between ranks (an SPMD slip) fails every rank
+        gather, members = mesh_gather(mesh)
+        flags = gather(torch.tensor([int(not same)], dtype=torch.int64, device=comm_device(mesh)))
+        failed = [r for r, f in zip(members, flags) if int(f.item())]
+        if failed and same:
+            raise AssertionError(f"not the same logical tensor on every rank: {what}: ranks {failed} see a difference "
+                                 f"(a plain tensor that differs between ranks?)")
+    if not same:
+        raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: {_where(fx, fy)}")
+
+
+def _same(fx: torch.Tensor, fy: torch.Tensor, exact: bool, rtol: Optional[float], atol: Optional[float]) -> bool:
+    """Whether two full tensors are equal (`exact`) or close under `torch.testing.assert_close`'s tolerances."""
+    if exact:
+        return _equal(fx, fy)
+    try:
+        torch.testing.assert_close(fx, fy, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
 
 
 def _equal(fx: torch.Tensor, fy: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from ..planning.api import plan
 from ..values.errors import SbpError
 from ..values.layout import check_global_shape
 from ..values.mesh import as_mesh_shape
-from ..values.placement import normalize, placements
+from ..values.placement import is_partial, normalize, placements
 from ..values.topology import PRESETS, Topology
 
 # torch dtype name -> bytes per element (also accepted with a "torch." prefix)
@@ -49,16 +49,42 @@ def parse_dims(text: str, what: str, example: str = "1024x1024") -> tuple[int, .
         raise argparse.ArgumentTypeError(f"cannot parse {what} {text!r}; write it like {example!r}") from None
 
 
+def dtype_name(name: str) -> str:
+    """A torch dtype name as `DTYPE_ITEMSIZE` spells it (an ``argparse`` type: unknown names are refused).
+
+    >>> dtype_name("torch.int64"), DTYPE_ITEMSIZE[dtype_name("bfloat16")]
+    ('int64', 2)
+    """
+    key = name.strip().removeprefix("torch.")
+    if key not in DTYPE_ITEMSIZE:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r} (valid: {', '.join(sorted(DTYPE_ITEMSIZE))})")
+    return key
+
+
 def itemsize_of(name: str) -> int:
     """Bytes per element of a torch dtype name.
 
     >>> itemsize_of("bfloat16"), itemsize_of("torch.int64")
     (2, 8)
     """
-    key = name.strip().removeprefix("torch.")
-    if key not in DTYPE_ITEMSIZE:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r} (valid: {', '.join(sorted(DTYPE_ITEMSIZE))})")
-    return DTYPE_ITEMSIZE[key]
+    return DTYPE_ITEMSIZE[dtype_name(name)]
+
+
+def partial_dtype_error(pls: tuple, dtype: str) -> Optional[str]:
+    """Why a dtype cannot hold these placements (as a global tensor refuses them), or None: ``P(sum)`` of
+    bools, ``P(min|max)`` of complex numbers.
+
+    >>> partial_dtype_error(placements("P, B"), "bool")
+    'P(sum) cannot hold bool values: a sum of bools is not a bool (valid for bool: S(d), B, P(min), P(max))'
+    >>> partial_dtype_error(placements("P(max)"), "float32") is None
+    True
+    """
+    ops = {p.op for p in pls if is_partial(p)}
+    if dtype == "bool" and "sum" in ops:
+        return "P(sum) cannot hold bool values: a sum of bools is not a bool (valid for bool: S(d), B, P(min), P(max))"
+    if dtype in ("complex128", "cdouble", "complex64", "cfloat", "complex32", "chalf") and ops & {"min", "max"}:
+        return f"P(min|max) needs ordered values; {dtype} has no min/max (valid for complex: S(d), B, P(sum))"
+    return None
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -93,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", required=True, type=_shape, help="global shape, e.g. 1024x1024, 13 or ()")
     p.add_argument("--src", required=True, type=_placements, help='source placements, e.g. "S(0),S(1)"')
     p.add_argument("--dst", required=True, type=_placements, help='destination placements, e.g. "S(1),S(0)"')
-    p.add_argument("--dtype", dest="itemsize", default="float32", type=itemsize_of, help="torch dtype name (default float32)")
+    p.add_argument("--dtype", default="float32", type=dtype_name, help="torch dtype name (default float32)")
     p.add_argument("--latency-bytes", default=0, type=int, metavar="N",
                    help="price each collective as N extra bytes (default 0: bytes first)")
     p.add_argument("--topology", metavar="FILE|PRESET", default=None,
@@ -142,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             normalize(getattr(args, name), ndim, naxes)
         except SbpError as e:
             return _fail(f"sbp plan: error: argument --{name}: {e}")
+        why = partial_dtype_error(getattr(args, name), args.dtype)
+        if why is not None:
+            return _fail(f"sbp plan: error: argument --{name}: {why}")
     if args.latency_bytes < 0:
         return _fail(f"sbp plan: error: argument --latency-bytes: must be >= 0, got {args.latency_bytes}")
     topology = None
@@ -151,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SbpError as e:
             return _fail(f"sbp plan: error: argument --topology: {e}")
     try:
-        p = plan(args.shape, args.mesh, args.src, args.dst, args.itemsize, latency_bytes=args.latency_bytes,
+        p = plan(args.shape, args.mesh, args.src, args.dst, DTYPE_ITEMSIZE[args.dtype], latency_bytes=args.latency_bytes,
                  topology=topology)
     except SbpError as e:
         return _fail(f"sbp plan: error: {e}")

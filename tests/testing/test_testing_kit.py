@@ -95,3 +95,20 @@ def test_assert_layout_equivalent_nan_and_ranks_outside_the_mesh():
 
     for message in sbp.testing.spmd(fn, (2,)):
         assert message is not None and "at index (1,) (x=1.0, y=nan)" in message
+
+
+def test_assert_layout_equivalent_fails_every_rank_when_a_plain_side_differs_between_ranks():
+    """A plain tensor is each rank's own: one that differs between ranks (an SPMD slip) must fail on every
+    rank, not only where it differs (the others would carry on into the next collective)."""
+    t = torch.arange(12.).reshape(3, 4)
+
+    def fn(mesh):
+        try:
+            sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), t + (mesh.rank == 1))
+        except AssertionError as e:
+            return str(e)
+        return None
+
+    messages = sbp.testing.spmd(fn, (2,))
+    assert messages[0] is not None and "ranks [1] see a difference" in messages[0]
+    assert messages[1] is not None and "max abs diff 1.0" in messages[1]

@@ -98,6 +98,8 @@ def test_reduce_transfer_in_text_and_json(capsys):
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S1", "--dst", "B"], "--src"),
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--dtype", "float33"], "--dtype"),
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--latency-bytes", "-3"], "--latency-bytes"),
+    (["plan", "--mesh", "2x2", "--shape", "8", "--src", "S0,B", "--dst", "P,B", "--dtype", "bool"], "--dst"),
+    (["plan", "--mesh", "2", "--shape", "8", "--src", "P(max)", "--dst", "B", "--dtype", "complex64"], "--src"),
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S0"], "--dst"),
     (["plan", "--shape", "4", "--src", "S0", "--dst", "B"], "--mesh"),
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--frob"], "--frob"),
