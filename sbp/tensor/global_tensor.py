@@ -121,6 +121,37 @@ class GlobalTensor(torch.Tensor):
                             f"redistribute the tensor onto a mesh that includes this rank")
         return super().item()
 
+    @property
+    def data(self) -> "GlobalTensor":
+        """As torch's: the same global tensor detached from autograd (sharing the local)."""
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``x.data = y`` with `y` a global tensor on `x`'s mesh: `x` takes `y`'s local, placements, global
+        shape and dtype (its identity and autograd flags stay), as torch's ``.data`` assignment. A plain
+        tensor or another mesh is an `SbpError`: the layout would be lost.
+
+        >>> import sbp, sbp.testing
+        >>> def fn(mesh):
+        ...     x = sbp.distribute(torch.ones(4), mesh, "S(0)")
+        ...     x.data = x.data.double() * 2
+        ...     return x.dtype, x.to_local().tolist()
+        >>> sbp.testing.spmd(fn, (2,))
+        [(torch.float64, [2.0, 2.0]), (torch.float64, [2.0, 2.0])]
+        """
+        if not isinstance(value, GlobalTensor):
+            raise SbpError(f"x.data = <{type(value).__name__}>: a global tensor's data must be a global tensor on "
+                           f"its mesh (the layout would be lost); lay the value out first (sbp.distribute / "
+                           f"sbp.from_local), or write into x in place (with torch.no_grad(): x.copy_(...))")
+        if value._mesh != self._mesh:
+            raise SbpError(f"x.data = y: y is on mesh {value._mesh!r}, x on {self._mesh!r}; redistribute y onto x's "
+                           f"mesh first (y.redistribute(placements, mesh=x.mesh))")
+        torch.Tensor.data.__set__(self, value)   # the wrapper's global shape, strides and dtype
+        d, v = self.__dict__, value.__dict__
+        d["_local"], d["_placements"], d["_notes"] = v["_local"], v["_placements"], v["_notes"]
+        d["_key"] = None   # the op cache's key of this tensor is made again from the new layout
+
     # ---- indexing: torch checks integer indices against the (global) sizes before any op runs ----------
     def __getitem__(self, index: Any) -> Any:
         try:

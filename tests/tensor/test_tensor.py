@@ -324,3 +324,32 @@ def test_redistribute_never_aliases_its_source(mesh):
     for changed, grad in sbp.testing.spmd(rank, mesh):
         assert changed == []
         assert torch.equal(grad, torch.full((6,), 4.0))
+
+
+def test_data_assignment_takes_the_new_layout_or_refuses():
+    # before: `x.data = y` was silently ignored (value unchanged), and `x.data = x.data.half()` left the
+    # wrapper float16 over a float32 local
+    def fn(mesh):
+        x = sbp.distribute(reference((4, 3)), mesh, "S(0)")
+        x.data = x.data * 2
+        doubled = torch.equal(x.full(), reference((4, 3)) * 2)
+        x.data = sbp.distribute(torch.zeros(2, 3), mesh, "B")
+        relaid = (x.placements, tuple(x.shape), tuple(x.to_local().shape), float(x.full().abs().sum()))
+        x.data = x.data.half()
+        halves = (x.dtype, x.to_local().dtype)
+        p = torch.nn.Parameter(sbp.distribute(torch.ones(4, 3), mesh, "S(0)"))
+        p.data = sbp.distribute(torch.full((4, 3), 3.0), mesh, "S(1)")
+        param = (p.placements, torch.equal(p.full(), torch.full((4, 3), 3.0)), p.requires_grad)
+        try:
+            x.data = torch.zeros(2, 3)
+            refused = False
+        except sbp.SbpError as e:
+            refused = "must be a global tensor" in str(e)
+        return doubled, relaid, halves, param, refused
+
+    for doubled, relaid, halves, param, refused in spmd(fn, (2,)):
+        assert doubled
+        assert relaid == ((sbp.B,), (2, 3), (2, 3), 0.0)
+        assert halves == (torch.float16, torch.float16)
+        assert param == ((sbp.S(1),), True, True)
+        assert refused
