@@ -1,4 +1,5 @@
-"""Differentiable conversions of global tensors: redistribute, full, to_local and from_local.
+"""Differentiable conversions of global tensors: redistribute, full, to_local and from_local; and the
+recorded block write of ``x[index] = value`` (`write_blocks_autograd`).
 
 Redistribution does not change the logical tensor, so its gradient is the incoming gradient laid out
 again: the backward of ``src -> dst`` redistributes the gradient (whatever placements it arrives with)
@@ -18,16 +19,22 @@ forward        gradient            backward communication of ``redistribute(src 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import functools
+import itertools
+import math
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..runtime.crossmesh import redistribute_cross as run_cross_mesh
 from ..runtime.pending import is_pending
 from ..runtime.traced import is_tracing
+from ..values.errors import PlacementError
+from ..values.layout import block, block_shape
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Placement, normalize
+from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from . import global_tensor as gt  # GlobalTensor's methods call this module: the one allowed cycle
+from .setitem import write_blocks
 
 if TYPE_CHECKING:
     from .global_tensor import GlobalTensor
@@ -183,7 +190,8 @@ def full(x: GlobalTensor) -> torch.Tensor:
 
 def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
     """Differentiable `x.to_local()`; the local gradient gets `grad_pls` (default: `x`'s placements with
-    `P(op)` as `P(sum)`: each rank's local gradient is one part of the logical gradient).
+    `P(op)` as `P(sum)`: each rank's local gradient is one part of the logical gradient). Given
+    `grad_pls` must give the local tensor's shape on every coord (`check_grad_placements`).
 
     >>> import torch, sbp, sbp.testing
     >>> def fn(mesh):
@@ -197,7 +205,60 @@ def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
         grad_pls = _sum_parts(x._placements)
     else:
         grad_pls = normalize(grad_pls, x.ndim, x._mesh.ndim)
+        check_grad_placements(tuple(x.shape), x._mesh.shape, x._placements, grad_pls)
     return _ToLocal.apply(x, grad_pls)
+
+
+def check_grad_placements(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], pls: tuple[Placement, ...],
+                          grad_pls: tuple[Placement, ...]) -> None:
+    """Refuse `to_local(grad_placements=...)` whose layout would not give the local gradient the local
+    tensor's shape on every coord (pure layout maths: every rank decides the same). Raises
+    `PlacementError` naming the first coord that differs and the placements that would be valid.
+
+    >>> import sbp
+    >>> check_grad_placements((4,), (2,), (sbp.S(0),), (sbp.S(0),))        # fine: returns None
+    >>> check_grad_placements((4,), (2,), (sbp.S(0),), (sbp.PartialSum(),))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    sbp.values.errors.PlacementError: to_local(grad_placements=(P(sum),)) on global shape (4,) ... the \
+gradient's local shape at coord (0,) would be (4,), but the local tensor's is (2,) (valid: (S(0),))
+    """
+    bad = _first_shape_mismatch(global_shape, mesh_shape, pls, grad_pls)
+    if bad is None:
+        return
+    coord, want, got = bad
+    valid = _same_shape_layouts(global_shape, mesh_shape, pls)
+    raise PlacementError(f"to_local(grad_placements={_fmt(grad_pls)}) on global shape {global_shape} with placements "
+                         f"{_fmt(pls)} on mesh {mesh_shape}: the gradient's local shape at coord {coord} would be "
+                         f"{got}, but the local tensor's is {want} (valid: {valid})")
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_shape_mismatch(global_shape, mesh_shape, pls, grad_pls):
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        want = block_shape(block(global_shape, mesh_shape, pls, coord))
+        got = block_shape(block(global_shape, mesh_shape, grad_pls, coord))
+        if want != got:
+            return coord, want, got
+    return None
+
+
+def _same_shape_layouts(global_shape, mesh_shape, pls, limit: int = 6) -> str:
+    """Up to `limit` placements (Split, B, P(sum) per axis) giving every coord the shape `pls` gives."""
+    per_axis = [Broadcast(), Partial("sum")] + [Split(d) for d in range(len(global_shape))]
+    found = []
+    if len(per_axis) ** len(mesh_shape) * math.prod(mesh_shape) <= 50_000:
+        for cand in itertools.product(per_axis, repeat=len(mesh_shape)):
+            if _first_shape_mismatch(global_shape, mesh_shape, pls, cand) is None:
+                found.append(_fmt(cand))
+    else:
+        found.append(_fmt(pls))
+    more = ", ..." if len(found) > limit else ""
+    return ", ".join(found[:limit]) + more
+
+
+def _fmt(pls: tuple[Placement, ...]) -> str:
+    return "(" + ", ".join(map(repr, pls)) + ("," if len(pls) == 1 else "") + ")"
 
 
 def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],
@@ -251,3 +312,65 @@ def leaf_grad(x: GlobalTensor) -> GlobalTensor:
 
 def _sum_parts(pls: tuple[Placement, ...]) -> tuple[Placement, ...]:
     return tuple(Partial("sum") if isinstance(p, Partial) else p for p in pls)
+
+
+def write_blocks_autograd(x: GlobalTensor, index: Any, entries: tuple, value: Any) -> None:
+    """`write_blocks` that autograd records, for a tensor or a value that requires grad: `x`'s history is
+    rebased onto the write (as torch's in-place ops do; a leaf that requires grad is refused, as in torch).
+    Backward gives `x`'s input the incoming gradient with the region zeroed, and the value the region's
+    gradient summed to the value's shape: laid out as the value's gradient placements for a global value,
+    the full gradient (equal on every rank) for a plain one.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.distribute(torch.ones(4), mesh, "S(0)", requires_grad=True)
+    ...     v = torch.tensor(3.0, requires_grad=True)
+    ...     y = x * 2
+    ...     y[1:3] = v               # GlobalTensor.__setitem__ calls write_blocks_autograd here
+    ...     (y * y).sum().full().backward()
+    ...     return x.grad.full().tolist(), v.grad.item()
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    ([8.0, 0.0, 0.0, 8.0], 12.0)
+    """
+    _Write.apply(x, value, index, entries)
+
+
+class _Write(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, value: Any, index: Any, entries: tuple):  # type: ignore[override]
+        write_blocks(x, index, entries, value)
+        ctx.mark_dirty(x)
+        ctx.index = index
+        ctx.value_meta = (tuple(value.shape), value.dtype, value.device, type(value) is type(x),
+                          getattr(value, "_placements", None), getattr(value, "_mesh", None)) \
+            if isinstance(value, torch.Tensor) else None
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        grad_x = grad_value = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.clone()
+            grad_x[ctx.index] = 0
+        if ctx.value_meta is not None and ctx.needs_input_grad[1]:
+            grad_value = _value_grad(grad, ctx.index, *ctx.value_meta)
+        return grad_x, grad_value, None, None
+
+
+def _value_grad(grad, index: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                is_global: bool, pls, mesh):
+    """The value's gradient: the region's gradient (a plain full tensor on every rank) summed over the
+    dims the value was broadcast along, as a plain tensor or laid out as a global value's gradient."""
+    region = grad[index]
+    g = region.full() if isinstance(region, gt.GlobalTensor) else region
+    if isinstance(grad, gt.GlobalTensor) and grad._mesh.coord is None:   # outside the mesh: no part of the region
+        g = torch.zeros(tuple(region.shape), dtype=g.dtype, device=g.device)
+    stripped = list(shape)
+    while len(stripped) > g.ndim and stripped[0] == 1:
+        stripped.pop(0)
+    g = g.sum_to_size(stripped).reshape(shape).to(dtype=dtype)
+    if not is_global:
+        return g.to(device)
+    want = gt.grad_placements(pls)
+    return gt.GlobalTensor(gt.local_from_full(g, mesh, want), mesh, want, shape)

@@ -161,9 +161,11 @@ class GlobalTensor(torch.Tensor):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         entries = basic_entries(index, self.ndim)
-        if entries is not None and narrows_a_split_dim(self, entries) and not is_detached(self) \
-                and not (torch.is_grad_enabled() and (self.requires_grad or getattr(value, "requires_grad", False))):
-            return write_blocks(self, index, entries, value)   # a slice of a split dim cannot stay a view
+        if entries is not None and narrows_a_split_dim(self, entries) and not is_detached(self):
+            # a slice of a split dim cannot stay a view: write the blocks (recorded by autograd if needed)
+            if torch.is_grad_enabled() and (self.requires_grad or getattr(value, "requires_grad", False)):
+                return autograd.write_blocks_autograd(self, index, entries, value)
+            return write_blocks(self, index, entries, value)
         try:
             super().__setitem__(index, value)
         except IndexError as e:

@@ -7,7 +7,9 @@ split dim cannot stay a view of the local block (the slice's blocks are not bala
 route would write into a copy and is refused; this module writes the blocks directly instead. Basic
 indices only -- ints, slices with a positive step, ``None`` and ``...``; tensor, list and bool indices
 keep torch's route. On a `P(sum)` axis the rank at coord 0 writes the value and the others write zeros
-(the value stays the sum); on `P(max|min)` and `B` axes every rank writes it.
+(the value stays the sum); on `P(max|min)` and `B` axes every rank writes it. When the tensor or the value
+requires grad, the write is an autograd function (`sbp.tensor.autograd.write_blocks_autograd`), as torch's
+in-place writes are.
 
 >>> import torch, sbp, sbp.testing
 >>> def fn(mesh):

@@ -3,6 +3,7 @@ gradients keep the leaf's placements, and backward passes run exactly the planne
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import pytest
@@ -77,6 +78,36 @@ def test_to_local_of_partial_grads_are_parts():
         return torch.equal(as_parts, 2 * w), torch.equal(x.grad.full(), w)
 
     assert spmd(fn, (2,)) == [(True, True)] * 2
+
+
+@pytest.mark.parametrize("mesh_shape, shape, pls, bad, good", [
+    ((2,), (4,), "S(0)", "P", "S(0)"),                 # a P(sum) gradient would have the global shape
+    ((2,), (4, 4), "S(0)", "S(1)", "S(0)"),            # same local shape on no coord
+    ((3,), (4,), "B", "S(0)", "P"),                    # B and P(sum) share the local shape
+    ((2, 2), (5, 2), "S(0), B", "S(0), S(0)", "S(0), P"),
+    ((2,), (1,), "S(0)", "B", "S(0)"),                 # uneven: (1,) and (0,) -- coord 1 differs
+])
+def test_to_local_grad_placements_must_give_the_local_shape(mesh_shape, shape, pls, bad, good):
+    """`to_local(grad_placements=...)` whose layout would give the local gradient another shape than the
+    local tensor on some coord is refused at the call, on every rank alike (not later in backward)."""
+    def fn(mesh):
+        x = sbp.distribute(values(shape), mesh, pls, requires_grad=True)
+        try:
+            x.to_local(grad_placements=bad)
+            refused = None
+        except sbp.PlacementError as e:
+            refused = str(e)
+        local = x.to_local(grad_placements=good)
+        local.sum().backward()      # a gradient laid out as `good` reaches the leaf
+        return refused, x.grad.placements, x.grad.full()
+
+    parts = [n for n, p, g in zip(mesh_shape, sbp.placements(pls), sbp.placements(good)) if p != g]
+    want = torch.ones(shape, dtype=torch.float64) * math.prod(parts)   # B taken as P(sum) parts: each counts
+    for refused, grad_pls, grad in spmd(fn, mesh_shape):
+        assert refused is not None and f"to_local(grad_placements={sbp.placements(bad)})" in refused
+        assert f"with placements {sbp.placements(pls)}" in refused and "but the local tensor's is" in refused
+        assert f"{sbp.placements(good)}" in refused.split("valid: ")[1]
+        assert grad_pls == sbp.placements(pls) and torch.equal(grad, want)
 
 
 def test_from_local_partial_leaf_gets_broadcast_grad():
