@@ -28,7 +28,7 @@ from ..tensor.global_tensor import (
 )
 from ..values.errors import SbpError, UnsupportedOpError
 from ..values.mesh import DeviceMesh
-from .cache import SPEC_TOKENS
+from .cache import SPEC_TOKENS, WARNED_OPS
 from .spec import B, Call, Choice, OpSpec, default_run
 from .strict import is_strict
 
@@ -65,7 +65,7 @@ class Decision:
     Made once per cache key by `decide`; `execute` runs it for a call with those specs."""
 
     __slots__ = ("spec", "choice", "targets", "run", "paths", "out_shapes", "out_strides", "out_keys", "aliases",
-                 "writes", "fallback", "warned", "first", "fast", "view", "fast_inplace")
+                 "writes", "fallback", "first", "fast", "view", "fast_inplace", "bounds")
 
     def __init__(self, spec: OpSpec, choice: Choice, run, paths: list[tuple], writes: list[tuple[int, Optional[int]]],
                  fallback: bool = False) -> None:
@@ -76,7 +76,6 @@ class Decision:
         self.writes = writes          # (input index, output slot or None) for every input the op writes
         self.aliases = {k: i for i, k in writes if k is not None}
         self.fallback = fallback
-        self.warned = False
         self.first = next(i for i, m in enumerate(spec.inputs) if m.is_global)
         # None where the input is used as it is (a plain tensor counts as Broadcast)
         self.targets = tuple(None if tgt == meta.placements else tgt
@@ -89,6 +88,7 @@ class Decision:
         self.out_keys = [None if o is None or k in self.aliases or factory else
                          SPEC_TOKENS.token(choice.outputs[k], o.shape, o.dtype, spec.mesh_shape)
                          for k, o in enumerate(spec.outputs)]
+        self.bounds = index_bounds(spec)   # an index / target every rank holds whole: checked before slicing
         # the common case: nothing moves, nothing is written, one output, the op itself runs locally
         returns = spec.func._schema.returns
         self.view = any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
@@ -134,6 +134,8 @@ class Decision:
             return out
         if self.fallback:
             self._complain()
+        if self.bounds is not None:
+            check_bounds(self.bounds, leaves)
         for i, _ in self.writes:
             if isinstance(leaves[i], GlobalTensor) and is_detached(leaves[i]):
                 raise SbpError(f"{func} writes into a view of a global tensor that could not stay a view of its "
@@ -157,7 +159,7 @@ class Decision:
             self._write_back(i, k, leaves, locals_, mesh)
         out = self._wrap(result, mesh, leaves)
         if self.view:
-            _mark_detached(out, leaves[0])
+            _mark_detached(out, leaves[0], self.targets[0] is not None)
             _note_views(out, func, args, kwargs)
         return out
 
@@ -177,16 +179,19 @@ class Decision:
                             None if key is None else (pls, mesh, key))
 
     def _complain(self) -> None:
+        """The fallback's warning (an error under `sbp.strict()`): once per op, and only when some input
+        had to be gathered (all of them already Broadcast or plain: nothing was lost by the fallback)."""
         pls = ", ".join(repr(m.placements) if m.is_global else "plain" for m in self.spec.inputs)
         if is_strict():
             raise UnsupportedOpError(
                 f"sbp.strict(): no sharding rule for {self.spec.func} (input placements: {pls}); "
                 f"add a rule (docs/operators.md) or leave strict() to run it on Broadcast inputs")
-        if not self.warned:
-            self.warned = True
-            warnings.warn(f"sbp: no sharding rule for {self.spec.func} with input placements {pls}; it ran on "
-                          f"Broadcast (full) inputs. sbp.strict() makes this an error.", FallbackWarning,
-                          stacklevel=_user_stacklevel())
+        func = self.spec.func
+        if func not in WARNED_OPS and any(t is not None for t in self.targets):
+            WARNED_OPS.add(func)
+            warnings.warn(f"sbp: no sharding rule for {func} with input placements {pls}; it ran on "
+                          f"Broadcast (full) inputs. sbp.strict() makes this an error. (Warned once per op.)",
+                          FallbackWarning, stacklevel=_user_stacklevel())
 
     def _write_back(self, i: int, k: Optional[int], leaves: list, locals_: list, mesh: DeviceMesh) -> None:
         """An input the op wrote: if it was computed in another layout, copy the result into the original."""
@@ -235,6 +240,87 @@ class Decision:
         return outs if len(returns) == 1 else tuple(outs)
 
 
+_TARGET_OPS = frozenset(("nll_loss_forward", "nll_loss2d_forward"))
+_INDEX_OPS = frozenset(("gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+                        "scatter_reduce_"))
+
+
+def index_bounds(spec: OpSpec) -> Optional[tuple]:
+    """What `check_bounds` checks for one op's spec, or None: (leaf index, bound, ignored value, error kind,
+    dim) for an nll target or a gather/scatter index that every rank holds whole (plain or all Broadcast).
+
+    Such an index is sliced to each rank's block before the kernel sees it, so an out-of-range value
+    would raise on its owner only while the others wait in the next collective (SPMD). A split index
+    is not checked here (the batch-split mean nll folds its check into its all_reduce).
+
+    >>> import sbp
+    >>> from sbp.ops.spec import Ref, TensorMeta
+    >>> x, t = TensorMeta((4, 5), torch.float32, (sbp.S(0),)), TensorMeta((4,), torch.int64, (), False)
+    >>> values = {"self": Ref(0), "target": Ref(1), "ignore_index": -100}
+    >>> index_bounds(OpSpec(torch.ops.aten.nll_loss_forward.default, (2,), values, (x, t)))
+    (1, 5, -100, 'target', None)
+    """
+    name = spec.func._schema.name.split("::")[-1]
+    if name in _TARGET_OPS:
+        i, x = spec.index("target"), spec.tensor("self")
+        if i is None or x is None:
+            return None
+        bound, ignored, kind, dim = x.shape[1] if x.ndim >= 2 else x.shape[0], spec.arg("ignore_index"), "target", None
+    elif name in _INDEX_OPS:
+        i, x, dim = spec.index("index"), spec.tensor("self"), spec.arg("dim")
+        if i is None or x is None or not isinstance(dim, int):
+            return None
+        dim = dim % max(x.ndim, 1)
+        bound, ignored, kind = x.shape[dim] if x.ndim else 1, None, "index"
+    else:
+        return None
+    meta = spec.inputs[i]
+    if meta.is_global and any(p != B for p in meta.placements):
+        return None
+    return i, bound, ignored, kind, dim
+
+
+def check_bounds(bounds: tuple, leaves: list) -> None:
+    """Raise torch's error for an out-of-range index on every rank alike (see `index_bounds`): one min
+    and one max over the whole index, no communication.
+
+    >>> check_bounds((0, 5, -100, "target", None), [torch.tensor([0, 5])])
+    Traceback (most recent call last):
+    ...
+    IndexError: Target 5 is out of bounds.
+    """
+    i, bound, ignored, kind, dim = bounds
+    t = leaves[i]
+    t = t._local if isinstance(t, GlobalTensor) else t
+    if is_tracing(t) or t.is_floating_point() or t.is_complex():
+        return
+    bad = first_out_of_range(t, bound, ignored)
+    if bad is None:
+        return
+    if kind == "target":
+        raise IndexError(f"Target {bad} is out of bounds.")
+    raise RuntimeError(f"index {bad} is out of bounds for dimension {dim} with size {bound}")
+
+
+def first_out_of_range(t: torch.Tensor, bound: int, ignored: Any = None) -> Optional[int]:
+    """The first value of integer tensor `t` outside [0, bound) other than `ignored`, or None: one
+    `aminmax` (and one host sync) when every value is in range, the usual case.
+
+    >>> first_out_of_range(torch.tensor([0, -100, 4]), 5, -100), first_out_of_range(torch.tensor([0, 9]), 5)
+    (None, 9)
+    """
+    if t.numel() == 0:
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(t))
+    if 0 <= lo and hi < bound:
+        return None
+    bad = (t < 0) | (t >= bound)
+    if ignored is not None:
+        bad &= t != ignored
+    found = t[bad][:1].tolist()
+    return found[0] if found else None
+
+
 def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:
     """Record how each global output of a view op was made (`sbp.tensor.global_tensor.logical_strides` replays it)."""
     many = isinstance(out, (list, tuple))
@@ -247,17 +333,21 @@ FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "ra
                        "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"))
 
 
-def _mark_detached(out: Any, base: Any) -> None:
-    """Flag view outputs whose local tensor does not alias the base's (redistributed or copied first):
-    an in-place op on them would not reach the base, so `execute` refuses it."""
+def _mark_detached(out: Any, base: Any, moved: bool) -> None:
+    """Flag view outputs whose local tensor does not alias the base's (`moved`: the base was laid out anew
+    for the view; or the rule's run copied): an in-place op on them would not reach the base, so `execute`
+    refuses it. Every rank must decide alike (SPMD): the layout decides, and the alias test holds for
+    empty locals too (a rank whose piece of the view is empty), unlike a data-pointer comparison."""
     if not isinstance(base, GlobalTensor) or is_tracing(base._local):  # traced tensors have no address
         return
-    detached = is_detached(base)
-    ptr = base._local.untyped_storage().data_ptr()
+    detached = moved or is_detached(base)
+    local = base._local
     for t in out if isinstance(out, (list, tuple)) else [out]:
-        if isinstance(t, GlobalTensor) and t is not base and (
-                detached or (t._local.numel() and t._local.untyped_storage().data_ptr() != ptr)):
+        if isinstance(t, GlobalTensor) and t is not base and (detached or not _is_alias_of(t._local, local)):
             notes_of(t).detached = True
+
+
+_is_alias_of = torch._C._is_alias_of
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -143,10 +143,15 @@ SPEC_TOKENS = SpecTokens()
 DECISIONS = DecisionCache()
 
 
+# the ops whose fallback has warned (`Decision._complain`: once per op, not per decision)
+WARNED_OPS: set = set()
+
+
 def clear_cache() -> None:
-    """Forget every cached decision (`DECISIONS.clear()`).
+    """Forget every cached decision (`DECISIONS.clear()`) and which ops' fallbacks have warned.
 
     >>> clear_cache(); DECISIONS.info()["size"]
     0
     """
     DECISIONS.clear()
+    WARNED_OPS.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from ..values.layout import block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
 from . import table as rules
-from .apply import Decision
+from .apply import Decision, index_bounds
 from .cache import SPEC_TOKENS
 from .random import agreed_random_run, is_random
 from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
@@ -170,6 +171,46 @@ def _writes(func, spec: OpSpec) -> list[tuple[int, Optional[int]]]:
     return found
 
 
+def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: list) -> None:
+    """Refuse an `out=` tensor whose global shape is not the result's before anything runs: torch resizes
+    such an `out`, sbp does not (a global tensor's shape is its layout), and a kernel left to fail halfway
+    would leave the tensor's metadata and local disagreeing. Once per decision (cached), out= ops only.
+
+    >>> import sbp
+    >>> from sbp.tensor.global_tensor import GlobalTensor
+    >>> mesh = sbp.DeviceMesh((1,))
+    >>> x, o = (GlobalTensor(torch.ones(n), mesh, (sbp.B,), (n,)) for n in (2, 0))
+    >>> mul = torch.ops.aten.mul.out
+    >>> try:
+    ...     decide(mul, (x, x), {"out": o}, [x, x, o], mesh)
+    ... except sbp.ShapeError as e:
+    ...     print(str(e).split("; ")[0].split(": ")[1])
+    out= has global shape (0,) but the result has global shape (2,)
+    """
+    names = [a.name for a in func._schema.arguments
+             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    if not names:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # torch's "an output with one or more elements was resized"
+            made = _meta_outputs(func, args, kwargs)
+    except Exception:   # noqa: BLE001 -- a bad call: the checks below name it
+        return
+    slots = dict(writes)
+    for name in names:
+        ref = spec.values.get(name)
+        for r in ref if isinstance(ref, list) else [ref]:
+            k = slots.get(r.index) if isinstance(r, Ref) else None
+            if k is None or k >= len(made) or made[k] is None:
+                continue
+            have, want = spec.inputs[r.index].shape, made[k].shape
+            if have != want:
+                raise ShapeError(f"{_on_inputs(spec)}: out= has global shape {have} but the result has global "
+                                 f"shape {want}; sbp does not resize an out= tensor (torch would): pass one of "
+                                 f"the result's shape")
+
+
 def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> Decision:
     """Make the decision for one call (uncached; `handle` caches it). Pure: no communication.
 
@@ -185,6 +226,7 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
     _check_what_meta_skips(func, args, kwargs, spec)
     paths = _paths(args, kwargs)
     writes = _writes(func, spec)
+    _check_out_shapes(func, args, kwargs, spec, writes)
     rule = rules.lookup(func)
     if rule is None or rule.composite is not None:   # no rule, or a composite rule that declined the call
         _check_on_meta(func, args, kwargs, spec)
@@ -472,7 +514,7 @@ def _plain(v: Any) -> Any:
     return v
 
 
-_PER_CALL = ("spec", "out_shapes", "out_strides", "out_keys", "warned")
+_PER_CALL = ("spec", "out_shapes", "out_strides", "out_keys", "bounds")
 _SHARED = tuple(name for name in Decision.__slots__ if name not in _PER_CALL)
 
 
@@ -484,12 +526,13 @@ def _resized(made: Decision, spec: OpSpec) -> Decision:
     d = Decision.__new__(Decision)
     for name in _SHARED:
         setattr(d, name, getattr(made, name))
-    d.spec, d.warned = spec, False
+    d.spec = spec
     outs, mesh_shape, placements = spec.outputs, spec.mesh_shape, made.choice.outputs
     d.out_shapes = [None if o is None else o.shape for o in outs]
     d.out_strides = [None if o is None else contiguous_strides(o.shape) for o in outs]
     d.out_keys = [None if key is None else SPEC_TOKENS.token(placements[k], o.shape, o.dtype, mesh_shape)
                   for k, (key, o) in enumerate(zip(made.out_keys, outs))]
+    d.bounds = None if made.bounds is None else index_bounds(spec)   # an index's bound is a size
     return d
 
 

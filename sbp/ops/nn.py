@@ -38,9 +38,11 @@ from typing import Any
 
 import torch
 
+from ..runtime.traced import is_tracing
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
 from ..values.layout import block
 from ..values.placement import Split
+from .apply import first_out_of_range
 from .spec import ANY, PSUM, B, Call, Choice, OpSpec, Rule, Sig, splits
 
 aten = torch.ops.aten
@@ -178,10 +180,25 @@ def _run_nll(call: Call) -> Any:
         return call.default()
     args = list(call.args)
     args[3] = SUM
-    total, weight = call.func(*args, **call.kwargs)
+    # an out-of-range target raises on every rank: its owner counts it into the all_reduce the others
+    # wait in, instead of raising alone (SPMD)
+    # (not while traced: a compiled graph cannot branch on values; torch's kernel checks there)
+    target, x = args[1], args[0]
+    traced = is_tracing(target)
+    classes = x.shape[1] if x.ndim >= 2 else x.shape[0]
+    bad = None if traced else first_out_of_range(target, classes, call.spec.arg("ignore_index"))
+    first_bad = [] if bad is None else [bad]
+    if first_bad:   # the kernel would raise here: zeros instead, the all_reduce below raises everywhere
+        total, weight = x.new_zeros(()), x.new_zeros(())
+    else:
+        total, weight = call.func(*args, **call.kwargs)
     parts = tuple(PSUM if a in split_axes else B for a in range(call.mesh.ndim))
-    both = torch.stack([total, weight.to(total.dtype)])
-    both = redistribute_raw(GlobalTensor(both, call.mesh, parts, (2,)), (B,) * call.mesh.ndim)._local
+    sums = [total, weight.to(total.dtype)] + ([] if traced else [total.new_tensor(float(len(first_bad)))])
+    both = torch.stack(sums)
+    both = redistribute_raw(GlobalTensor(both, call.mesh, parts, (len(sums),)), (B,) * call.mesh.ndim)._local
+    if not traced and both[2] > 0:
+        where = f"Target {first_bad[0]} is out of bounds." if first_bad else "Target is out of bounds."
+        raise IndexError(f"{where} (on {int(both[2])} of the ranks holding the split target)")
     return both[0] / both[1], both[1].to(weight.dtype)
 
 

@@ -128,6 +128,9 @@ SCAN = AlongDims(_same_shape("dim"), partial_in=(PSUM,), doc="S(d != dim)->S(d);
 ALONG_KEEP = AlongDims(_same_shape("dim"), doc="S(d != dim)->S(d)")
 TRIANGLE = AlongDims(_last_two, partial_in=(PSUM, PMAX, PMIN), doc="S(batch dims)->S; P->P")
 FLIP = AlongDims(_same_shape("dims"), partial_in=(PSUM, PMAX, PMIN), doc="S(d not flipped)->S; P->P")
+ROLL = AlongDims(_same_shape("dims"), partial_in=(PSUM, PMAX, PMIN),
+                doc="S(d not rolled)->S (no dims: the flattened roll, every dim); P->P")
+COUNT_NONZERO = AlongDims(_dim_keep(), PSUM, doc="S(d in dims)->P(sum); S(other)->S")
 
 
 # ---- indexed ops along one dim: gather, scatter, scatter_add, index_select -------------------------------------------

@@ -60,6 +60,11 @@ TABLE: dict[Any, Rule] = {
     aten.tril.default: reductions.TRIANGLE.rule(),
     aten.triu.default: reductions.TRIANGLE.rule(),
     aten.flip.default: reductions.FLIP.rule(),
+    aten.roll.default: reductions.ROLL.rule(),
+    aten.count_nonzero.default: reductions.COUNT_NONZERO.rule(),
+    aten.count_nonzero.dim_IntList: reductions.COUNT_NONZERO.rule(),
+    aten.constant_pad_nd.default: views.PAD,
+    aten.repeat.default: views.REPEAT,
     aten.gather.default: reductions.INDEXED,
     aten.scatter.src: reductions.INDEXED,
     aten.scatter.value: reductions.INDEXED,
@@ -155,7 +160,7 @@ def lookup(func) -> Optional[Rule]:
     'contraction mk,kn->mn'
     >>> lookup(torch.ops.aten.gelu.default) is pointwise.POINTWISE
     True
-    >>> lookup(torch.ops.aten._foreach_add_.List) is optim.FOREACH, lookup(torch.ops.aten.roll.default)
+    >>> lookup(torch.ops.aten._foreach_add_.List) is optim.FOREACH, lookup(torch.ops.aten.cummax.default)
     (True, None)
     """
     rule = TABLE.get(func)

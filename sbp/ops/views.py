@@ -147,6 +147,30 @@ VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,
             doc="S(d)->S(first output dim of d's group) when every block stays one contiguous run; B; P")
 
 
+def _pad_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """`constant_pad_nd`: a split of a dim the pad leaves alone (pairs from the last dim) stays."""
+    x, pad = spec.inputs[0], list(spec.arg("pad"))
+    padded = {x.ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    sigs = [Sig((Split(d),), (Split(d),)) for d in range(x.ndim) if d not in padded] + [Sig((B,), (B,))]
+    if spec.arg("value", 0) == 0:
+        sigs.append(Sig((PSUM,), (PSUM,)))   # zeros padded into every part add up to zeros
+    return sigs
+
+
+PAD = Rule(_pad_sigs, doc="S(d not padded)->S(d); B; P(sum)->P(sum) when the value is 0")
+
+
+def _repeat_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """`repeat`: a split of a dim repeated once stays (shifted by the leading dims `repeats` adds)."""
+    x, repeats = spec.inputs[0], list(spec.arg("repeats"))
+    lead = len(repeats) - x.ndim
+    sigs = [Sig((Split(d),), (Split(d + lead),)) for d in range(x.ndim) if repeats[d + lead] == 1]
+    return sigs + [Sig((p,), (p,)) for p in (B,) + PARTIALS]   # copies of a part are parts of the copies
+
+
+REPEAT = Rule(_repeat_sigs, doc="S(d repeated once)->S(d + added dims); B; P->P")
+
+
 # ---- dim permutations and insertions -------------------------------------------------------------------------------
 def _transpose_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     ndim = spec.inputs[0].ndim

@@ -95,3 +95,30 @@ def test_amax_with_empty_shards():
 
     for got in sbp.testing.spmd(fn, (4,)):
         assert torch.equal(got, full.amax(0))
+
+
+# ---- rules DTensor has: pad / roll / repeat keep a split they leave alone; count_nonzero like sum -------------
+_KEEP = {
+    "pad_last_dim_S0": (lambda x: F.pad(x, (1, 2)), "S(0)", (S(0),)),
+    "pad_3d_S1": (lambda x: F.pad(x[None], (0, 0, 1, 1), value=2.0), "S(1)", (S(2),)),
+    "repeat_S1": (lambda x: x.repeat(2, 1), "S(1)", (S(1),)),
+    "repeat_leading_S0": (lambda x: x.repeat(3, 1, 2), "S(0)", (S(1),)),
+    "roll_dim0_S1": (lambda x: x.roll(1, 0), "S(1)", (S(1),)),
+    "count_nonzero_S0": (lambda x: torch.count_nonzero(x - 3), "S(0)", (Partial("sum"),)),
+    "count_nonzero_dim1_S0": (lambda x: torch.count_nonzero(x - 3, dim=1), "S(0)", (S(0),)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_KEEP))
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_pad_roll_repeat_count_nonzero_have_rules(case, mesh_shape):
+    f, placements, want_pls = _KEEP[case]
+    full = torch.arange(30.).reshape(5, 6)
+
+    def fn(mesh):
+        with sbp.strict():   # no fallback: a rule placed it
+            out = f(sbp.distribute(full, mesh, placements))
+        return out.placements, out.full()
+
+    for pls, got in sbp.testing.spmd(fn, mesh_shape):
+        assert pls == want_pls and torch.equal(got, f(full))
