@@ -480,8 +480,7 @@ class _UnitGather(torch.autograd.Function):
         unit: Unit = ctx.unit
         out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
-        for (owner_id, name), s in unit.tied.items():   # the stored parameters again
-            _owner_of(unit, owner_id)._parameters[name] = s.param
+        _place(unit)   # the stored parameters again
         return (None, None) + _store_grads(unit, out)
 
 
@@ -594,10 +593,8 @@ class Schedule:
             prev.issue_gather("backward")   # prefetch in backward: the unit before runs next
         self.note_memory()
         unit.unshard("backward")
-        bound = unit.bound
-        if bound is not None:   # a recomputed forward (activation checkpointing) reads the gathered parameters
-            for (owner_id, name), s in unit.tied.items():
-                _owner_of(unit, owner_id)._parameters[name] = bound[id(s.param)]
+        if unit.bound is not None:   # a recomputed forward (activation checkpointing) reads the gathered parameters
+            _place(unit, unit.bound)
 
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
@@ -842,8 +839,7 @@ def _install_hooks(unit: Unit) -> None:
         if unit.probe is not None:   # runs the unit's forward again: as the user's forward ran (modes on)
             _verify_local(unit, out)
         with _NO_TORCH_FUNCTION():
-            for (owner_id, name), s in unit.tied.items():
-                _owner_of(unit, owner_id)._parameters[name] = s.param
+            _place(unit)
             unit.schedule.post_forward(unit)
             if unit.computing_local:
                 out = _global_outputs(unit, out)
@@ -905,8 +901,14 @@ def _bind(unit: Unit, local: bool) -> None:
     by_param = {id(s.param): g for s, g in zip(unit.slots, gathered)}
     if torch.is_grad_enabled():
         unit.bound = by_param   # kept: bound again for backward (activation checkpointing recomputes the forward there)
+    _place(unit, by_param)
+
+
+def _place(unit: Unit, by_param: Optional[dict[int, torch.Tensor]] = None) -> None:
+    """Put into the unit's modules the tensors `by_param` maps its stored parameters to (by id), or the stored
+    parameters themselves (None)."""
     for (owner_id, name), s in unit.tied.items():
-        _owner_of(unit, owner_id)._parameters[name] = by_param[id(s.param)]
+        _owner_of(unit, owner_id)._parameters[name] = s.param if by_param is None else by_param[id(s.param)]
 
 
 def _batch_layout(unit: Unit) -> tuple[Placement, ...]:
