@@ -188,3 +188,15 @@ def test_evaluation_after_load_state_dict_sees_the_new_parameters() -> None:
     for before, after, expected in sbp.testing.spmd(_evaluate_after_load, (2,), names=("dp",)):
         assert torch.allclose(before, ref, atol=1e-12, rtol=0)
         assert torch.allclose(after, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("kind", ["tied", "checkpointed_calls", "skip"])
+def test_training_pattern_matches_one_process_on_gloo(kind: str) -> None:
+    # the same on gloo processes: parameters pickled to the workers, the verification's all_reduce, async gathers
+    losses, params, _, count = _train(_make(kind), kind)
+    for got in sbp.testing.spmd(functools.partial(_sharded, kind), (2,), names=("dp",), backend="gloo", timeout=120):
+        assert got[3] == count
+        assert got[0] == pytest.approx(losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(got[1][name], value, atol=1e-10, rtol=0), name

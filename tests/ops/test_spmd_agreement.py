@@ -150,3 +150,24 @@ def test_fallback_on_broadcast_inputs_does_not_warn():
         got = sbp.testing.spmd(fn, (2,))
     assert not [w for w in caught if issubclass(w.category, FallbackWarning)]
     assert all(torch.equal(r, torch.trace(torch.eye(4) + 1)) for r in got)
+
+
+# ---- the same on gloo processes --------------------------------------------------------------------------
+def _gloo_cases(mesh):
+    """Per case this rank's outcome (error type or "ok"), each followed by a collective every rank must reach."""
+    def view_write(mesh):
+        sbp.distribute(torch.arange(15.).reshape(5, 3), mesh, "S(0)")[0:2].add_(1)
+
+    def cross_entropy(mesh):
+        F.cross_entropy(sbp.distribute(LOGITS, mesh, "S(0)"), BAD).full()
+
+    def scatter(mesh):
+        sbp.distribute(LOGITS, mesh, "S(1)").scatter(1, torch.tensor([[0], [7], [1], [1]]), 1.0).full()
+
+    return [_outcome(fn, mesh) for fn in (view_write, cross_entropy, scatter)]
+
+
+@pytest.mark.gloo
+def test_errors_agree_on_gloo():
+    got = sbp.testing.spmd(_gloo_cases, (4,), backend="gloo", timeout=60)
+    assert got == [["SbpError", "IndexError", "RuntimeError"]] * 4

@@ -92,27 +92,30 @@ def test_error_surfaces_at_wait() -> None:
     assert sbp.testing.spmd(fn, (2,), timeout=0.5)[0] is True
 
 
-def test_writes_into_the_source_after_the_call_do_not_reach_the_result() -> None:
-    """The queue reads the source later than the call returns: a write into `x` (in place, or into its
-    local) before the queue gets there must not reach `y` (each rank's queue is held until after the write,
-    so without the copy taken at the call the write always wins)."""
-    def fn(mesh):
-        full = torch.arange(12.).reshape(4, 3)
-        out = []
-        for dst, write in (("B", lambda x: x.mul_(0)), ("S(1)", lambda x: x.to_local().fill_(-1)),
-                           ("P(sum)", lambda x: x.add_(5))):
-            x = sbp.distribute(full, mesh, "S(0)")
-            release = threading.Event()
-            held = pending.submit(mesh.binding, lambda: (release.wait(30), torch.zeros(0))[1], (0,),
-                                  torch.float32, torch.device("cpu"))
-            y = x.redistribute(dst, async_op=True)
-            write(x)
-            release.set()
-            held.wait()
-            out.append(torch.equal(y.full(), full))
-        return out
+def _writes_after_the_call(mesh):
+    """Per move: whether `y` holds the value `x` had at the call, after writes into `x` made while each rank's
+    queue was held (without the copy taken at the call the write always wins)."""
+    full = torch.arange(12.).reshape(4, 3)
+    out = []
+    for dst, write in (("B", lambda x: x.mul_(0)), ("S(1)", lambda x: x.to_local().fill_(-1)),
+                       ("P(sum)", lambda x: x.add_(5))):
+        x = sbp.distribute(full, mesh, "S(0)")
+        release = threading.Event()
+        held = pending.submit(mesh.binding, lambda: (release.wait(30), torch.zeros(0))[1], (0,),
+                              torch.float32, torch.device("cpu"))
+        y = x.redistribute(dst, async_op=True)
+        write(x)
+        release.set()
+        held.wait()
+        out.append(torch.equal(y.full(), full))
+    return out
 
-    for per_rank in sbp.testing.spmd(fn, (2,)):
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_writes_into_the_source_after_the_call_do_not_reach_the_result(backend) -> None:
+    """The queue reads the source later than the call returns: a write into `x` (in place, or into its
+    local) before the queue gets there must not reach `y`."""
+    for per_rank in sbp.testing.spmd(_writes_after_the_call, (2,), backend=backend, timeout=60):
         assert per_rank == [True, True, True]
 
 

@@ -191,3 +191,26 @@ def test_setitem_with_grad_on_a_mesh_over_some_ranks():
         assert torch.equal(gx, x.grad) and torch.equal(gv, v.grad)
     for gx, gv in got[2:]:
         assert gx.numel() == 0 and torch.equal(gv, torch.zeros(2))
+
+
+def _setitem_grad_gloo(mesh):
+    full = torch.arange(20.0).view(5, 4) / 7
+    x = sbp.distribute(full, mesh, "S(0)", requires_grad=True)
+    v = torch.tensor([1.0, -2.0, 3.0, 0.5], requires_grad=True)
+    y = x * 2
+    y[1] = v
+    (y * y).sum().full().backward()
+    return x.grad.placements, x.grad.full(), v.grad
+
+
+@pytest.mark.gloo
+def test_setitem_with_grad_on_gloo():
+    full = torch.arange(20.0).view(5, 4) / 7
+    x = full.clone().requires_grad_()
+    v = torch.tensor([1.0, -2.0, 3.0, 0.5], requires_grad=True)
+    y = x * 2
+    y[1] = v
+    (y * y).sum().backward()
+    for placements, x_grad, v_grad in sbp.testing.spmd(_setitem_grad_gloo, (3,), backend="gloo", timeout=60):
+        assert placements == (sbp.S(0),)
+        assert torch.allclose(x_grad, x.grad) and torch.allclose(v_grad, v.grad)
