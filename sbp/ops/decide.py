@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..runtime.executor import cached_plan
+from ..runtime.symbolic import hint, hint_shape
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError
 from ..values.layout import block, block_numel
@@ -487,6 +488,43 @@ class DecisionClass:
         return Decision(spec, choice, rule.run, made.paths, made.writes)
 
 
+def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh,
+                         values: list) -> Optional[Decision]:
+    """`DecisionClass.instantiate` for a call with symbolic sizes (`sbp.ops.symbolic`): the spec and output
+    shapes hold the call's SymInts; a priced class prices its candidates at the sizes' hints. No spec tokens
+    are made (a symbolic size does not hash). None where the class's candidates fall back."""
+    made = record.decision
+    spec = _respec(made.spec, args, kwargs, leaves, record.sized)
+    spec.outputs = tuple(None if m is None else TensorMeta(shape, m.dtype)
+                         for m, shape in zip(made.spec.outputs, _sizes(record.formula, values)))
+    if record.state == "generic":
+        return _resized(made, spec, keyed=False)
+    hinted = _hinted(spec)
+    if record.found is None:
+        record.found = candidates(rules.lookup(func), hinted, made.aliases)
+    found = record.found
+    choice = found if isinstance(found, Choice) else cheapest(hinted, found, made.aliases)
+    if choice is None:
+        return None
+    if choice != made.choice:
+        made = Decision(hinted, choice, rules.lookup(func).run, made.paths, made.writes)
+    return _resized(made, spec, keyed=False)
+
+
+def _hinted(spec: OpSpec) -> OpSpec:
+    """`spec` with every symbolic size at its hint (what pricing plans on)."""
+    def ints(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            return hint(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(ints(x) for x in v)
+        return v
+    out = OpSpec(spec.func, spec.mesh_shape, {k: ints(v) for k, v in spec.values.items()},
+                 tuple(TensorMeta(hint_shape(m.shape), m.dtype, m.placements, m.is_global) for m in spec.inputs))
+    out.outputs = tuple(None if m is None else TensorMeta(hint_shape(m.shape), m.dtype) for m in spec.outputs)
+    return out
+
+
 def _respec(first: OpSpec, args: tuple, kwargs: dict, leaves: list, sized: tuple) -> OpSpec:
     """`first` (a call of a shape class, bound by `_bind`) for another call of its class: the same values
     but the size arguments (`sized`: their (position, name)), the same input placements and dtypes, the
@@ -518,7 +556,7 @@ _PER_CALL = ("spec", "out_shapes", "out_strides", "out_keys", "bounds")
 _SHARED = tuple(name for name in Decision.__slots__ if name not in _PER_CALL)
 
 
-def _resized(made: Decision, spec: OpSpec) -> Decision:
+def _resized(made: Decision, spec: OpSpec, keyed: bool = True) -> Decision:
     """`made` for `spec`, a call of its shape class with the same choice: what depends on sizes (the spec,
     output shapes, strides and spec tokens) made anew, the rest shared -- what `Decision(spec, ...)`
     would compute, without recomputing what the class fixes (tests/ops/test_decision_classes.py compares
@@ -530,7 +568,7 @@ def _resized(made: Decision, spec: OpSpec) -> Decision:
     outs, mesh_shape, placements = spec.outputs, spec.mesh_shape, made.choice.outputs
     d.out_shapes = [None if o is None else o.shape for o in outs]
     d.out_strides = [None if o is None else contiguous_strides(o.shape) for o in outs]
-    d.out_keys = [None if key is None else SPEC_TOKENS.token(placements[k], o.shape, o.dtype, mesh_shape)
+    d.out_keys = [None if key is None or not keyed else SPEC_TOKENS.token(placements[k], o.shape, o.dtype, mesh_shape)
                   for k, (key, o) in enumerate(zip(made.out_keys, outs))]
     d.bounds = None if made.bounds is None else index_bounds(spec)   # an index's bound is a size
     return d

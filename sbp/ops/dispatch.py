@@ -24,12 +24,14 @@ from typing import Any, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..runtime.symbolic import hint, is_symbolic
 from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_raw
 from . import table as rules
 from .apply import refuse_mixed_meshes
 from .cache import DECISIONS, SPEC_TOKENS, SpecToken
 from .decide import SIZE_ARGS, Decision, DecisionClass, decide
 from .spec import FLOAT, B
+from .symbolic import handle_symbolic, has_symbolic
 
 PLAIN_GRAD_HOOKED = WeakIdKeyDictionary()   # plain tensor -> True once it has the plain-gradient hook
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction   # decisions are pure: no torch function mode sees them
@@ -77,6 +79,19 @@ def _key_of(a: Any, leaves: list) -> Any:
 _FLOAT_ZERO, _TRUE, _FALSE = object(), object(), object()
 
 
+def _collect(a: Any, leaves: list) -> None:
+    """The tensors of `a` into `leaves` in `_key_of`'s order, keying nothing (a key may not hash)."""
+    if isinstance(a, torch.Tensor):
+        leaves.append(a)
+        if isinstance(a, GlobalTensor):
+            ensure_leaf_rule(a)
+        elif a.requires_grad and a not in PLAIN_GRAD_HOOKED:
+            _plain_grad_hook(a)
+    elif type(a) is list or type(a) is tuple:
+        for x in a:
+            _collect(x, leaves)
+
+
 def float_key(value: float) -> Any:
     """A float's part of a cache key: one token for every finite non-zero value (rules see `FLOAT`), its
     own for 0.0 (a Partial may absorb a scalar zero) and the value itself for inf and nan (no Partial
@@ -95,6 +110,8 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
     """A call's shape-class key and its symbols' values: every size above the mesh's rank count `m` (of a
     tensor, or in a size argument) becomes a symbol, numbered by first appearance and kept with its
     remainder mod `m` (which splits divide it evenly); equal sizes share a symbol, smaller sizes stay.
+    A symbolic size (``torch.SymInt`` under torch.compile, `sbp.ops.symbolic`) is a symbol of its own (one
+    per expression, its remainder its hint's), and its value is the SymInt itself.
     Raises TypeError for an unhashable argument (like the exact key).
 
     >>> import sbp
@@ -107,13 +124,19 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
     symbols: dict[int, int] = {}
     values: list[int] = []
 
-    def size(n: int) -> Any:
-        if n <= m:
+    def size(n: Any) -> Any:
+        ident = value = n
+        if type(n) is not int:
+            if is_symbolic(n):   # a symbol whatever its hint
+                ident, n = ("symbolic", n.node.expr), hint(n)
+            else:
+                ident = value = n = int(n)   # a SymInt pinned to a constant
+        if n <= m and type(ident) is int:
             return n
-        i = symbols.get(n)
+        i = symbols.get(ident)
         if i is None:
-            i = symbols[n] = len(values)
-            values.append(n)
+            i = symbols[ident] = len(values)
+            values.append(value)
         return i, n % m
 
     def pattern(a: Any, sizes: bool) -> Any:
@@ -121,8 +144,10 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
             shape = tuple(map(size, a.shape))
             return (a._placements, a.dtype, shape) if isinstance(a, GlobalTensor) else (a.dtype, shape)
         t = type(a)
-        if t is int and sizes:
+        if (t is int or t is torch.SymInt) and sizes:
             return size(a)
+        if t is torch.SymInt:   # a symbolic value that is no size
+            return ("symbolic", a.node.expr)
         if t is float:
             return float_key(a)
         if t is bool:
@@ -220,10 +245,14 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
             key.append(tuple([(k, _key_of(v, leaves)) for k, v in kwargs.items()]))
         key = tuple(key)
         decision = DECISIONS.get(key)
-    except TypeError:  # an unhashable argument (e.g. a generator): decide without caching
+    except TypeError:  # an unhashable argument (e.g. a generator, a symbolic size): decide without caching
         key, decision = None, None
         leaves = []
-        _key_of(args, leaves), _key_of(tuple(kwargs.values()), leaves)
+        _collect(args, leaves), _collect(tuple(kwargs.values()), leaves)
+        if has_symbolic(args, kwargs, leaves, pinned=True):   # torch.compile with dynamic shapes
+            mesh = next(t._mesh for t in leaves if isinstance(t, GlobalTensor))
+            with _NO_TORCH_FUNCTION():
+                return handle_symbolic(func, args, kwargs, leaves, mesh, class_key)
     if decision is not None:
         return decision.execute(func, args, kwargs, leaves)
     mesh = next((t._mesh for t in leaves if isinstance(t, GlobalTensor)), None)

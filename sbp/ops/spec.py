@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..runtime.symbolic import block_of
 from ..values.errors import ShapeError
-from ..values.layout import Block, block, block_shape
+from ..values.layout import Block, block_shape
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
 
@@ -168,12 +169,12 @@ class Call:
     def in_block(self, index: int) -> Block:
         """Global (start, stop) per dim of this rank's block of input `index` under its chosen placements."""
         meta = self.spec.inputs[index]
-        return block(meta.shape, self.mesh.shape, self.choice.inputs[index], self.coord)
+        return block_of(meta.shape, self.mesh.shape, self.choice.inputs[index], self.coord)
 
     def out_block(self, index: int = 0) -> Block:
         """Global (start, stop) per dim of this rank's block of output `index`."""
         meta = self.spec.outputs[index]
-        return block(meta.shape, self.mesh.shape, self.choice.outputs[index], self.coord)
+        return block_of(meta.shape, self.mesh.shape, self.choice.outputs[index], self.coord)
 
     def out_shape(self, index: int = 0) -> tuple[int, ...]:
         """This rank's local shape of output `index`."""

@@ -24,7 +24,7 @@ from ..values.layout import Block, block, block_shape, check_global_shape, relat
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from ..values.steps import Plan, Step
-from . import pending, traced
+from . import pending, symbolic, traced
 from .buffers import exchange_layout, gather, messages_copy_nothing, p2p_layout, scatter
 from .communicator import Communicator
 from .reduce_exchange import run_reduce_transfer
@@ -40,6 +40,7 @@ class _Ctx:
     comm: Communicator
     caller_storage: int  # address of the caller's local tensor's memory: never written to
     tracing: bool = False  # under torch.compile / fake tensors: collectives lower to `sbp.runtime.traced`
+    elem: tuple = ()  # trailing dims of every local past the plan's shape (symbolic sizes, `symbolic`)
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in memory the executor allocated (so a collective may work in place)."""
@@ -49,8 +50,11 @@ class _Ctx:
         return block(self.global_shape, self.mesh.shape, pls, self.coord if coord is None else coord)
 
 
-def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, elem: tuple = ()) -> torch.Tensor:
     """Run `plan` on this rank's `local` block of the source layout; return its block of the target.
+
+    `elem`: trailing dims of `local` the plan does not know (under torch.compile, dims of symbolic size no
+    placement splits, `sbp.runtime.symbolic`): each position of the plan's shape holds a tensor of that shape.
 
     `mesh` must be bound (`sbp.init_mesh`, `sbp.testing.spmd`). A rank outside the mesh returns its
     (empty) `local` unchanged and takes part in nothing. The result is contiguous.
@@ -65,13 +69,13 @@ def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     [28.0, 28.0]
     """
     local = pending.ready(local)   # an async result is waited for before it is read
-    ctx = _context(plan, mesh, local)
+    ctx = _context(plan, mesh, local, elem)
     if ctx is None:
         return local
     if not ctx.tracing and any(step.kind != "local" for step in plan.steps):
         pending.drain(ctx.comm)    # collectives keep the order of submission: async work first
     expected = block_shape(ctx.block(plan.src))
-    if tuple(local.shape) != expected:
+    if tuple(local.shape[:local.dim() - len(elem)]) != expected or local.dim() != len(expected) + len(elem):
         raise ShapeError(f"rank {ctx.comm.rank} at coord {ctx.coord}: local shape {tuple(local.shape)} does not "
                          f"match the block {expected} that placements {plan.src} give a global shape "
                          f"{plan.global_shape} on mesh {plan.mesh_shape}")
@@ -110,10 +114,41 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequ
     >>> sbp.testing.spmd(fn, (2, 2))[3]
     [[2.0, 3.0], [6.0, 7.0], [10.0, 11.0], [14.0, 15.0]]
     """
+    if symbolic.any_symbolic(global_shape):
+        return _redistribute_symbolic(local, mesh, tuple(global_shape), src, dst)
     shape = check_global_shape(global_shape)
     src = normalize(src, len(shape), mesh.ndim)
     dst = normalize(dst, len(shape), mesh.ndim)
     return execute(cached_plan(shape, tuple(mesh.shape), src, dst, local.element_size()), local, mesh)
+
+
+def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: tuple, src, dst) -> torch.Tensor:
+    """`redistribute_local` under torch.compile with symbolic sizes: planned on the sizes' hints; the dims
+    no state of the plan splits are moved behind the others and ride along as each position's element
+    (`execute(..., elem=...)`), so the graph holds for every size they take; a plan that splits one of
+    them specializes its size (a guard: `sbp.runtime.symbolic`)."""
+    hints = symbolic.hint_shape(global_shape)
+    src = normalize(src, len(hints), mesh.ndim)
+    dst = normalize(dst, len(hints), mesh.ndim)
+    plan = cached_plan(hints, tuple(mesh.shape), src, dst, local.element_size())
+    dyn = symbolic.dynamic_dims(global_shape)
+    split = symbolic.split_dims(plan, dyn)
+    if split:   # a size the plan splits is pinned (a guard); the others still ride along
+        symbolic.specialize([global_shape[d] for d in split])
+        dyn = tuple(d for d in dyn if d not in split)
+        if not dyn:
+            return execute(plan, local, mesh)
+    if plan.steps and all(step.kind == "all_reduce" for step in plan.steps):   # no layout maths: as it is
+        ctx = _context(plan, mesh, local)
+        for step in plan.steps if ctx is not None else ():
+            local = _run(step, local, ctx)
+        return local.contiguous()
+    keep = [d for d in range(len(hints)) if d not in dyn]
+    order = keep + list(dyn)
+    moved = local.permute(order)
+    out = execute(symbolic.without_dims(plan, dyn), moved, mesh, tuple(moved.shape[len(keep):]))
+    back = [order.index(d) for d in range(len(order))]
+    return out.permute(back).contiguous()
 
 
 @lru_cache(maxsize=4096)
@@ -128,21 +163,24 @@ def cached_plan(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src, dst, i
     return make_plan(shape, mesh_shape, src, dst, itemsize)
 
 
-def _context(plan: Plan, mesh: DeviceMesh, local: torch.Tensor) -> _Ctx | None:
+def _context(plan: Plan, mesh: DeviceMesh, local: torch.Tensor, elem: tuple = ()) -> _Ctx | None:
     coord = mesh.coord  # raises MeshError for a pure (unbound) mesh
     if coord is None:
         return None
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise MeshError(f"plan is for a mesh of shape {plan.mesh_shape}, the mesh has shape {mesh.shape}")
     if traced.is_tracing(local):  # fake / functional tensors have no memory to read the address of
-        return _Ctx(plan.global_shape, mesh, coord, mesh.binding, 0, True)
+        return _Ctx(plan.global_shape, mesh, coord, mesh.binding, 0, True, tuple(elem))
+    if elem:
+        raise PlanError("trailing element dims (symbolic sizes) are only run while tracing")
     return _Ctx(plan.global_shape, mesh, coord, mesh.binding,
                 local.untyped_storage().data_ptr())
 
 
 def _run(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
     if ctx.tracing and step.kind != "local":
-        return traced.run_step(step, local, ctx.global_shape, tuple(ctx.mesh.shape), ctx.coord, ctx.comm)
+        return traced.run_step(step, local, ctx.global_shape, tuple(ctx.mesh.shape), ctx.coord, ctx.comm,
+                               ctx.elem)
     match step.kind:
         case "local":
             return _local(step, local, ctx)
@@ -193,7 +231,7 @@ def _local_axis(local: torch.Tensor, src: tuple[Placement, ...], dst: tuple[Plac
             return local
         case Split(), Partial(op=op):
             _check_inside(have, want, src, dst)
-            out = local.new_full(block_shape(want), identity(op, local.dtype))
+            out = local.new_full(block_shape(want) + ctx.elem, identity(op, local.dtype))
             out[relative(have, want)] = local
             return out
         case Partial(op=a), Partial(op=b) if a == b:

@@ -129,8 +129,12 @@ def _order(members: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-             coord: tuple[int, ...], comm: Communicator) -> torch.Tensor:
+             coord: tuple[int, ...], comm: Communicator, elem: tuple = ()) -> torch.Tensor:
     """One communicating step of a plan as functional collectives on this rank's (traced) `local`.
+
+    `elem`: trailing dims of `local` past the plan's shape (symbolic sizes no placement splits,
+    `sbp.runtime.symbolic`): every flat buffer is then a column of such elements, collectives split and join
+    along its leading dim, and all layout maths stays on the plan's (int) shape.
 
     Local steps (slicing, no communication) stay with the executor:
 
@@ -143,18 +147,18 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
     """
     match step.kind:
         case "all_gather":
-            return _all_gather(step, local, global_shape, mesh_shape, coord, comm)
+            return _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem)
         case "reduce_scatter":
-            return _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm)
+            return _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem)
         case "all_reduce":
-            if local.numel() == 0:
+            if math.prod(local.shape[:local.dim() - len(elem)]) == 0:
                 return local.contiguous()
             name, _, _ = group_name(comm, step.axes)
             return _wait(_FUNCOL.all_reduce(local.contiguous(), _op(step), name))
         case "all_to_all" | "transfer":
-            return _exchange(step, local, global_shape, mesh_shape, coord, comm)
+            return _exchange(step, local, global_shape, mesh_shape, coord, comm, elem)
         case "reduce_transfer":
-            return _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm)
+            return _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem)
     raise PlanError(f"the traced lowering has no step kind {step.kind!r}")
 
 
@@ -183,58 +187,58 @@ def _from_group_order(buf: torch.Tensor, width: int, order: tuple[int, ...]) -> 
     return torch.cat([buf[at[m] * width:(at[m] + 1) * width] for m in range(len(order))])
 
 
-def _all_gather(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+def _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
     lay = gather(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
     if lay.width == 0:
-        return local.new_empty(lay.shape)
+        return local.new_empty(lay.shape + elem)
     name, n, order = group_name(comm, step.axes)
-    flat = local.reshape(-1)
-    if flat.numel() != lay.width:
-        flat = torch.cat([flat, flat.new_zeros(lay.width - flat.numel())])
+    flat = local.reshape((-1,) + elem)
+    if flat.shape[0] != lay.width:
+        flat = torch.cat([flat, flat.new_zeros((lay.width - flat.shape[0],) + elem)])
     buf = _from_group_order(_wait(_FUNCOL.all_gather_into_tensor(flat.contiguous(), n, name)), lay.width, order)
     if lay.runs is not None:
-        return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape)
-    out = local.new_empty(lay.shape)
+        return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape + elem)
+    out = local.new_empty(lay.shape + elem)
     for where, shape, offset in lay.places:
-        out[where] = buf[offset:offset + math.prod(shape)].view(shape)
+        out[where] = buf[offset:offset + math.prod(shape)].view(shape + elem)
     return out
 
 
-def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
     lay = scatter(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
     if lay.width == 0:
-        return local.new_empty(lay.shape)
+        return local.new_empty(lay.shape + elem)
     name, n, order = group_name(comm, step.axes)
     if lay.direct:
-        inp = local.reshape(-1)
+        inp = local.reshape((-1,) + elem)
     else:
-        inp = local.new_zeros(n * lay.width)
+        inp = local.new_zeros((n * lay.width,) + elem)
         if lay.runs is not None:
-            flat = local.reshape(-1)
+            flat = local.reshape((-1,) + elem)
             for src, dst, length in lay.runs:
                 inp[dst:dst + length] = flat[src:src + length]
         else:
             for where, shape, offset in lay.places:
-                inp[offset:offset + math.prod(shape)] = local[where].reshape(-1)
+                inp[offset:offset + math.prod(shape)] = local[where].reshape((-1,) + elem)
     inp = _to_group_order(inp, lay.width, order).contiguous()
     got = _wait(_FUNCOL.reduce_scatter_tensor(inp, _op(step), n, name))
-    return got[:lay.numels[lay.index]].view(lay.shape)
+    return got[:lay.numels[lay.index]].view(lay.shape + elem)
 
 
 def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
-                order: tuple[int, ...]) -> list[tuple[object, torch.Tensor]]:
+                order: tuple[int, ...], elem: tuple = ()) -> list[tuple[object, torch.Tensor]]:
     """One exact all_to_all_single: the blocks of `send` ((member, block) pairs) cut from `source` (which
     holds `held`), per-peer sizes in group-rank order; returns (block, received piece) in `recv` order."""
     outbox: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for peer, b in send:
-        outbox[peer].append(source[relative(b, held)].reshape(-1))
-    in_sizes = [sum(p.numel() for p in outbox[m]) for m in order]
+        outbox[peer].append(source[relative(b, held)].reshape((-1,) + elem))
+    in_sizes = [sum(p.shape[0] for p in outbox[m]) for m in order]
     out_sizes_m = [0] * n
     for peer, b in recv:
         out_sizes_m[peer] += block_numel(b)
     out_sizes = [out_sizes_m[m] for m in order]
     parts = [p for m in order for p in outbox[m]]
-    inp = torch.cat(parts) if parts else source.new_empty(0)
+    inp = torch.cat(parts) if parts else source.new_empty((0,) + elem)
     got = _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
     starts, at = {}, 0
     for g, m in enumerate(order):
@@ -243,43 +247,43 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
     out = []
     for peer, b in recv:
         k = block_numel(b)
-        out.append((b, got[starts[peer]:starts[peer] + k].view(block_shape(b))))
+        out.append((b, got[starts[peer]:starts[peer] + k].view(block_shape(b) + elem)))
         starts[peer] += k
     return out
 
 
-def _exchange(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
     ex = exchange(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
     me = ex.members.index(coord)
     have, want = block(global_shape, mesh_shape, step.src, coord), block(global_shape, mesh_shape, step.dst, coord)
-    out = local.new_empty(block_shape(want))
+    out = local.new_empty(block_shape(want) + elem)
     keep = ex.keep[me]
     if keep is not None and block_numel(keep):
         out[relative(keep, want)] = local[relative(keep, have)]
     if ex.max_recv_elems == 0:  # nothing moves anywhere in the group: no call
         return out
     name, n, order = group_name(comm, step.axes)
-    for b, piece in _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order):
+    for b, piece in _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order, elem):
         out[relative(b, want)] = piece
     return out
 
 
-def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
     ex = reduce_exchange(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
     me = ex.members.index(coord)
     have, want = block(global_shape, mesh_shape, step.src, coord), block(global_shape, mesh_shape, step.dst, coord)
-    out = local.new_empty(block_shape(want))
+    out = local.new_empty(block_shape(want) + elem)
     op = _op(step)
     name, n, order = group_name(comm, step.axes)
     arrived: dict = {}
     if any(ex.recv1):
-        for b, piece in _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order):
+        for b, piece in _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order, elem):
             arrived.setdefault(b, []).append(piece)
     for b, holds in ex.owned[me]:
         parts = ([local[relative(b, have)]] if holds else []) + arrived.get(b, [])
         out[relative(b, want)] = functools.reduce(_REDUCE[op], parts)
     if any(ex.recv2):
-        for b, piece in _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order):
+        for b, piece in _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order, elem):
             out[relative(b, want)] = piece
     return out
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..runtime import symbolic
 from ..runtime.agreement import agree, is_enabled, mesh_gather, mismatch
 from ..runtime.traced import CompileError, is_tracing
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
@@ -237,7 +238,8 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     check_partial_dtype(pls, local.dtype, "from_local")
     coord = mesh.coord
     if global_shape is not None:
-        global_shape = check_global_shape(global_shape)
+        dynamic = symbolic.any_symbolic(global_shape)   # torch.compile with dynamic shapes
+        global_shape = tuple(global_shape) if dynamic else check_global_shape(global_shape)
         if len(global_shape) != local.ndim:
             raise ShapeError(f"from_local: global_shape {global_shape} has {len(global_shape)} dims but the local "
                              f"tensor has {local.ndim} (shape {tuple(local.shape)})")
@@ -248,7 +250,14 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     elif is_tracing(local):  # a compiled graph: shapes are known at trace time, no collective runs
         if global_shape is None or check:
             raise CompileError(_NEEDS_SHAPE)
-        _check_local_shapes(global_shape, mesh, pls, None, local)
+        if dynamic:   # the sizes of split dims only: the others are whole (checking them would pin them)
+            split = [p.dim for p in pls if isinstance(p, Split)]
+            planned = symbolic.planning_shape(global_shape, pls)
+            want = local_shape(planned, mesh.shape, pls, coord)
+            got = tuple(int(n) if d in split else want[d] for d, n in enumerate(local.shape))
+            _check_local_shapes(planned, mesh, pls, None, torch.empty(got, device="meta"))
+        else:
+            _check_local_shapes(global_shape, mesh, pls, None, local)
     else:
         shapes = None
         if check:

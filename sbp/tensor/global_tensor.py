@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..runtime import agreement, pending
+from ..runtime import agreement, pending, symbolic
 from ..runtime.agreement import is_enabled as debug_enabled
 from ..runtime.executor import cached_plan, redistribute_local
 from ..runtime.pending import PendingTensor
@@ -365,8 +365,21 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        mesh, pls, shape = meta
-        return GlobalTensor(inner["_local"], mesh, pls, shape)
+        # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic
+        mesh, pls, _ = meta
+        return GlobalTensor(inner["_local"], mesh, pls, tuple(outer_size))
+
+    @classmethod
+    def __metadata_guard__(cls, orig: tuple, other: tuple) -> bool:
+        """torch.compile's guard on a global input: the same mesh and placements. The global shape is
+        guarded by dynamo's own size guards (so a size compiled as symbolic is not pinned here).
+
+        >>> import sbp
+        >>> mesh = sbp.DeviceMesh((2,))
+        >>> GlobalTensor.__metadata_guard__((mesh, (sbp.B,), (4,)), (mesh, (sbp.B,), (6,)))
+        True
+        """
+        return orig[0] == other[0] and orig[1] == other[1]
 
     def __coerce_tangent_metadata__(self) -> "GlobalTensor":
         """The placements AOTAutograd traces a compiled output's gradient with: the output's, with `B` for
@@ -400,7 +413,8 @@ class GlobalTensor(torch.Tensor):
         if expected_type is not None and expected_type is not type(self):
             return None
         mesh, placements, shape = expected
-        if mesh != self._mesh or tuple(shape) != tuple(self.shape):
+        if mesh != self._mesh or len(shape) != self.dim() or any(
+                type(a) is int and a != b for a, b in zip(shape, self.shape)):   # symbolic sizes: any
             return None
         return self.redistribute(placements)
 
@@ -698,7 +712,14 @@ def local_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     coord = mesh.coord
     if coord is None:
         return empty_outside(full.ndim, full.dtype, full.device)
-    piece = full[local_slices(tuple(full.shape), mesh.shape, placements, coord)]
+    shape = tuple(full.shape)
+    if symbolic.any_symbolic(shape):   # torch.compile, dynamic shapes: unsplit dims are taken whole
+        pls = normalize(placements, len(shape), mesh.ndim)
+        split = {p.dim for p in pls if isinstance(p, Split)}
+        where = local_slices(symbolic.planning_shape(shape, pls), mesh.shape, pls, coord)
+        piece = full[tuple(w if d in split else slice(None) for d, w in enumerate(where))]
+    else:
+        piece = full[local_slices(shape, mesh.shape, placements, coord)]
     if not sum_holds_value(mesh, placements, coord):
         return torch.zeros_like(piece, memory_format=torch.contiguous_format)
     return piece.clone(memory_format=torch.contiguous_format)
@@ -724,7 +745,8 @@ def logical_strides(t: GlobalTensor) -> tuple[int, ...]:
         return tuple(t.stride())
     func, args, kwargs, k = recipe
     meta = lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else \
-        [meta(x) for x in a] if isinstance(a, (list, tuple)) else a
+        [meta(x) for x in a] if isinstance(a, (list, tuple)) else \
+        symbolic.hint(a) if isinstance(a, torch.SymInt) else a
     out = func(*[meta(a) for a in args], **{n: meta(v) for n, v in kwargs.items()})
     found = notes.strides = tuple((out[k] if k is not None else out).stride())
     return found
@@ -756,8 +778,13 @@ def is_detached(t: GlobalTensor) -> bool:
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `t`'s logical shape and strides (symbolic sizes at their hints: torch.compile's
+    dynamic shapes; only layout questions are asked of it)."""
     strides = logical_strides(t) if isinstance(t, GlobalTensor) else t.stride()
-    return torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device="meta")
+    shape = tuple(t.shape)
+    if any(isinstance(n, torch.SymInt) for n in shape + tuple(strides)):
+        shape, strides = symbolic.hint_shape(shape), symbolic.hint_shape(strides)
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device="meta")
 
 
 def empty_outside(ndim: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -831,7 +858,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
-        acc *= max(n, 1)
+        acc *= max(n, 1) if type(n) is int else torch.sym_max(n, 1)   # symbolic: no guard
     return tuple(reversed(strides))
 
 

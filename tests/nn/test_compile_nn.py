@@ -1,7 +1,7 @@
 """torch.compile of `sbp.nn.parallelize`d transformers: the embedding, colwise / rowwise and sequence-parallel
 styles train (forward, backward, optimizer step) through one ``fullgraph=True`` graph that matches eager
 to float64 rounding (1e-10) on 1-d and 2-d meshes, even and uneven shapes, and compiles once for fixed
-shapes and once more when the batch size changes (``dynamic=True``; sbp specializes sizes, see
+shapes, also when the batch size changes (``dynamic=True``: the batch stays symbolic, see
 docs/compile.md).
 
 The backend is ``aot_eager``: AOTAutograd traces sbp's ops and the planner's collectives (as torch's
@@ -131,15 +131,15 @@ def test_parallelized_transformer_trains_compiled_as_eager(mesh_shape, batch, se
         assert graphs == 1, f"rank {rank}: {graphs} graphs for 3 steps of one shape (recompiled)"
 
 
-def run_batch_change(mesh):
-    """Compiled (``dynamic=True``) training steps with batch sizes 4, 4, 6, 6: graphs compiled, and the
+def run_batch_change(sequence_parallel, mesh):
+    """Compiled (``dynamic=True``) training steps with batch sizes 4, 4, 6, 3, 5: graphs compiled, and the
     largest loss and gradient differences against eager."""
-    eager, compiled = _parallel_pair(mesh, False)
+    eager, compiled = _parallel_pair(mesh, sequence_parallel)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     f = torch.compile(lambda i, t: compiled(i, t).full(), backend="aot_eager", fullgraph=True, dynamic=True)
     diffs = []
-    for step, batch in enumerate((4, 4, 6, 6)):
+    for step, batch in enumerate((4, 4, 6, 3, 5)):
         idx, targets = _batch(step, batch, 6)
         want, got = eager(idx, targets).full(), f(idx, targets)
         got.backward()
@@ -150,11 +150,14 @@ def run_batch_change(mesh):
     return torch._dynamo.utils.counters["stats"]["unique_graphs"], max(diffs), grads
 
 
-def test_batch_size_change_recompiles_at_most_once() -> None:
-    # sbp's plans are constants of the graph, so the batch size is specialized: a new size compiles once
-    for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(run_batch_change, (2,))):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_batch_size_change_does_not_recompile(sequence_parallel) -> None:
+    # no placement splits the batch on a tp mesh (sequence parallel splits the sequence): it stays symbolic
+    # (sbp.runtime.symbolic), and one graph serves every batch size
+    fn = functools.partial(run_batch_change, sequence_parallel)
+    for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(fn, (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
-        assert graphs <= 2, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 6"
+        assert graphs == 1, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 3, 5"
 
 
 def run_step_collectives(mesh):

@@ -1,0 +1,159 @@
+"""Ops on global tensors with symbolic sizes (torch.compile with dynamic shapes; `sbp.runtime.symbolic`).
+
+A call whose global shapes (or size arguments) hold ``torch.SymInt`` sizes cannot be keyed by its sizes.
+It is keyed by its *shape class* instead (`sbp.ops.dispatch.class_key`: each symbolic size is a symbol of
+its own), and the class must be shown generic: two cold decisions at made-up sizes (each symbol at its hint
+plus a distinct large multiple of the rank count, so no two symbols and no constant coincide) make the same
+choice, and the output sizes follow the symbols (`sbp.ops.decide.DecisionClass`). The call then runs the
+class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A decision that splits a
+symbolic dim, or a class that is not generic (a fallback, an output size no symbol gives), specializes the
+call instead: its symbolic sizes are pinned by guards (the graph then holds for those sizes), and it is
+decided as any call with int sizes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..runtime import symbolic
+from ..tensor.global_tensor import GlobalTensor
+from .cache import DECISIONS
+from .decide import Decision, DecisionClass, decide, instantiate_symbolic
+
+_OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
+
+
+def has_symbolic(args: tuple, kwargs: dict, leaves: list, pinned: bool = False) -> bool:
+    """Whether a call has a symbolic size: in a tensor's shape or among its arguments (with `pinned`, also
+    a ``SymInt`` a guard has pinned to a constant: it does not hash either).
+
+    >>> has_symbolic((torch.ones(2), 3), {}, [torch.ones(2)])
+    False
+    """
+    test = (lambda n: isinstance(n, torch.SymInt)) if pinned else symbolic.is_symbolic
+    if any(any(map(test, t.shape)) for t in leaves if isinstance(t, torch.Tensor)):
+        return True
+    return any(map(test, _scalars(args))) or any(map(test, _scalars(tuple(kwargs.values()))))
+
+
+def _scalars(a: Any):
+    for x in a:
+        if type(x) is list or type(x) is tuple:
+            yield from _scalars(x)
+        elif isinstance(x, torch.SymInt):
+            yield x
+
+
+def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_key) -> Any:
+    """Run one op call with symbolic sizes (see the module's text); `leaves` as `sbp.ops.dispatch.handle`
+    collects them, `class_key` its shape-class key (`sbp.ops.dispatch.class_key`)."""
+    _torch_guards(func, args, kwargs)
+    if not has_symbolic(args, kwargs, leaves):   # torch pinned every symbolic size itself
+        return _specialized(func, args, kwargs, leaves, mesh)
+    m = math.prod(mesh.shape)
+    key, values = class_key(func, args, kwargs, tuple(mesh.shape))
+    record = DECISIONS.class_get(key)   # a class eager calls may have begun (the key holds no sizes)
+    if record is None or record.state in ("candidate", "priced?"):   # not yet shown generic: two cold decisions
+        symbols = _symbols(values)
+        for k in (1, 2):
+            assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
+            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
+            made = decide(func, cargs, ckwargs, cleaves, mesh)
+            ints = [_value(v, assign) for v in values]
+            if record is None:
+                record = DecisionClass(made, ints)
+                DECISIONS.class_put(key, record)
+            else:
+                record.confirm(made, ints)
+    if record.state in ("generic", "priced"):
+        decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
+        if decision is not None and keeps_symbolic_dims_whole(decision):
+            return decision.execute(func, args, kwargs, leaves)
+    return _specialized(func, args, kwargs, leaves, mesh)
+
+
+def _torch_guards(func, args: tuple, kwargs: dict) -> None:
+    """Run `func` on meta tensors of the call's (symbolic) global shapes: torch records the guards it would
+    record for plain tensors (a linear's input features equal the weight's pin them), so only the sizes
+    the op leaves free stay symbolic. An error is left to the decision, which reports it on the global
+    inputs."""
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.empty(tuple(a.shape), dtype=a.dtype, device="meta")
+        if type(a) is list or type(a) is tuple:
+            return type(a)(meta(x) for x in a)
+        if isinstance(a, torch.device):
+            return torch.device("meta")
+        return a
+    try:
+        func(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:   # noqa: BLE001 - deciding reports it
+        pass
+
+
+def keeps_symbolic_dims_whole(decision: Decision) -> bool:
+    """Whether no input target and no output placement of `decision` splits a dim of symbolic size."""
+    spec, choice = decision.spec, decision.choice
+    for meta, pls in list(zip(spec.inputs, choice.inputs)) + list(zip(spec.outputs, choice.outputs)):
+        if meta is not None and meta.is_global and symbolic.splits_any(pls, symbolic.dynamic_dims(meta.shape)):
+            return False
+    return True
+
+
+def _specialized(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Any:
+    """The call decided at its sizes' hints, with those sizes pinned by guards."""
+    cargs, ckwargs, cleaves = _concrete_call(args, kwargs, symbolic.hint)
+    decision = decide(func, cargs, ckwargs, cleaves, mesh)
+    _concrete_call(args, kwargs, int)   # int() of a symbolic size records its guard
+    return decision.execute(func, args, kwargs, leaves)
+
+
+def _symbols(values: list) -> list[tuple[Any, int]]:
+    """The free symbols of the symbolic sizes among `values`, with their hints, in order of appearance."""
+    found: dict = {}
+    for v in values:
+        if isinstance(v, torch.SymInt) and symbolic.is_symbolic(v):
+            env = v.node.shape_env
+            for s in sorted(v.node.expr.free_symbols, key=str):
+                if s not in found:
+                    found[s] = int(env.backed_var_to_val[s])
+    return list(found.items())
+
+
+def _value(n: Any, assign: dict) -> int:
+    """`n` (an int or a SymInt) with its symbols replaced by `assign`'s values."""
+    if isinstance(n, torch.SymInt) and symbolic.is_symbolic(n):
+        return int(n.node.expr.xreplace(assign))
+    return int(n)
+
+
+def _concrete_call(args: tuple, kwargs: dict, size) -> tuple[tuple, dict, list]:
+    """The call with every symbolic size replaced by `size(n)`: global tensors keep their local but get
+    int global shapes, plain tensors become meta tensors of the concrete shape; and its leaves."""
+    leaves: list = []
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, GlobalTensor):
+            if any(isinstance(n, torch.SymInt) for n in a.shape):
+                a = GlobalTensor(a._local, a._mesh, a._placements, tuple(size(n) for n in a.shape))
+            leaves.append(a)
+            return a
+        if isinstance(a, torch.Tensor):
+            if any(isinstance(n, torch.SymInt) for n in a.shape):
+                a = torch.empty(tuple(size(n) for n in a.shape), dtype=a.dtype, device="meta")
+            leaves.append(a)
+            return a
+        if isinstance(a, torch.SymInt):
+            return size(a)
+        if type(a) is list or type(a) is tuple:
+            return type(a)(conv(x) for x in a)
+        return a
+
+    cargs = tuple(conv(a) for a in args)
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    return cargs, ckwargs, leaves
+
+
+__all__ = ["has_symbolic", "handle_symbolic", "keeps_symbolic_dims_whole"]

@@ -1,0 +1,169 @@
+"""Symbolic sizes: torch.compile with dynamic shapes (``dynamic=True``, ``torch._dynamo.mark_dynamic``).
+
+Under dynamic shapes a global tensor's size may be a ``torch.SymInt`` (the batch of a compiled training
+step). sbp's decisions -- plans, op signatures -- are made on the size's *hint* (the value of the example
+the graph is traced with), and they stay valid for every value the size takes as long as no placement splits
+that dim: a dim no placement splits is whole on every rank, so it only rides along. The executor then
+runs the plan on a reduced problem (the symbolic dims moved behind the others as the *element* of each
+position, `execute(..., elem=...)`): layout maths stays on ints, every buffer carries the symbolic dims as
+trailing dims, and collectives split and join along the leading dim only.
+
+A plan that splits a symbolic dim (``B -> S(0)`` on a dynamic batch) specializes it instead: ``int()`` of
+the size records a guard in dynamo's shape environment, the graph is compiled for that size, and another
+size compiles again (as without this module). A split dim's size is therefore always an int in a global
+tensor: only unsplit dims stay symbolic.
+
+>>> hint_shape((3, 4)), any_symbolic((3, 4))
+((3, 4), False)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+import torch
+
+from ..values.layout import block
+from ..values.placement import Placement, Split
+from ..values.steps import Plan
+
+
+def is_symbolic(n: object) -> bool:
+    """Whether `n` is a size torch.compile keeps symbolic (a ``SymInt`` that is no constant).
+
+    >>> is_symbolic(3)
+    False
+    """
+    return isinstance(n, torch.SymInt) and n.node.maybe_as_int() is None
+
+
+def any_symbolic(shape: Iterable[object]) -> bool:
+    """Whether any size of `shape` is symbolic.
+
+    >>> any_symbolic(torch.Size([2, 3]))
+    False
+    """
+    for n in shape:   # a loop, not any(): eager code asks this of every shape it plans
+        if type(n) is not int and is_symbolic(n):
+            return True
+    return False
+
+
+def hint(n: "int | torch.SymInt") -> int:
+    """The value `n` has in the example being traced (no guard is recorded); `n` itself for an int.
+
+    >>> hint(5)
+    5
+    """
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    value = n.node.maybe_as_int()
+    if value is not None:
+        return value
+    if not n.node.has_hint():   # an unbacked size (data-dependent): nothing to plan on but a guard
+        return int(n)
+    return int(n.node.hint)
+
+
+def hint_shape(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
+    """`shape` with every symbolic size replaced by its hint (what sbp plans and decides on).
+
+    >>> hint_shape(torch.Size([2, 0]))
+    (2, 0)
+    """
+    return tuple(hint(n) for n in shape)
+
+
+def specialize(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
+    """`shape` as ints, recording a guard for each symbolic size (the graph then holds for this size only).
+
+    >>> specialize((4, 2))
+    (4, 2)
+    """
+    return tuple(int(n) for n in shape)
+
+
+def dynamic_dims(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
+    """The dims of `shape` whose sizes are symbolic.
+
+    >>> dynamic_dims((4, 2))
+    ()
+    """
+    return tuple(d for d, n in enumerate(shape) if is_symbolic(n))
+
+
+def splits_any(pls: Iterable[Placement], dims: Sequence[int]) -> bool:
+    """Whether a placement of `pls` (normalised) splits one of `dims`.
+
+    >>> from sbp import S, B
+    >>> splits_any((S(0), B), (1,)), splits_any((S(0), B), (0,))
+    (False, True)
+    """
+    return any(isinstance(p, Split) and p.dim in dims for p in pls)
+
+
+def planning_shape(shape: Sequence["int | torch.SymInt"], pls: Sequence[Placement]) -> tuple[int, ...]:
+    """`shape` as ints for layout maths under placements `pls` (normalised): each size `pls` splits is
+    pinned (a guard: a split dim's size is an int, see the module's text), the others are hints, valid for
+    every value they take since no placement cuts them (use whole slices there).
+
+    >>> from sbp import S
+    >>> planning_shape((4, 6), (S(1),))
+    (4, 6)
+    """
+    split = {p.dim for p in pls if isinstance(p, Split)}
+    return tuple(int(n) if d in split else hint(n) for d, n in enumerate(shape))
+
+
+def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...], pls: tuple[Placement, ...],
+             coord: tuple[int, ...]) -> tuple:
+    """`sbp.values.layout.block` for a shape that may hold symbolic sizes: an unsplit dim's range is
+    ``(0, size)`` (symbolic where the size is), a split dim's is computed on its pinned size.
+
+    >>> from sbp import S
+    >>> block_of((4, 6), (2,), (S(1),), (1,))
+    ((0, 4), (3, 6))
+    """
+    if not any_symbolic(shape):
+        return block(tuple(shape), mesh_shape, pls, coord)
+    split = {p.dim for p in pls if isinstance(p, Split)}
+    ranges = block(planning_shape(shape, pls), mesh_shape, pls, coord)
+    return tuple(r if d in split else (0, shape[d]) for d, r in enumerate(ranges))
+
+
+def split_dims(plan: Plan, dims: Sequence[int]) -> tuple[int, ...]:
+    """The dims of `dims` that a state the plan passes through (its source, its target, each step's) splits.
+
+    >>> import sbp
+    >>> split_dims(sbp.plan((4, 6), (2,), "S(1)", "B"), (0, 1)), split_dims(sbp.plan((4, 6), (2,), "B", "S(0)"), (0,))
+    ((1,), (0,))
+    """
+    states = [plan.src, plan.dst] + [pls for step in plan.steps for pls in (step.src, step.dst)]
+    return tuple(d for d in dims if any(splits_any(pls, (d,)) for pls in states))
+
+
+def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
+    """`plan` for the tensor without `dims` (none of which it splits): its shape lacks them and every split
+    dim after them is renumbered. Run with those dims as the trailing element of each position.
+
+    >>> import sbp
+    >>> p = without_dims(sbp.plan((4, 6), (2,), "S(1)", "B"), (0,))
+    >>> p.global_shape, p.src, [s.kind for s in p.steps]
+    ((6,), (S(0),), ['all_gather'])
+    """
+    gone = frozenset(dims)
+
+    def dim(k: int) -> int:
+        return k - sum(1 for d in gone if d < k)
+
+    def pls(ps: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        return tuple(Split(dim(p.dim)) if isinstance(p, Split) else p for p in ps)
+
+    steps = tuple(replace(s, src=pls(s.src), dst=pls(s.dst), dims=tuple(dim(k) for k in s.dims))
+                  for s in plan.steps)
+    shape = tuple(n for d, n in enumerate(plan.global_shape) if d not in gone)
+    return replace(plan, global_shape=shape, src=pls(plan.src), dst=pls(plan.dst), steps=steps)
+
+
+__all__ = ["is_symbolic", "any_symbolic", "hint", "hint_shape", "specialize", "block_of", "planning_shape",
+           "dynamic_dims", "splits_any", "split_dims", "without_dims"]

@@ -1,0 +1,127 @@
+"""torch.compile with dynamic shapes (`sbp.runtime.symbolic`, `sbp.ops.symbolic`): a size no placement splits
+stays symbolic, so one graph serves every batch size (``dynamic=True``, ``mark_dynamic``); a size a placement
+splits is pinned by a guard and compiles once per value. Compiled results equal eager ones exactly, and the
+graph's collectives are the plan's at every size.
+
+Worker functions are module-level (they travel pickled to the shared gloo pool).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import sbp
+import sbp.nn
+import sbp.testing
+from sbp.nn import Colwise, Rowwise
+from tests.runtime.test_compile import EAGER_TO_FUNCOL, GraphRecorder
+
+spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=300)
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
+SIZES = (4, 6, 3, 5)
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def run_redistribute_sizes(src, dst, ndim, mesh):
+    """Per batch size, compiled == eager; the graphs compiled; per graph its functional collectives, and per
+    size the eager plan's collectives (as functional-collective names)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rec = GraphRecorder()
+    f = torch.compile(lambda x: x.redistribute(dst) * 2, backend=rec.backend, fullgraph=True, dynamic=True)
+    out, eager = [], []
+    for b in SIZES:
+        full = torch.arange(b * 6 * 2 ** (ndim - 2), dtype=torch.float64).reshape((b, 6) + (2,) * (ndim - 2))
+        x = sbp.distribute(full, mesh, src)
+        got = f(x)
+        mesh.binding.counters.reset()
+        want = x.redistribute(dst) * 2
+        eager.append(collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in mesh.binding.counters.calls))
+        out.append(got.placements == want.placements and torch.equal(got.to_local(), want.to_local()))
+    graphs = []
+    for i in range(len(rec.graphs)):
+        found = rec.collectives(i)
+        found.pop("wait_tensor", None)
+        graphs.append(dict(found))
+    return out, _graphs(), (graphs, [dict(c) for c in eager])
+
+
+# the batch dim 0 is split by no placement: one graph for every size (S(1) and B keep it whole)
+WHOLE_BATCH = [("S(1)", "B", 2, (2,)), ("B", "S(1)", 2, (2,)), ("P(sum)", "B", 2, (2,)), ("P(sum)", "S(1)", 2, (2,)),
+               ("S(1), S(2)", "S(2), S(1)", 3, (2, 2)), ("P(sum), S(1)", "S(2), B", 3, (2, 2)),
+               ("S(1)", "S(2)", 3, (3,))]
+
+
+@pytest.mark.parametrize("src, dst, ndim, mesh_shape", WHOLE_BATCH, ids=[f"{s}->{d}" for s, d, _, _ in WHOLE_BATCH])
+def test_redistribution_of_a_whole_dynamic_dim_compiles_once(src, dst, ndim, mesh_shape) -> None:
+    for rank, (same, graphs, collectives) in enumerate(spmd(functools.partial(run_redistribute_sizes, src, dst, ndim),
+                                                            mesh_shape)):
+        assert all(same), (rank, same)
+        assert graphs == 1, f"rank {rank}: {graphs} graphs for batch sizes {SIZES}"
+        traced, eager = collectives   # one graph: its collectives are every size's eager plan's
+        assert all(traced[0] == e for e in eager), (rank, traced, eager)
+
+
+def test_redistribution_that_splits_the_dynamic_dim_is_pinned_per_size() -> None:
+    # B -> S(0) splits the batch: each size compiles (a guard pins it), and every result is still exact
+    for rank, (same, graphs, _) in enumerate(spmd(functools.partial(run_redistribute_sizes, "B", "S(0)", 2), (2,))):
+        assert all(same), (rank, same)
+        assert graphs == len(SIZES)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+
+def run_mlp_sizes(mode, mesh):
+    """A colwise / rowwise MLP trained compiled and eagerly over several batch sizes: the largest loss and
+    gradient differences, and the graphs compiled. `mode`: "dynamic" (``dynamic=True``), "mark"
+    (``mark_dynamic`` on the batch dim) or "auto" (dynamo's default: static first, then dynamic)."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    plan = {"fc": Colwise(), "out": Rowwise()}
+    eager, compiled = (sbp.nn.parallelize(type(model)().double(), mesh, plan) for _ in range(2))
+    for m in (eager, compiled):
+        m.load_state_dict({k: v.clone() for k, v in _global_state(model, m).items()})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(lambda x: compiled(x).full().pow(2).sum(), backend="aot_eager", fullgraph=True,
+                      dynamic=True if mode == "dynamic" else None)
+    loss_diff = 0.0
+    for i, b in enumerate(SIZES):
+        x = torch.randn(b, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        if mode == "mark":
+            torch._dynamo.mark_dynamic(x, 0)
+        got, want = f(x), eager(x).full().pow(2).sum()
+        got.backward()
+        want.backward()
+        loss_diff = max(loss_diff, abs(got.item() - want.item()))
+    grad_diff = max((a.grad.full() - b.grad.full()).abs().max().item()
+                    for a, b in zip(eager.parameters(), compiled.parameters()))
+    return loss_diff, grad_diff, _graphs()
+
+
+def _global_state(plain: nn.Module, parallel: nn.Module) -> dict:
+    """`plain`'s weights laid out as `parallel`'s (so both parallel copies start equal)."""
+    state = parallel.state_dict()
+    return {k: sbp.distribute(v, state[k].mesh, state[k].placements) for k, v in plain.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode, most", [("dynamic", 1), ("mark", 1), ("auto", 2)])
+def test_parallelized_mlp_batch_sizes_compile_at_most_once_more(mode, most) -> None:
+    for rank, (loss_diff, grad_diff, graphs) in enumerate(spmd(functools.partial(run_mlp_sizes, mode), (2,))):
+        assert loss_diff <= 1e-10 and grad_diff <= 1e-10, (rank, loss_diff, grad_diff)
+        assert graphs <= most, f"rank {rank}: {graphs} graphs for batch sizes {SIZES} ({mode})"
