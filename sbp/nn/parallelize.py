@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
+from ..runtime.symbolic import size_key
 from ..tensor.autograd import from_local_autograd, leaf_grad
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
@@ -698,8 +699,8 @@ def _global_shape(local: torch.Tensor, pls: tuple[Placement, ...], module: nn.Mo
             continue
         if axes == [ctx.tp_axis] and dim == local.ndim - 1 and hasattr(module, "in_features"):
             shape[dim] = module.in_features
-        elif dim == 0 and ctx.tp_axis not in axes and shape[0] in ctx.batch_lengths:
-            shape[0] = ctx.batch_lengths[shape[0]]
+        elif dim == 0 and ctx.tp_axis not in axes and size_key(shape[0]) in ctx.batch_lengths:
+            shape[0] = ctx.batch_lengths[size_key(shape[0])]
         else:
             return None  # from_local infers it with one small all_gather of the local shapes
     return tuple(shape)
@@ -707,7 +708,7 @@ def _global_shape(local: torch.Tensor, pls: tuple[Placement, ...], module: nn.Mo
 
 def _to_local(x: GlobalTensor, ctx: _Context) -> torch.Tensor:
     if x.ndim and any(isinstance(x.placements[a], Split) and x.placements[a].dim == 0 for a in ctx.dp_axes):
-        ctx.batch_lengths[x.local_shape[0]] = x.shape[0]
+        ctx.batch_lengths[size_key(x.local_shape[0])] = x.shape[0]
     return x.to_local()
 
 

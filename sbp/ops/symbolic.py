@@ -5,10 +5,10 @@ It is keyed by its *shape class* instead (`sbp.ops.dispatch.class_key`: each sym
 its own), and the class must be shown generic: two cold decisions at made-up sizes (each symbol at its hint
 plus a distinct large multiple of the rank count, so no two symbols and no constant coincide) make the same
 choice, and the output sizes follow the symbols (`sbp.ops.decide.DecisionClass`). The call then runs the
-class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A decision that splits a
-symbolic dim, or a class that is not generic (a fallback, an output size no symbol gives), specializes the
-call instead: its symbolic sizes are pinned by guards (the graph then holds for those sizes), and it is
-decided as any call with int sizes.
+class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A decision
+that moves a symbolic dim (redistributes an input along it), or a class that is not generic (a fallback, an
+output size no symbol gives), specializes the call instead: its symbolic sizes are pinned by guards (the
+graph then holds for those sizes), and it is decided as any call with int sizes.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from ..runtime import symbolic
 from ..tensor.global_tensor import GlobalTensor
+from ..values.placement import Split
 from .cache import DECISIONS
 from .decide import Decision, DecisionClass, decide, instantiate_symbolic
 
@@ -69,7 +70,7 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
                 record.confirm(made, ints)
     if record.state in ("generic", "priced"):
         decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
-        if decision is not None and keeps_symbolic_dims_whole(decision):
+        if decision is not None and keeps_symbolic_splits(decision):
             return decision.execute(func, args, kwargs, leaves)
     return _specialized(func, args, kwargs, leaves, mesh)
 
@@ -93,13 +94,38 @@ def _torch_guards(func, args: tuple, kwargs: dict) -> None:
         pass
 
 
-def keeps_symbolic_dims_whole(decision: Decision) -> bool:
-    """Whether no input target and no output placement of `decision` splits a dim of symbolic size."""
+def keeps_symbolic_splits(decision: Decision) -> bool:
+    """Whether `decision` moves no dim of symbolic size: each global input's symbolic dims are split by the
+    same mesh axes in its placements and in its target (a redistribution that moves one would pin it).
+
+    A symbolic dim that some placement of the call splits gets its remainder by the pieces pinned by a guard
+    here, so the checks of the chosen signature (which may depend on it: balanced pieces differ by one) hold
+    for every size the graph takes.
+    """
     spec, choice = decision.spec, decision.choice
-    for meta, pls in list(zip(spec.inputs, choice.inputs)) + list(zip(spec.outputs, choice.outputs)):
-        if meta is not None and meta.is_global and symbolic.splits_any(pls, symbolic.dynamic_dims(meta.shape)):
-            return False
+    pinned = []   # (size, parts)
+    for meta, target in zip(spec.inputs, choice.inputs):
+        if not meta.is_global:
+            continue
+        for d in symbolic.dynamic_dims(meta.shape):
+            if _axes(meta.placements, d) != _axes(target, d):
+                return False
+            pinned.append((meta.shape[d], _parts(spec.mesh_shape, target, d)))
+    for meta, pls in zip(spec.outputs, choice.outputs):
+        if meta is not None:
+            pinned += [(meta.shape[d], _parts(spec.mesh_shape, pls, d)) for d in symbolic.dynamic_dims(meta.shape)]
+    for n, parts in pinned:
+        if parts > 1:
+            int(n % parts)   # a guard on the remainder only
     return True
+
+
+def _axes(pls: tuple, dim: int) -> tuple[int, ...]:
+    return tuple(a for a, p in enumerate(pls) if isinstance(p, Split) and p.dim == dim)
+
+
+def _parts(mesh_shape: tuple[int, ...], pls: tuple, dim: int) -> int:
+    return math.prod(mesh_shape[a] for a in _axes(pls, dim))
 
 
 def _specialized(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Any:
@@ -156,4 +182,4 @@ def _concrete_call(args: tuple, kwargs: dict, size) -> tuple[tuple, dict, list]:
     return cargs, ckwargs, leaves
 
 
-__all__ = ["has_symbolic", "handle_symbolic", "keeps_symbolic_dims_whole"]
+__all__ = ["has_symbolic", "handle_symbolic", "keeps_symbolic_splits"]

@@ -123,19 +123,21 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequ
 
 
 def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: tuple, src, dst) -> torch.Tensor:
-    """`redistribute_local` under torch.compile with symbolic sizes: planned on the sizes' hints; the dims
-    no state of the plan splits are moved behind the others and ride along as each position's element
-    (`execute(..., elem=...)`), so the graph holds for every size they take; a plan that splits one of
-    them specializes its size (a guard: `sbp.runtime.symbolic`)."""
+    """`redistribute_local` under torch.compile with symbolic sizes: planned on the sizes' hints. A dim no
+    step moves (whole, or split alike in every state: `symbolic.frozen_splits`) is moved behind the others
+    and rides along as each position's element (`execute(..., elem=...)`), so the graph holds for every size
+    it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`)."""
     hints = symbolic.hint_shape(global_shape)
     src = normalize(src, len(hints), mesh.ndim)
     dst = normalize(dst, len(hints), mesh.ndim)
     plan = cached_plan(hints, tuple(mesh.shape), src, dst, local.element_size())
     dyn = symbolic.dynamic_dims(global_shape)
     split = symbolic.split_dims(plan, dyn)
-    if split:   # a size the plan splits is pinned (a guard); the others still ride along
-        symbolic.specialize([global_shape[d] for d in split])
-        dyn = tuple(d for d in dyn if d not in split)
+    frozen = symbolic.frozen_splits(plan, split)
+    moved_dims = [d for d in split if d not in frozen]
+    if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
+        symbolic.specialize([global_shape[d] for d in moved_dims])
+        dyn = tuple(d for d in dyn if d not in moved_dims)
         if not dyn:
             return execute(plan, local, mesh)
     if plan.steps and all(step.kind == "all_reduce" for step in plan.steps):   # no layout maths: as it is

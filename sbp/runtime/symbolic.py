@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..values.layout import block
-from ..values.placement import Placement, Split
+from ..values.placement import Broadcast, Placement, Split
 from ..values.steps import Plan
 
 
@@ -47,6 +47,19 @@ def any_symbolic(shape: Iterable[object]) -> bool:
         if type(n) is not int and is_symbolic(n):
             return True
     return False
+
+
+def size_key(n: "int | torch.SymInt") -> object:
+    """A hashable stand-in for a size, for dicts keyed by sizes: the int itself, or a symbolic size's
+    expression in its shape environment (a SymInt does not hash).
+
+    >>> size_key(3)
+    3
+    """
+    if type(n) is int or not isinstance(n, torch.SymInt):
+        return n
+    value = n.node.maybe_as_int()
+    return value if value is not None else (id(n.node.shape_env), n.node.expr)
 
 
 def hint(n: "int | torch.SymInt") -> int:
@@ -102,23 +115,11 @@ def splits_any(pls: Iterable[Placement], dims: Sequence[int]) -> bool:
     return any(isinstance(p, Split) and p.dim in dims for p in pls)
 
 
-def planning_shape(shape: Sequence["int | torch.SymInt"], pls: Sequence[Placement]) -> tuple[int, ...]:
-    """`shape` as ints for layout maths under placements `pls` (normalised): each size `pls` splits is
-    pinned (a guard: a split dim's size is an int, see the module's text), the others are hints, valid for
-    every value they take since no placement cuts them (use whole slices there).
-
-    >>> from sbp import S
-    >>> planning_shape((4, 6), (S(1),))
-    (4, 6)
-    """
-    split = {p.dim for p in pls if isinstance(p, Split)}
-    return tuple(int(n) if d in split else hint(n) for d, n in enumerate(shape))
-
-
 def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...], pls: tuple[Placement, ...],
              coord: tuple[int, ...]) -> tuple:
-    """`sbp.values.layout.block` for a shape that may hold symbolic sizes: an unsplit dim's range is
-    ``(0, size)`` (symbolic where the size is), a split dim's is computed on its pinned size.
+    """`sbp.values.layout.block` for a shape that may hold symbolic sizes: ranges are expressions of them.
+    A split size's remainder by the parts is pinned (a guard: balanced pieces differ by one where it is
+    not zero), so a graph holds for the sizes of one remainder class; the size itself stays symbolic.
 
     >>> from sbp import S
     >>> block_of((4, 6), (2,), (S(1),), (1,))
@@ -126,9 +127,31 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     """
     if not any_symbolic(shape):
         return block(tuple(shape), mesh_shape, pls, coord)
-    split = {p.dim for p in pls if isinstance(p, Split)}
-    ranges = block(planning_shape(shape, pls), mesh_shape, pls, coord)
-    return tuple(r if d in split else (0, shape[d]) for d, r in enumerate(ranges))
+    ranges = [(0, n) for n in shape]
+    for axis, p in enumerate(pls):
+        if isinstance(p, Split):
+            lo, hi = ranges[p.dim]
+            base, extra = (hi - lo) // mesh_shape[axis], int((hi - lo) % mesh_shape[axis])
+            start = lo + coord[axis] * base + min(coord[axis], extra)
+            ranges[p.dim] = (start, start + base + (1 if coord[axis] < extra else 0))
+    return tuple(ranges)
+
+
+def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """The dims of `dims` that every state of the plan splits alike (the same mesh axes), with those axes:
+    no step moves them, so each rank keeps its piece of such a dim throughout.
+
+    >>> import sbp
+    >>> frozen_splits(sbp.plan((4, 6), (2, 2), "S(0), P(sum)", "S(0), B"), (0, 1))
+    {0: (0,)}
+    """
+    states = [plan.src, plan.dst] + [pls for step in plan.steps for pls in (step.src, step.dst)]
+    out = {}
+    for d in dims:
+        axes = {tuple(a for a, p in enumerate(pls) if isinstance(p, Split) and p.dim == d) for pls in states}
+        if len(axes) == 1 and () not in axes:
+            out[d] = axes.pop()
+    return out
 
 
 def split_dims(plan: Plan, dims: Sequence[int]) -> tuple[int, ...]:
@@ -143,8 +166,10 @@ def split_dims(plan: Plan, dims: Sequence[int]) -> tuple[int, ...]:
 
 
 def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
-    """`plan` for the tensor without `dims` (none of which it splits): its shape lacks them and every split
-    dim after them is renumbered. Run with those dims as the trailing element of each position.
+    """`plan` for the tensor without `dims` (no step moves them: whole, or split alike in every state, see
+    `frozen_splits`): its shape lacks them, every split dim after them is renumbered, and an axis splitting one
+    of them is `B` (it splits nothing else). Run with those dims (each rank's pieces) as the trailing element
+    of each position.
 
     >>> import sbp
     >>> p = without_dims(sbp.plan((4, 6), (2,), "S(1)", "B"), (0,))
@@ -157,7 +182,8 @@ def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
         return k - sum(1 for d in gone if d < k)
 
     def pls(ps: tuple[Placement, ...]) -> tuple[Placement, ...]:
-        return tuple(Split(dim(p.dim)) if isinstance(p, Split) else p for p in ps)
+        return tuple((Broadcast() if p.dim in gone else Split(dim(p.dim))) if isinstance(p, Split) else p
+                     for p in ps)
 
     steps = tuple(replace(s, src=pls(s.src), dst=pls(s.dst), dims=tuple(dim(k) for k in s.dims))
                   for s in plan.steps)
@@ -165,5 +191,5 @@ def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
     return replace(plan, global_shape=shape, src=pls(plan.src), dst=pls(plan.dst), steps=steps)
 
 
-__all__ = ["is_symbolic", "any_symbolic", "hint", "hint_shape", "specialize", "block_of", "planning_shape",
+__all__ = ["is_symbolic", "any_symbolic", "size_key", "hint", "hint_shape", "specialize", "block_of", "frozen_splits",
            "dynamic_dims", "splits_any", "split_dims", "without_dims"]

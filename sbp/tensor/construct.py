@@ -250,12 +250,13 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     elif is_tracing(local):  # a compiled graph: shapes are known at trace time, no collective runs
         if global_shape is None or check:
             raise CompileError(_NEEDS_SHAPE)
-        if dynamic:   # the sizes of split dims only: the others are whole (checking them would pin them)
-            split = [p.dim for p in pls if isinstance(p, Split)]
-            planned = symbolic.planning_shape(global_shape, pls)
-            want = local_shape(planned, mesh.shape, pls, coord)
-            got = tuple(int(n) if d in split else want[d] for d, n in enumerate(local.shape))
-            _check_local_shapes(planned, mesh, pls, None, torch.empty(got, device="meta"))
+        if dynamic:   # the sizes that are ints on both sides (a check of a symbolic one would be a guard)
+            want = tuple(hi - lo for lo, hi in symbolic.block_of(global_shape, mesh.shape, pls, coord))
+            bad = [(w, g) for w, g in zip(want, local.shape) if type(w) is int and type(g) is int and w != g]
+            if bad:
+                raise ShapeError(f"from_local: local shape {tuple(local.shape)} does not fit global shape "
+                                 f"{tuple(global_shape)} with placements {pls} on mesh {mesh.shape} at coord "
+                                 f"{coord}: expected {want}")
         else:
             _check_local_shapes(global_shape, mesh, pls, None, local)
     else:

@@ -713,11 +713,9 @@ def local_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Plac
     if coord is None:
         return empty_outside(full.ndim, full.dtype, full.device)
     shape = tuple(full.shape)
-    if symbolic.any_symbolic(shape):   # torch.compile, dynamic shapes: unsplit dims are taken whole
+    if symbolic.any_symbolic(shape):   # torch.compile, dynamic shapes: ranges are expressions of the sizes
         pls = normalize(placements, len(shape), mesh.ndim)
-        split = {p.dim for p in pls if isinstance(p, Split)}
-        where = local_slices(symbolic.planning_shape(shape, pls), mesh.shape, pls, coord)
-        piece = full[tuple(w if d in split else slice(None) for d, w in enumerate(where))]
+        piece = full[tuple(slice(lo, hi) for lo, hi in symbolic.block_of(shape, mesh.shape, pls, coord))]
     else:
         piece = full[local_slices(shape, mesh.shape, placements, coord)]
     if not sum_holds_value(mesh, placements, coord):

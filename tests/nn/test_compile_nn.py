@@ -131,15 +131,15 @@ def test_parallelized_transformer_trains_compiled_as_eager(mesh_shape, batch, se
         assert graphs == 1, f"rank {rank}: {graphs} graphs for 3 steps of one shape (recompiled)"
 
 
-def run_batch_change(sequence_parallel, mesh):
-    """Compiled (``dynamic=True``) training steps with batch sizes 4, 4, 6, 3, 5: graphs compiled, and the
+def run_batch_change(sequence_parallel, sizes, mesh):
+    """Compiled (``dynamic=True``) training steps with batch sizes `sizes`: graphs compiled, and the
     largest loss and gradient differences against eager."""
     eager, compiled = _parallel_pair(mesh, sequence_parallel)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     f = torch.compile(lambda i, t: compiled(i, t).full(), backend="aot_eager", fullgraph=True, dynamic=True)
     diffs = []
-    for step, batch in enumerate((4, 4, 6, 3, 5)):
+    for step, batch in enumerate(sizes):
         idx, targets = _batch(step, batch, 6)
         want, got = eager(idx, targets).full(), f(idx, targets)
         got.backward()
@@ -154,10 +154,20 @@ def run_batch_change(sequence_parallel, mesh):
 def test_batch_size_change_does_not_recompile(sequence_parallel) -> None:
     # no placement splits the batch on a tp mesh (sequence parallel splits the sequence): it stays symbolic
     # (sbp.runtime.symbolic), and one graph serves every batch size
-    fn = functools.partial(run_batch_change, sequence_parallel)
+    fn = functools.partial(run_batch_change, sequence_parallel, (4, 4, 6, 3, 5))
     for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(fn, (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
         assert graphs == 1, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 3, 5"
+
+
+def test_batch_split_on_dp_stays_symbolic_for_sizes_of_one_remainder() -> None:
+    # (2, 2): the dp axis splits the batch. Its size stays symbolic, its remainder by the 2 pieces is pinned:
+    # even sizes share one graph; an odd size (pieces 2 and 1, which the flattened (batch x seq) rows do not
+    # follow) compiles for its value. Every step equals eager
+    fn = functools.partial(run_batch_change, True, (4, 6, 8, 3))
+    for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(fn, (2, 2))):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
+        assert graphs == 2, f"rank {rank}: {graphs} graphs for batch sizes 4, 6, 8 (one) and 3"
 
 
 def run_step_collectives(mesh):
