@@ -75,7 +75,13 @@ def _bind(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], leaves: 
     return OpSpec(func, mesh_shape, values, inputs)
 
 
-def _meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta], ...]:
+def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta], ...]:
+    """`func` run on meta tensors of its tensors' (global) shapes: each output's shape and dtype. Shapes
+    may be symbolic (torch then records its guards: `sbp.ops.symbolic`).
+
+    >>> meta_outputs(torch.ops.aten.mm.default, (torch.ones(2, 3), torch.ones(3, 4)), {})
+    (TensorMeta(shape=(2, 4), dtype=torch.float32, placements=(), is_global=True),)
+    """
     def to_meta(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
@@ -144,7 +150,7 @@ def _check_on_meta(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
     shape (its message then names meta tensors); those calls are left to run on the real values.
     """
     try:
-        _meta_outputs(func, args, kwargs)
+        meta_outputs(func, args, kwargs)
     except NotImplementedError:
         return
     except IndexError as e:
@@ -195,7 +201,7 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch's "an output with one or more elements was resized"
-            made = _meta_outputs(func, args, kwargs)
+            made = meta_outputs(func, args, kwargs)
     except Exception:   # noqa: BLE001 -- a bad call: the checks below name it
         return
     slots = dict(writes)
@@ -234,7 +240,7 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
         return _fallback(spec, paths, writes)
     if rule.meta:
         try:
-            spec.outputs = _meta_outputs(func, args, kwargs)
+            spec.outputs = meta_outputs(func, args, kwargs)
         except NotImplementedError:
             raise   # no meta kernel: not the user's input
         except (RuntimeError, IndexError) as e:

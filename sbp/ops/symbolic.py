@@ -19,9 +19,9 @@ import torch
 
 from ..runtime import symbolic
 from ..tensor.global_tensor import GlobalTensor
-from ..values.placement import Split
+from ..values.layout import splitters
 from .cache import DECISIONS
-from .decide import Decision, DecisionClass, decide, instantiate_symbolic
+from .decide import Decision, DecisionClass, decide, instantiate_symbolic, meta_outputs
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
 
@@ -80,16 +80,8 @@ def _torch_guards(func, args: tuple, kwargs: dict) -> None:
     record for plain tensors (a linear's input features equal the weight's pin them), so only the sizes
     the op leaves free stay symbolic. An error is left to the decision, which reports it on the global
     inputs."""
-    def meta(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return torch.empty(tuple(a.shape), dtype=a.dtype, device="meta")
-        if type(a) is list or type(a) is tuple:
-            return type(a)(meta(x) for x in a)
-        if isinstance(a, torch.device):
-            return torch.device("meta")
-        return a
     try:
-        func(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
+        meta_outputs(func, args, kwargs)
     except Exception:   # noqa: BLE001 - deciding reports it
         pass
 
@@ -108,7 +100,7 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
         if not meta.is_global:
             continue
         for d in symbolic.dynamic_dims(meta.shape):
-            if _axes(meta.placements, d) != _axes(target, d):
+            if splitters(meta.placements, d) != splitters(target, d):
                 return False
             pinned.append((meta.shape[d], _parts(spec.mesh_shape, target, d)))
     for meta, pls in zip(spec.outputs, choice.outputs):
@@ -120,12 +112,8 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
     return True
 
 
-def _axes(pls: tuple, dim: int) -> tuple[int, ...]:
-    return tuple(a for a, p in enumerate(pls) if isinstance(p, Split) and p.dim == dim)
-
-
 def _parts(mesh_shape: tuple[int, ...], pls: tuple, dim: int) -> int:
-    return math.prod(mesh_shape[a] for a in _axes(pls, dim))
+    return math.prod(mesh_shape[a] for a in splitters(pls, dim))
 
 
 def _specialized(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Any:

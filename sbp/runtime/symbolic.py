@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..values.layout import block
+from ..values.layout import block, splitters
 from ..values.placement import Broadcast, Placement, Split
 from ..values.steps import Plan
 
@@ -148,7 +148,7 @@ def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]
     states = [plan.src, plan.dst] + [pls for step in plan.steps for pls in (step.src, step.dst)]
     out = {}
     for d in dims:
-        axes = {tuple(a for a, p in enumerate(pls) if isinstance(p, Split) and p.dim == d) for pls in states}
+        axes = {splitters(pls, d) for pls in states}
         if len(axes) == 1 and () not in axes:
             out[d] = axes.pop()
     return out
