@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
@@ -454,6 +455,63 @@ def test_bad_input(row: Row, request) -> None:
         assert all(o == outcomes[0] for o in outcomes), outcomes  # every rank raises the same
         outcome = outcomes[0]
     _check(row, outcome)
+
+
+# ---- errors torch raises too keep torch's class: code written for plain tensors / DTensor still catches them ----
+ALIKE = [("ops-index-range", IndexError), ("ops-matmul-shapes", RuntimeError), ("ops-sum-dim", IndexError),
+         ("ops-bmm-dtypes", None)]
+
+
+@pytest.mark.parametrize("row_id, torch_class", ALIKE, ids=[r for r, _ in ALIKE])
+def test_an_error_torch_raises_too_is_also_torchs_class(row_id, torch_class) -> None:
+    row = ROWS_BY_ID[row_id]
+    plain = {"ops-index-range": lambda: torch.ones(4, 4)[10], "ops-matmul-shapes": lambda: torch.ones(4, 4) @
+             torch.ones(3, 3), "ops-sum-dim": lambda: torch.ones(4, 4).sum(5)}.get(row_id)
+    if plain is not None:   # the class torch itself raises for the same input on plain tensors
+        with pytest.raises(torch_class):
+            plain()
+
+    def fn(mesh):
+        try:
+            row.call(mesh)
+        except sbp.SbpError as e:
+            return e
+        return None
+
+    for e in sbp.testing.spmd(fn, row.mesh):   # returned by thread ranks: the error object itself
+        assert isinstance(e, row.error) and type(e).__name__ == row.error.__name__, (row_id, type(e))
+        if torch_class is not None:
+            assert isinstance(e, torch_class), (row_id, type(e).__mro__)
+        else:   # sbp's own check (one dtype for the matrix inputs): an SbpError only
+            assert not isinstance(e, (IndexError, RuntimeError)), (row_id, type(e).__mro__)
+        again = pickle.loads(pickle.dumps(e))   # gloo ranks send errors pickled
+        assert type(again) is type(e) and str(again) == str(e)
+
+
+def _index_ten(mesh):
+    return sbp.distribute(torch.ones(4, 4), mesh, "S(0)")[10]
+
+
+def _catch_as_torch(mesh):
+    """On a gloo rank: the classes torch code would catch these errors with."""
+    x = sbp.distribute(torch.ones(4, 4), mesh, "S(0)")
+    caught = []
+    for call, cls in ((lambda: x[10], IndexError), (lambda: x @ sbp.distribute(torch.ones(3, 3), mesh, "B"),
+                                                    RuntimeError)):
+        try:
+            call()
+        except cls as e:
+            caught.append((cls.__name__, isinstance(e, sbp.ShapeError)))
+    return caught
+
+
+@pytest.mark.gloo
+def test_errors_torch_raises_too_cross_processes_with_both_classes() -> None:
+    with pytest.raises(sbp.testing.SpmdError) as info:   # the rank's own error is chained, unpickled
+        sbp.testing.spmd(_index_ten, (2,), backend="gloo")
+    assert isinstance(info.value.__cause__, sbp.ShapeError) and isinstance(info.value.__cause__, IndexError)
+    assert sbp.testing.spmd(_catch_as_torch, (2,), backend="gloo") == [[("IndexError", True),
+                                                                        ("RuntimeError", True)]] * 2
 
 
 # ---- inputs that look odd but are valid: accepted, with the right values --------------------------------

@@ -26,7 +26,7 @@ from ..tensor.global_tensor import (
     notes_of,
     redistribute_raw,
 )
-from ..values.errors import SbpError, UnsupportedOpError
+from ..values.errors import SbpError, ShapeError, UnsupportedOpError, torch_alike
 from ..values.mesh import DeviceMesh
 from .cache import SPEC_TOKENS, WARNED_OPS
 from .spec import B, Call, Choice, OpSpec, default_run
@@ -282,12 +282,12 @@ def index_bounds(spec: OpSpec) -> Optional[tuple]:
 
 def check_bounds(bounds: tuple, leaves: list) -> None:
     """Raise torch's error for an out-of-range index on every rank alike (see `index_bounds`): one min
-    and one max over the whole index, no communication.
+    and one max over the whole index, no communication. It is a `ShapeError` that is also torch's class.
 
     >>> check_bounds((0, 5, -100, "target", None), [torch.tensor([0, 5])])
     Traceback (most recent call last):
     ...
-    IndexError: Target 5 is out of bounds.
+    sbp.values.errors.ShapeError: Target 5 is out of bounds.
     """
     i, bound, ignored, kind, dim = bounds
     t = leaves[i]
@@ -297,9 +297,9 @@ def check_bounds(bounds: tuple, leaves: list) -> None:
     bad = first_out_of_range(t, bound, ignored)
     if bad is None:
         return
-    if kind == "target":
-        raise IndexError(f"Target {bad} is out of bounds.")
-    raise RuntimeError(f"index {bad} is out of bounds for dimension {dim} with size {bound}")
+    if kind == "target":   # torch's messages and classes (a ShapeError that is also torch's IndexError / RuntimeError)
+        raise torch_alike(ShapeError, f"Target {bad} is out of bounds.", IndexError)
+    raise torch_alike(ShapeError, f"index {bad} is out of bounds for dimension {dim} with size {bound}", RuntimeError)
 
 
 def first_out_of_range(t: torch.Tensor, bound: int, ignored: Any = None) -> Optional[int]:

@@ -19,7 +19,7 @@ import torch
 from ..runtime.executor import cached_plan
 from ..runtime.symbolic import hint, hint_shape
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
-from ..values.errors import DTypeError, ShapeError
+from ..values.errors import DTypeError, ShapeError, torch_alike
 from ..values.layout import block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
@@ -115,11 +115,12 @@ def _on_inputs(spec: OpSpec) -> str:
 
 def _input_error(spec: OpSpec, e: Exception) -> DTypeError | ShapeError:
     """The `sbp.SbpError` for torch refusing the op on meta tensors of the global shapes: `DTypeError` when
-    torch's message is about dtypes, `ShapeError` otherwise (shapes, dims, indices); torch's text kept."""
+    torch's message is about dtypes, `ShapeError` otherwise (shapes, dims, indices); torch's text kept, and
+    torch's class too (`sbp.values.errors.torch_alike`: ``except RuntimeError`` still catches it)."""
     text = str(e)
     words = ("dtype", "scalar type", "result type", "promotion", "be cast")
     kind = DTypeError if any(w in text.lower() for w in words) else ShapeError
-    return kind(f"{_on_inputs(spec)}: {text}")
+    return torch_alike(kind, f"{_on_inputs(spec)}: {text}", e)   # also torch's IndexError / RuntimeError
 
 
 _SAME_DTYPE = {"mm", "addmm", "bmm", "baddbmm", "dot", "mv", "addmv"}

@@ -40,6 +40,7 @@ import torch
 
 from ..runtime.traced import is_tracing
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
+from ..values.errors import ShapeError, torch_alike
 from ..values.layout import block
 from ..values.placement import Split
 from .apply import first_out_of_range
@@ -113,7 +114,7 @@ def _run_embedding(call: Call) -> Any:
     outside &= (indices >= 0) & (indices < vocab)
     if hi == lo:
         if not bool(outside.all()) and indices.numel():
-            raise IndexError("index out of range in self")
+            raise torch_alike(ShapeError, "index out of range in self", IndexError)   # torch's message
         return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
     local = (indices - lo).masked_fill(outside, 0)
     padding = call.args[2] if len(call.args) > 2 else -1
@@ -198,7 +199,7 @@ def _run_nll(call: Call) -> Any:
     both = redistribute_raw(GlobalTensor(both, call.mesh, parts, (len(sums),)), (B,) * call.mesh.ndim)._local
     if not traced and both[2] > 0:
         where = f"Target {first_bad[0]} is out of bounds." if first_bad else "Target is out of bounds."
-        raise IndexError(f"{where} (on {int(both[2])} of the ranks holding the split target)")
+        raise torch_alike(ShapeError, f"{where} (on {int(both[2])} of the ranks holding the split target)", IndexError)
     return both[0] / both[1], both[1].to(weight.dtype)
 
 

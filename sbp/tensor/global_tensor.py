@@ -157,6 +157,8 @@ class GlobalTensor(torch.Tensor):
         try:
             return super().__getitem__(index)
         except IndexError as e:
+            if isinstance(e, SbpError):   # an op's own error (it names the layout already)
+                raise
             raise index_error(self, index, e) from e
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -169,6 +171,8 @@ class GlobalTensor(torch.Tensor):
         try:
             super().__setitem__(index, value)
         except IndexError as e:
+            if isinstance(e, SbpError):   # an op's own error (it names the layout already)
+                raise
             raise index_error(self, index, e) from e
 
     # ---- metadata --------------------------------------------------------------------------------

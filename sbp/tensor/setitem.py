@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..values.errors import DTypeError, ShapeError
+from ..values.errors import DTypeError, ShapeError, torch_alike
 from ..values.layout import block, splitters
 from ..values.placement import Partial
 
@@ -158,7 +158,8 @@ def _local_entries(entries: tuple, shape: tuple[int, ...], blk) -> tuple[Optiona
 
 
 def index_error(x: torch.Tensor, index: Any, e: IndexError) -> ShapeError:
-    """`ShapeError` for an index torch refused (out of bounds, too many indices), naming the global layout.
+    """`ShapeError` for an index torch refused (out of bounds, too many indices), naming the global layout;
+    it is also an `IndexError`, as torch's error is.
 
     >>> import sbp
     >>> x = sbp.GlobalTensor(torch.zeros(2, 4), sbp.DeviceMesh((2,)), (sbp.S(0),), (4, 4))
@@ -176,8 +177,8 @@ def index_error(x: torch.Tensor, index: Any, e: IndexError) -> ShapeError:
         return repr(i)
 
     items = index if isinstance(index, tuple) else (index,)
-    return ShapeError(f"x[{', '.join(text(i) for i in items)}] on global shape {tuple(x.shape)} with placements "
-                      f"{x._placements}: {e}")
+    return torch_alike(ShapeError, f"x[{', '.join(text(i) for i in items)}] on global shape {tuple(x.shape)} with "
+                       f"placements {x._placements}: {e}", IndexError)   # also an IndexError, as torch's
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

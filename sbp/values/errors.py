@@ -125,3 +125,44 @@ class DTypeError(SbpError):
     ...
     sbp.values.errors.DTypeError: full: fill_value 300 cannot be represented as torch.uint8 (out of range 0..255); pass a value the dtype holds exactly or another dtype
     """
+
+
+# ---- errors torch raises too: the same sbp class, also an instance of torch's builtin class ---------------
+_TORCH_CLASSES = (IndexError, RuntimeError)
+_ALIKE: dict = {}
+
+
+def torch_alike(kind: type, message: str, torch_error: "BaseException | type") -> SbpError:
+    """``kind(message)`` that is also an instance of the builtin class torch raises for the same input
+    (`IndexError` for an index out of range, `RuntimeError` for sizes that do not fit): code written for
+    plain tensors or DTensor (``except IndexError``) catches sbp's error too, and ``except sbp.ShapeError``
+    still does. The class keeps `kind`'s name (tracebacks read ``ShapeError``); it pickles (`sbp.testing`
+    sends errors between processes). Any other `torch_error` gives a plain ``kind(message)``.
+
+    >>> e = torch_alike(ShapeError, "x[7] on global shape (4,): index 7 is out of bounds", IndexError("..."))
+    >>> isinstance(e, ShapeError), isinstance(e, IndexError), type(e).__name__
+    (True, True, 'ShapeError')
+    >>> import pickle
+    >>> isinstance(pickle.loads(pickle.dumps(e)), IndexError)
+    True
+    """
+    torch_class = torch_error if isinstance(torch_error, type) else type(torch_error)
+    base = next((c for c in _TORCH_CLASSES if issubclass(torch_class, c)), None)
+    if base is None or issubclass(kind, base):
+        return kind(message)
+    cls = _ALIKE.get((kind, base))
+    if cls is None:
+        cls = type(kind.__name__, (kind, base), {
+            "__module__": kind.__module__, "__qualname__": kind.__qualname__, "__reduce__": _reduce_alike,
+            "__doc__": f"{kind.__name__} that is also the {base.__name__} torch raises for the same input."})
+        _ALIKE[(kind, base)] = cls
+    return cls(message)
+
+
+def _reduce_alike(self: SbpError) -> tuple:
+    kind, base = type(self).__mro__[1], type(self).__bases__[1]
+    return _rebuild_alike, (kind, base, self.args), self.__dict__ or None
+
+
+def _rebuild_alike(kind: type, base: type, args: tuple) -> SbpError:
+    return torch_alike(kind, args[0], base) if len(args) == 1 else kind(*args)
