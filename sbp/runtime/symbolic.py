@@ -116,16 +116,17 @@ def splits_any(pls: Iterable[Placement], dims: Sequence[int]) -> bool:
 
 
 def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...], pls: tuple[Placement, ...],
-             coord: tuple[int, ...]) -> tuple:
+             coord: tuple[int, ...], cache: bool = True) -> tuple:
     """`sbp.values.layout.block` for a shape that may hold symbolic sizes: ranges are expressions of them.
     A split size's remainder by the parts is pinned (a guard: balanced pieces differ by one where it is
     not zero), so a graph holds for the sizes of one remainder class; the size itself stays symbolic.
+    ``cache=False`` computes int sizes here too, not through the layout's cache (for code dynamo traces).
 
     >>> from sbp import S
-    >>> block_of((4, 6), (2,), (S(1),), (1,))
-    ((0, 4), (3, 6))
+    >>> block_of((4, 6), (2,), (S(1),), (1,)), block_of((4, 6), (2,), (S(1),), (1,), cache=False)
+    (((0, 4), (3, 6)), ((0, 4), (3, 6)))
     """
-    if not any_symbolic(shape):
+    if cache and not any_symbolic(shape):
         return block(tuple(shape), mesh_shape, pls, coord)
     ranges = [(0, n) for n in shape]
     for axis, p in enumerate(pls):

@@ -20,7 +20,7 @@ from ..runtime.traced import CompileError, is_tracing
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Split, normalize
+from ..values.placement import Broadcast, Partial, Split, check_placements, normalize, placements_repr
 from .autograd import from_local_autograd
 from .global_tensor import (
     GlobalTensor,
@@ -73,8 +73,38 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
         if src is not None or requires_grad or (isinstance(tensor, torch.Tensor) and tensor.requires_grad
                                                 and requires_grad is None):
             raise CompileError(_DISTRIBUTE_IN_GRAPH)
+        _check_in_graph(tensor, mesh, placements, "distribute")
         return _compiled_distribute(tensor, mesh_description(mesh), placements_text(placements))
     return _distribute(tensor, mesh, placements, src, requires_grad)
+
+
+def _check_in_graph(tensor, mesh: DeviceMesh, placements, what: str, global_shape=None) -> None:
+    """The argument checks of `distribute` / `from_local` that need no data, made in the code dynamo traces:
+    a bad argument reaches the user as sbp's error inside dynamo's ("Observed exception ... PlacementError(
+    'S(5) is out of range ...')"; without ``fullgraph`` the eager call raises it itself). Raised inside the
+    opaque call, dynamo would report it as an unsupported output type of that call."""
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"{what} needs an sbp.DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(tensor, torch.Tensor) or isinstance(tensor, GlobalTensor):
+        raise SbpError(f"{what} needs a plain torch.Tensor, got {type(tensor).__name__}")
+    pls = check_placements(placements, tensor.ndim, mesh.ndim)
+    check_partial_dtype(pls, tensor.dtype, what)
+    if global_shape is not None and len(global_shape) != tensor.ndim:
+        raise ShapeError(f"from_local: global_shape {tuple(global_shape)} has {len(global_shape)} dims but the local "
+                         f"tensor has {tensor.ndim} (shape {tuple(tensor.shape)})")
+    if global_shape is not None and mesh.coord is not None:
+        _check_local_block(tensor, tuple(global_shape), mesh, pls, cache=False)
+
+
+def _check_local_block(local: torch.Tensor, global_shape: tuple, mesh: DeviceMesh, pls, cache: bool = True) -> None:
+    """This rank's local shape is its block of `global_shape`, compared where both sizes are ints (checking a
+    symbolic one would add a guard); compiled code, where no collective can compare the ranks' shapes."""
+    want = tuple(hi - lo for lo, hi in symbolic.block_of(global_shape, mesh.shape, pls, mesh.coord, cache))
+    bad = [(w, g) for w, g in zip(want, local.shape) if type(w) is int and type(g) is int and w != g]
+    if bad:
+        raise ShapeError(f"from_local: local shape {tuple(local.shape)} does not fit global shape "
+                         f"{tuple(global_shape)} with placements {placements_repr(pls)} on mesh {mesh.shape} at "
+                         f"coord {mesh.coord}: expected {want}")
 
 
 _DISTRIBUTE_IN_GRAPH = ("distribute inside torch.compile lays out a tensor that does not require grad, from every "
@@ -224,6 +254,7 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (no collective)
         if global_shape is None or check:
             raise CompileError(_NEEDS_SHAPE)
+        _check_in_graph(local, mesh, placements, "from_local", global_shape)
         return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
                                     tuple(global_shape), check)
     return _from_local(local, mesh, placements, global_shape, check)
@@ -250,13 +281,8 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     elif is_tracing(local):  # a compiled graph: shapes are known at trace time, no collective runs
         if global_shape is None or check:
             raise CompileError(_NEEDS_SHAPE)
-        if dynamic:   # the sizes that are ints on both sides (a check of a symbolic one would be a guard)
-            want = tuple(hi - lo for lo, hi in symbolic.block_of(global_shape, mesh.shape, pls, coord))
-            bad = [(w, g) for w, g in zip(want, local.shape) if type(w) is int and type(g) is int and w != g]
-            if bad:
-                raise ShapeError(f"from_local: local shape {tuple(local.shape)} does not fit global shape "
-                                 f"{tuple(global_shape)} with placements {pls} on mesh {mesh.shape} at coord "
-                                 f"{coord}: expected {want}")
+        if dynamic:
+            _check_local_block(local, global_shape, mesh, pls)
         else:
             _check_local_shapes(global_shape, mesh, pls, None, local)
     else:

@@ -237,6 +237,16 @@ def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int)
     return _normalize(pls, ndim, mesh_ndim)
 
 
+def check_placements(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+    """`normalize` without its cache: the same checks and result, for code that torch.compile's dynamo traces
+    (it would skip the cache with a warning; a bad argument then raises where dynamo reports it).
+
+    >>> check_placements(("S(-1)", B), ndim=2, mesh_ndim=2)
+    (S(1), B)
+    """
+    return _normalize(pls, ndim, mesh_ndim)
+
+
 @lru_cache(maxsize=4096)
 def _normalize_cached(pls: tuple, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
     return _normalize(pls, ndim, mesh_ndim)
@@ -246,7 +256,7 @@ def _normalize(pls, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
     pls = placements(pls)
     if len(pls) != mesh_ndim:
         raise PlacementError(
-            f"placements {pls} give {len(pls)} placement(s) but the mesh has {mesh_ndim} axes "
+            f"placements {placements_repr(pls)} give {len(pls)} placement(s) but the mesh has {mesh_ndim} axes "
             f"(need exactly one placement per mesh axis)"
         )
     out = []
@@ -258,6 +268,16 @@ def _normalize(pls, ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
             p = Split(p.dim % ndim)
         out.append(p)
     return tuple(out)
+
+
+def placements_repr(pls: "tuple[Placement, ...]") -> str:
+    """``repr(pls)`` of a placements tuple, written out so that code torch.compile's dynamo traces prints
+    the placements too (dynamo's own repr of such a tuple names its internal variables).
+
+    >>> placements_repr((Split(0),)), placements_repr((Split(0), B))
+    ('(S(0),)', '(S(0), B)')
+    """
+    return "(" + ", ".join([repr(p) for p in pls]) + ("," if len(pls) == 1 else "") + ")"
 
 
 def is_partial(p: Placement) -> bool:

@@ -303,3 +303,49 @@ def test_distribute_in_a_compiled_function_slices_as_eager() -> None:
     for done, refusals in spmd(run_distribute_in_graph, (2, 2)):
         assert done == [True] * 4
         assert refusals == [True] * 3
+
+
+BAD_IN_GRAPH = [  # (name, call, sbp error class, fragment of its message)
+    ("distribute-dim", lambda t, m: sbp.distribute(t, m, "S(5)"), "PlacementError", "S(5) is out of range"),
+    ("distribute-count", lambda t, m: sbp.distribute(t, m, "S(0), B"), "PlacementError",
+     "placements (S(0), B) give 2 placement(s) but the mesh has 1 axes"),
+    ("from-local-dim", lambda t, m: sbp.from_local(t, m, "S(4)", global_shape=(8, 3)), "PlacementError",
+     "S(4) is out of range"),
+    ("from-local-bool-psum", lambda t, m: sbp.from_local(t > 0, m, "P(sum)", global_shape=(4, 3)),
+     "PlacementError", "P(sum) cannot hold a torch.bool tensor"),
+    ("from-local-ndim", lambda t, m: sbp.from_local(t, m, "S(0)", global_shape=(8,)), "ShapeError",
+     "global_shape (8,) has 1 dims"),
+    ("from-local-shape", lambda t, m: sbp.from_local(t, m, "S(0)", global_shape=(10, 3)), "ShapeError",
+     "local shape (4, 3) does not fit global shape (10, 3) with placements (S(0),)"),
+]
+
+
+def run_bad_arguments_in_graph(mesh):
+    """Per case: with fullgraph=True, dynamo's error carries sbp's (not an opaque call's 'unsupported output
+    type'); without it, the graph break lets the call raise sbp's error itself."""
+    out = {}
+    t = torch.arange(12.).reshape(4, 3)
+    for name, call, kind, fragment in BAD_IN_GRAPH:
+        eager = "no error"
+        try:
+            call(t, mesh)
+        except sbp.SbpError as e:
+            eager = f"{type(e).__name__}: {e}"
+        got = []
+        for fullgraph in (True, False):
+            torch._dynamo.reset()
+            try:
+                torch.compile(lambda t: call(t, mesh), backend="aot_eager", fullgraph=fullgraph)(t)
+                got.append("no error")
+            except Exception as e:  # noqa: BLE001 - which error is the result
+                seen = f"{type(e).__name__}: {e}"
+                got.append(f"{kind}(" in str(e) and fragment in str(e) if fullgraph else seen == eager or seen)
+        out[name] = got
+    return out
+
+
+def test_bad_arguments_in_a_compiled_function_raise_sbps_errors() -> None:
+    # fails without construct's checks in the traced code: raised inside the opaque call, dynamo reports
+    # "Unsupported output type for nonstrict_trace-ed function" and sbp's message is only in the chain
+    for per_rank in spmd(run_bad_arguments_in_graph, (2,)):
+        assert per_rank == {name: [True, True] for name, *_ in BAD_IN_GRAPH}, per_rank
