@@ -72,7 +72,7 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (slicing, no collective)
         if src is not None or requires_grad or (isinstance(tensor, torch.Tensor) and tensor.requires_grad
                                                 and requires_grad is None):
-            raise CompileError(_DISTRIBUTE_IN_GRAPH)
+            return _eager_distribute(tensor, mesh, placements, src, requires_grad)   # a graph break
         _check_in_graph(tensor, mesh, placements, "distribute")
         return _compiled_distribute(tensor, mesh_description(mesh), placements_text(placements))
     return _distribute(tensor, mesh, placements, src, requires_grad)
@@ -107,10 +107,11 @@ def _check_local_block(local: torch.Tensor, global_shape: tuple, mesh: DeviceMes
                          f"coord {mesh.coord}: expected {want}")
 
 
-_DISTRIBUTE_IN_GRAPH = ("distribute inside torch.compile lays out a tensor that does not require grad, from every "
-                        "rank's full tensor (src=None): scattering from one rank (src=) needs a collective on "
-                        "the tensor's shape, and a new leaf that requires grad cannot be made in a graph; call "
-                        "distribute outside the compiled function (or pass a tensor that does not require grad)")
+_DISTRIBUTE_IN_GRAPH = ("sbp.distribute with src= or with a result that requires grad is not traced into a compiled "
+                        "graph (scattering from one rank takes a collective on the tensor's shape; a graph cannot "
+                        "make a new leaf that requires grad): it runs eagerly between two graphs. With "
+                        "fullgraph=True call distribute outside the compiled function (or pass a tensor that "
+                        "does not require grad, from every rank)")
 
 
 def _distribute_described(tensor: torch.Tensor, mesh: tuple, placements) -> GlobalTensor:
@@ -150,6 +151,9 @@ def _distribute(tensor, mesh: DeviceMesh, placements, src: Optional[int],
         raise DTypeError(f"distribute(requires_grad=True): only floating point and complex tensors can require "
                          f"gradients, got {out.dtype}")
     return out.requires_grad_(True) if grad else out
+
+
+_eager_distribute = torch._dynamo.disable(_distribute, reason=_DISTRIBUTE_IN_GRAPH)
 
 
 def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
@@ -253,7 +257,7 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     """
     if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (no collective)
         if global_shape is None or check:
-            raise CompileError(_NEEDS_SHAPE)
+            return _eager_from_local(local, mesh, placements, global_shape, check)   # a graph break
         _check_in_graph(local, mesh, placements, "from_local", global_shape)
         return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
                                     tuple(global_shape), check)
@@ -300,6 +304,10 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
 _NEEDS_SHAPE = ("from_local inside torch.compile needs global_shape= and check=False: inferring or checking "
                 "shapes takes a collective on the values of the local shapes; pass the global shape (or call "
                 "from_local outside the compiled function)")
+_INFERS_SHAPE = ("sbp.from_local without global_shape= (or with check=True) is not traced into a compiled graph: "
+                 "inferring or checking shapes takes a collective on the values of the local shapes; it runs "
+                 "eagerly between two graphs. With fullgraph=True pass global_shape= (or call from_local "
+                 "outside the compiled function)")
 
 
 def _from_local_described(local: torch.Tensor, mesh: tuple, placements, global_shape, check: bool) -> GlobalTensor:
@@ -307,6 +315,7 @@ def _from_local_described(local: torch.Tensor, mesh: tuple, placements, global_s
 
 
 _compiled_from_local = torch._dynamo.nonstrict_trace(_from_local_described)
+_eager_from_local = torch._dynamo.disable(_from_local, reason=_INFERS_SHAPE)
 
 # ---- from_local helpers ------------------------------------------------------------------------------
 SHAPE_SLOTS = 16  # local shapes travel padded to this many dims, so ranks that disagree on ndim still meet

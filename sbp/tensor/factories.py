@@ -23,7 +23,16 @@ from ..values.errors import DTypeError, MeshError, SbpError
 from ..values.layout import check_global_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, normalize
-from .global_tensor import GlobalTensor, check_partial_dtype, empty_outside, mesh_device, sum_holds_value
+from .global_tensor import (
+    GlobalTensor,
+    check_partial_dtype,
+    empty_outside,
+    mesh_description,
+    mesh_device,
+    mesh_of,
+    placements_text,
+    sum_holds_value,
+)
 
 CHUNK = 1 << 16  # elements per random chunk; part of the values' definition: never change it lightly
 
@@ -40,7 +49,7 @@ def zeros(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
     tensor([[0., 0., 0.],
             [0., 0., 0.]])
     """
-    return _make(global_shape, mesh, placements, dtype, requires_grad, 0.0, _constant(0))
+    return _constant_factory("zeros", global_shape, mesh, placements, dtype, requires_grad, 0)
 
 
 def ones(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
@@ -50,7 +59,7 @@ def ones(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None
     >>> ones(3, dtype=torch.int64)
     tensor([1, 1, 1])
     """
-    return _make(global_shape, mesh, placements, dtype, requires_grad, 1.0, _constant(1))
+    return _constant_factory("ones", global_shape, mesh, placements, dtype, requires_grad, 1)
 
 
 def empty(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *,
@@ -60,8 +69,7 @@ def empty(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
     >>> empty((2, 0)).shape
     torch.Size([2, 0])
     """
-    fill = lambda index, shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
-    return _make(global_shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+    return _constant_factory("empty", global_shape, mesh, placements, dtype, requires_grad, 0)
 
 
 def full(global_shape: Shape, fill_value, mesh: Optional[DeviceMesh] = None, placements=None, *,
@@ -72,8 +80,7 @@ def full(global_shape: Shape, fill_value, mesh: Optional[DeviceMesh] = None, pla
     >>> full((2,), 7.0)
     tensor([7., 7.])
     """
-    return _make(global_shape, mesh, placements, dtype, requires_grad, fill_value, _constant(fill_value),
-                 check_value=True)
+    return _constant_factory("full", global_shape, mesh, placements, dtype, requires_grad, fill_value)
 
 
 def rand(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None, *, seed: Optional[int] = None,
@@ -88,6 +95,8 @@ def rand(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None
     >>> torch.equal(rand((3, 5), seed=1)[1:], rand((3, 5), seed=1)[1:])
     True
     """
+    if torch.compiler.is_compiling() and mesh is not None:
+        return _eager_random(torch.rand, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
     return _random(torch.rand, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
 
 
@@ -102,12 +111,53 @@ def randn(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
     >>> torch.equal(sbp.testing.spmd(fn, (2, 2))[3], randn((10, 3), seed=7))
     True
     """
+    if torch.compiler.is_compiling() and mesh is not None:
+        return _eager_random(torch.randn, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
     return _random(torch.randn, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
 
 
 # ---- machinery ---------------------------------------------------------------------------------------------
 def _constant(value) -> Fill:
     return lambda index, shape, dtype, device: torch.full(shape, value, dtype=dtype, device=device)
+
+
+# kind -> (the value that picks the default dtype, the fill); "full" checks and uses its fill_value
+_KINDS = {"zeros": (0.0, _constant(0)), "ones": (1.0, _constant(1)),
+          "empty": (0.0, lambda index, shape, dtype, device: torch.empty(shape, dtype=dtype, device=device))}
+
+
+def _constant_factory(kind: str, global_shape, mesh, placements, dtype, requires_grad, value):
+    """zeros / ones / empty / full. Inside compiled code (a mesh given): one opaque call that makes the local
+    block (no collective, placements and mesh constants of the graph); a result that requires grad is a new
+    leaf, which a graph cannot make: a graph break that makes it eagerly."""
+    if torch.compiler.is_compiling() and mesh is not None:
+        if requires_grad is not False:
+            return _eager_constant(kind, global_shape, mesh, placements, dtype, requires_grad, value)
+        _check_dtype(dtype)
+        shape = (global_shape,) if isinstance(global_shape, int) else tuple(global_shape)
+        return _compiled_constant(kind, shape, mesh_description(mesh),
+                                  "" if placements is None else placements_text(placements),
+                                  "" if dtype is None else str(dtype).removeprefix("torch."), value)
+    return _constant_local(kind, global_shape, mesh, placements, dtype, requires_grad, value)
+
+
+def _constant_local(kind: str, global_shape, mesh, placements, dtype, requires_grad, value):
+    if kind == "full":
+        return _make(global_shape, mesh, placements, dtype, requires_grad, value, _constant(value), check_value=True)
+    sample, fill = _KINDS[kind]
+    return _make(global_shape, mesh, placements, dtype, requires_grad, sample, fill)
+
+
+def _constant_described(kind: str, shape: tuple, mesh: tuple, placements, dtype: str, value):
+    return _constant_local(kind, shape, mesh_of(mesh), placements or None, getattr(torch, dtype) if dtype else None,
+                           False, value)
+
+
+_IN_GRAPH = ("sbp.{0} inside a compiled function is not traced into the graph: {1}; it runs eagerly between two "
+             "graphs. With fullgraph=True call it outside the compiled function")
+_compiled_constant = torch._dynamo.nonstrict_trace(_constant_described)
+_eager_constant = torch._dynamo.disable(_constant_local, reason=_IN_GRAPH.format(
+    "zeros / ones / empty / full with requires_grad=True", "a graph cannot make a new leaf that requires grad"))
 
 
 def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, requires_grad: bool,
@@ -192,6 +242,11 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
         return out.view(block)   # drawn on the device itself: no host draw, no copy
 
     return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+
+
+_eager_random = torch._dynamo.disable(_random, reason=_IN_GRAPH.format(
+    "rand / randn", "each chunk is drawn by its own seeded torch.Generator (and without seed= the ranks agree on "
+    "one with a collective)"))
 
 
 @functools.lru_cache(maxsize=None)

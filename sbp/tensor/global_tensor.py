@@ -260,6 +260,8 @@ class GlobalTensor(torch.Tensor):
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
         if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
+            if isinstance(mesh, DeviceMesh) and mesh != self._mesh:
+                return _redistribute_across(self, placements, mesh)   # a graph break: runs eagerly
             return _compiled_redistribute(self, placements_text(placements),
                                           () if mesh is None else mesh_description(mesh))
         return _redistribute(self, placements, mesh, async_op)
@@ -449,6 +451,23 @@ class GlobalTensor(torch.Tensor):
         return handler(func, args, kwargs or {})
 
 
+def _never_compiled(code) -> None:
+    """dynamo never compiles a frame of `code`, nor the frames it calls. For `__torch_dispatch__`: between two
+    graphs (after a graph break, e.g. at ``.item()``) an op on a global tensor runs sbp's dispatch as eager
+    Python, which dynamo would otherwise take for user code, compile as a frame of its own and fail in. In a
+    graph, ops reach the dispatch through fake tensors, never through dynamo's frames. (A code-level skip:
+    eager dispatch pays nothing for it, where a `torch._dynamo.disable` wrapper costs ~0.6 us a call.)"""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:   # another torch: its dynamo keeps its own rules
+        return
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+_never_compiled(GlobalTensor.__torch_dispatch__.__func__.__code__)
+
+
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
                           global_shape: tuple[int, ...], requires_grad: bool, is_param: bool) -> torch.Tensor:
     """A pickled global tensor again (what `GlobalTensor.__reduce_ex__` stores): an `nn.Parameter` when it
@@ -524,6 +543,17 @@ def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh], as
     pls = normalize(placements, self.ndim, mesh.ndim)
     check_partial_dtype(pls, self.dtype, "redistribute")
     return autograd.redistribute_cross(self, mesh, pls)
+
+
+_ACROSS_MESHES = ("sbp: a cross-mesh x.redistribute(..., mesh=other) is not lowered into a compiled graph (its "
+                  "exact point-to-point transfers between rank sets have no functional collective); it runs "
+                  "eagerly between two graphs. With fullgraph=True call it outside the compiled function.")
+
+
+@torch._dynamo.disable(reason=_ACROSS_MESHES)
+def _redistribute_across(x: GlobalTensor, placements, mesh: DeviceMesh) -> GlobalTensor:
+    """A cross-mesh move inside compiled code: a graph break (dynamo runs it eagerly, never traces it)."""
+    return _redistribute(x, placements, mesh)
 
 
 def _full(x: GlobalTensor) -> torch.Tensor:
