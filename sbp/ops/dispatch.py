@@ -73,10 +73,15 @@ def _key_of(a: Any, leaves: list) -> Any:
         return _TRUE if a else _FALSE
     if t is list or t is tuple:
         return tuple([_key_of(x, leaves) for x in a])
+    if t is torch.SymFloat or t is torch.SymBool:
+        raise TypeError(_SYMBOLIC_SCALAR)
     return a
 
 
 _FLOAT_ZERO, _TRUE, _FALSE = object(), object(), object()
+# torch.compile passes a Python float argument that changes between calls as a SymFloat: it must not key a
+# cache (comparing two of them builds a symbolic expression, in a trace the other one may not belong to)
+_SYMBOLIC_SCALAR = "a symbolic float or bool (torch.compile) keys no cached decision"
 
 
 def _collect(a: Any, leaves: list) -> None:
@@ -154,6 +159,8 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
             return _TRUE if a else _FALSE
         if t is list or t is tuple:
             return tuple([pattern(x, sizes) for x in a])
+        if t is torch.SymFloat or t is torch.SymBool:
+            raise TypeError(_SYMBOLIC_SCALAR)
         return a
 
     sized = _size_positions(func)

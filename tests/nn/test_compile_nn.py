@@ -280,3 +280,44 @@ def test_broadcast_embedding_gradient_stays_partial_on_dp() -> None:
     for rank, (grad_diff, calls, _) in enumerate(spmd(run_bucketed_replicated_embedding, (2, 2))):
         assert grad_diff <= TOL, (rank, grad_diff)
         assert calls == {("all_reduce", (1,)): 3, ("all_reduce", (0,)): 1}, (rank, calls)
+
+
+class _Broken(nn.Module):
+    """A forward with a graph break and a data-dependent Python float in the middle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x)))
+        torch._dynamo.graph_break()
+        scale = 1 + 0 * h.sum().item()
+        return self.c(h * scale)
+
+
+def run_parallelized_with_graph_breaks(mesh):
+    torch.manual_seed(0)
+    base = _Broken().double()
+    layout = {"a": "colwise", "b": "rowwise", "c": "colwise"}
+    eager, compiled = (sbp.nn.parallelize(copy.deepcopy(base), mesh, layout) for _ in range(2))
+    torch._dynamo.reset()
+    f = torch.compile(compiled, backend="aot_eager")
+    diffs = []
+    for step in range(3):
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        want, got = eager(x).full(), f(x).full()
+        want.square().sum().backward()
+        got.square().sum().backward()
+        diffs.append((want - got).abs().max().item())
+    grads = max((p.grad.full() - q.grad.full()).abs().max().item()
+                for p, q in zip(eager.parameters(), compiled.parameters()))
+    return max(diffs), grads
+
+
+def test_parallelized_model_with_graph_breaks_compiles_as_eager() -> None:
+    # without fullgraph the parallelized module's forward breaks into graphs around the break and the
+    # .item(); the hooks and ops between them run eagerly. Outputs and gradients equal eager
+    for rank, (out_diff, grad_diff) in enumerate(spmd(run_parallelized_with_graph_breaks, (2,))):
+        assert out_diff <= TOL and grad_diff <= TOL, (rank, out_diff, grad_diff)
+

@@ -492,3 +492,22 @@ def test_item_breaks_the_graph_and_equals_eager() -> None:
     # "'dict' object has no attribute 'node'" in dispatch's tensor_key)
     assert spmd(run_item_between_graphs, (2,)) == [True, True]
 
+
+def run_changing_float_argument(mesh):
+    """A Python float argument that changes between calls (a scale, a learning rate): dynamo recompiles once
+    with it symbolic (a SymFloat); every call equals eager."""
+    x = sbp.distribute(_global_value((5, 3)), mesh, "S(0)")
+    f = lambda t, s: (t * s).redistribute("B") + s
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.compile(f, backend="aot_eager")
+    same = [torch.equal(g(x, s).to_local(), f(x, s).to_local()) for s in (0.5, 1.5, 2.5, -3.0)]
+    return same, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_changing_float_argument_compiles_as_eager() -> None:
+    # fails without dispatch refusing to key a SymFloat: the cache compared the SymFloat of dynamo's trace
+    # with AOTAutograd's ("... is not tracked with proxy")
+    for same, graphs in spmd(run_changing_float_argument, (2,)):
+        assert same == [True] * 4 and graphs <= 2, (same, graphs)
+
