@@ -4,7 +4,9 @@ draws the same numbers. A seed agreed over the mesh (drawn from the op's generat
 then all-gathered from the first rank: one small collective) seeds a fresh generator for the call, so
 the Broadcast results agree on every rank and a later cut to the tensor's layout is consistent; the
 generators the ranks hold advance as for any random call. On a single device the same op would draw other
-numbers: what is reproduced is agreement across ranks, not the single-device values.
+numbers: what is reproduced is agreement across ranks, not the single-device values. Inside a compiled
+graph no seed can be agreed (a collective on values): each rank draws from its own generator there, so
+the draws agree when every rank seeded alike (``torch.manual_seed(s)`` on each, as for DTensor).
 
 >>> import torch, sbp, sbp.testing
 >>> def fn(mesh):
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.traced import is_tracing
 from ..tensor.factories import agreed_seed
 from .spec import Call
 
@@ -46,6 +49,11 @@ def agreed_random_run(call: Call) -> Any:
     >>> agreed_random_run(call).shape
     torch.Size([3])
     """
+    if any(is_tracing(a) for a in call.args if isinstance(a, torch.Tensor)):
+        # a compiled graph: no collective can agree a seed on values there (the seed would be data the graph
+        # cannot branch or seed on). Each rank draws from its own generator, as the graph runs: the draws agree
+        # where the ranks seeded alike (torch.manual_seed(s) on every rank), as tensor parallelism needs anyway
+        return call.func(*call.args, **call.kwargs)
     takes_generator = any(a.name == "generator" for a in call.func._schema.arguments)
     seed = agreed_seed(call.mesh, call.kwargs.get("generator") if takes_generator else None)
     device = next((a.device for a in call.args if isinstance(a, torch.Tensor)), torch.device("cpu"))

@@ -511,3 +511,35 @@ def test_changing_float_argument_compiles_as_eager() -> None:
     for same, graphs in spmd(run_changing_float_argument, (2,)):
         assert same == [True] * 4 and graphs <= 2, (same, graphs)
 
+
+def run_dropout_compiled(mesh):
+    """Training-mode dropout in a fullgraph-compiled function on an S(0) tensor: each rank draws from its own
+    generator (seeded alike here, as tensor-parallel training seeds its ranks), the result keeps the input's
+    placements as eagerly, and the gradient is the same mask."""
+    torch.manual_seed(7)
+    x = sbp.distribute(_global_value((6, 4)) + 10, mesh, "S(0)", requires_grad=True)
+    mesh.binding.counters.reset()
+    eager_pls = torch.nn.functional.dropout(x, 0.5, training=True).placements
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 3, backend="aot_eager",
+                      fullgraph=True)
+    y = f(x)
+    y.sum().full().backward()
+    again = f(x).full()
+    return y.placements == eager_pls == x.placements, y.full().detach(), x.grad.full(), again.detach()
+
+
+def test_dropout_compiles_fullgraph_and_ranks_agree() -> None:
+    # fails without the traced path of sbp.ops.random (the eager seed agreement is a collective on values:
+    # "Could not extract specialized integer from data-dependent expression"), and without the draw keeping
+    # the input's layout the output was B where eager's is S(0)
+    out = spmd(run_dropout_compiled, (2,))
+    x = _global_value((6, 4)) + 10
+    for same_layout, y, grad, again in out:
+        assert same_layout
+        kept = y != 0
+        assert torch.equal(y[kept], (x * 6)[kept]) and 0 < int(kept.sum()) < y.numel()   # 1/(1-p) * 3
+        assert torch.equal(grad, kept.to(grad.dtype) * 6)
+        assert not torch.equal(again != 0, kept)   # a new mask each call, not one baked into the graph
+    assert all(torch.equal(y, out[0][1]) for _, y, _, _ in out)   # every rank holds the same draw
+
