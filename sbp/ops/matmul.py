@@ -144,8 +144,26 @@ class SplitBatchMatmul(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _MATMULS and len(args) == 2 and not kwargs:
-            perm = split_batch_first(*args)
-            if perm is not None:
-                back = tuple(sorted(range(len(perm)), key=perm.__getitem__))
-                return torch.matmul(args[0].permute(perm), args[1].permute(perm)).permute(back)
+            if torch.compiler.is_compiling() and any(isinstance(a, GlobalTensor) for a in args):
+                # dynamo: one opaque call (the operands' placements are not values dynamo can read from a
+                # tensor made in the graph); AOTAutograd traces the permuted matmul inside
+                return _compiled_split_batch_matmul(*args)
+            return _split_batch_matmul(*args)
         return func(*args, **kwargs)
+
+
+def _split_batch_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)`` with the split batch dims moved to the front and back (`split_batch_first`)."""
+    perm = split_batch_first(a, b)
+    if perm is None:
+        return torch.matmul(a, b)
+    back = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+    return torch.matmul(a.permute(perm), b.permute(perm)).permute(back)
+
+
+def _opaque_split_batch_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():   # the mode (still on the stack while a graph traces) is not re-entered
+        return _split_batch_matmul(a, b)
+
+
+_compiled_split_batch_matmul = torch._dynamo.nonstrict_trace(_opaque_split_batch_matmul)

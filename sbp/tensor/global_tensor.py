@@ -779,7 +779,16 @@ def logical_strides(t: GlobalTensor) -> tuple[int, ...]:
     meta = lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else \
         [meta(x) for x in a] if isinstance(a, (list, tuple)) else \
         symbolic.hint(a) if isinstance(a, torch.SymInt) else a
-    out = func(*[meta(a) for a in args], **{n: meta(v) for n, v in kwargs.items()})
+    try:
+        out = func(*[meta(a) for a in args], **{n: meta(v) for n, v in kwargs.items()})
+    except RuntimeError:
+        if func.__name__.split(".")[0] not in ("view", "_unsafe_view"):
+            raise
+        # torch's reshape chose a view from the wrapper's (contiguous) strides, but on one device the input's
+        # logical strides admit no view (a slice, then a reshape): there reshape copies, and the copy is
+        # contiguous. (sbp ran the view on the local blocks; only the strides are asked here.)
+        found = notes.strides = contiguous_strides(tuple(t.shape))
+        return found
     found = notes.strides = tuple((out[k] if k is not None else out).stride())
     return found
 

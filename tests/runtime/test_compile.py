@@ -543,3 +543,24 @@ def test_dropout_compiles_fullgraph_and_ranks_agree() -> None:
         assert not torch.equal(again != 0, kept)   # a new mask each call, not one baked into the graph
     assert all(torch.equal(y, out[0][1]) for _, y, _, _ in out)   # every rank holds the same draw
 
+
+def run_slice_then_reshape(mesh):
+    """``t[:, :-1].reshape(-1, n)`` (shifted logits for a language-model loss) in a compiled function: the slice
+    admits no view on one device, so reshape copies; compiled equals eager, placements included."""
+    out = {}
+    for pls in ("B", "S(0)", "S(1)", "S(2)"):
+        x = sbp.distribute(_global_value((4, 8, 6)), mesh, pls)
+        f = lambda t: (t * 1)[:, :-1].reshape(-1, 6) * 2
+        want = f(x)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+        out[pls] = got.placements == want.placements and torch.equal(got.full(), want.full())
+    return out
+
+
+def test_slice_then_reshape_compiles_as_eager() -> None:
+    # fails without logical_strides' copy case: dynamo asked the reshape's strides, whose replay as a view of
+    # the slice's logical strides raised "view size is not compatible with input tensor's size and stride"
+    for per_rank in spmd(run_slice_then_reshape, (2,)):
+        assert per_rank == dict.fromkeys(("B", "S(0)", "S(1)", "S(2)"), True), per_rank
+
