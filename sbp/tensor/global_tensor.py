@@ -460,9 +460,9 @@ def _never_compiled(code) -> None:
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:   # another torch: its dynamo keeps its own rules
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError):   # another torch: its dynamo keeps its own rules
         return
-    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 _never_compiled(GlobalTensor.__torch_dispatch__.__func__.__code__)
