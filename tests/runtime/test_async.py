@@ -19,8 +19,7 @@ PAIRS = [("S(0)", "B"), ("S(1)", "S(0)"), ("P(sum)", "S(0)"), ("P(max)", "B"), (
 
 def _layouts_equal(mesh) -> list[bool]:
     """Every pair async == sync, with several moves in flight at once on the same group."""
-    torch.manual_seed(0)
-    full = torch.randn(7, 5)
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))   # thread ranks share torch's global RNG
     out = []
     xs = [sbp.distribute(full, mesh, src) for src, _ in PAIRS]
     if mesh.ndim == 1:
@@ -60,8 +59,9 @@ def test_returns_before_the_collective_ran() -> None:
 
 
 def _backward(mesh, async_op: bool):
-    torch.manual_seed(1)
-    w = sbp.distribute(torch.randn(8, 3), mesh, "S(0)", requires_grad=True)
+    # a generator of its own: thread ranks share torch's global one, and two ranks seeding and drawing from it at
+    # once could lay out different "full" tensors (a flaky comparison)
+    w = sbp.distribute(torch.randn(8, 3, generator=torch.Generator().manual_seed(1)), mesh, "S(0)", requires_grad=True)
     seen = []
     w.register_hook(lambda g: seen.append(is_pending(g._local)))   # what backward hands the leaf
     y = w.redistribute("B", async_op=async_op)
