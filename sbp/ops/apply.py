@@ -30,6 +30,7 @@ from ..values.errors import SbpError, ShapeError, UnsupportedOpError, torch_alik
 from ..values.mesh import DeviceMesh
 from ..values.placement import Split
 from .cache import SPEC_TOKENS, WARNED_OPS
+from .random import is_random
 from .spec import B, Call, Choice, OpSpec, default_run
 from .strict import is_strict
 
@@ -222,14 +223,14 @@ class Decision:
             return leaves[source]
         if k < len(self.out_shapes) and self.out_shapes[k] is not None:
             return self.wrap_output(k, local, mesh)
-        like = leaves[0] if k == 0 and self.fallback and leaves and torch.Tag.nondeterministic_seeded in \
-            self.spec.func.tags else None
-        if isinstance(like, GlobalTensor) and tuple(local.shape) == tuple(like.shape) and all(
-                p == B or isinstance(p, Split) for p in like._placements):
-            # a random op's draw shaped like its first input (`bernoulli`, `rand_like`): laid out as that input,
-            # as its in-place form keeps it (dropout's mask under torch.compile): a local cut, no communication
-            return GlobalTensor(local_from_full(local, mesh, like._placements), mesh, like._placements,
-                                tuple(like.shape))
+        if k == 0 and self.fallback and leaves and is_random(self.spec.func):
+            like = leaves[0]
+            if (isinstance(like, GlobalTensor) and tuple(local.shape) == tuple(like.shape)
+                    and all(p == B or isinstance(p, Split) for p in like._placements)):
+                # a random op's draw shaped like its first input (`bernoulli`, `rand_like`): laid out as that
+                # input, as its in-place form keeps it (dropout's mask under torch.compile): a local cut
+                return GlobalTensor(local_from_full(local, mesh, like._placements), mesh, like._placements,
+                                    tuple(like.shape))
         return GlobalTensor(local, mesh, (B,) * mesh.ndim, tuple(local.shape))   # shape from the local result
 
     def _wrap_outside(self, mesh: DeviceMesh, leaves: list) -> Any:

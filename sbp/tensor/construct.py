@@ -20,7 +20,7 @@ from ..runtime.traced import CompileError, is_tracing
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Split, check_placements, normalize, placements_repr
+from ..values.placement import Broadcast, Partial, Split, normalize, placements_repr
 from .autograd import from_local_autograd
 from .global_tensor import (
     GlobalTensor,
@@ -87,13 +87,18 @@ def _check_in_graph(tensor, mesh: DeviceMesh, placements, what: str, global_shap
         raise MeshError(f"{what} needs an sbp.DeviceMesh, got {type(mesh).__name__}")
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, GlobalTensor):
         raise SbpError(f"{what} needs a plain torch.Tensor, got {type(tensor).__name__}")
-    pls = check_placements(placements, tensor.ndim, mesh.ndim)
+    pls = normalize(placements, tensor.ndim, mesh.ndim, cache=False)
     check_partial_dtype(pls, tensor.dtype, what)
-    if global_shape is not None and len(global_shape) != tensor.ndim:
-        raise ShapeError(f"from_local: global_shape {tuple(global_shape)} has {len(global_shape)} dims but the local "
-                         f"tensor has {tensor.ndim} (shape {tuple(tensor.shape)})")
-    if global_shape is not None and mesh.coord is not None:
-        _check_local_block(tensor, tuple(global_shape), mesh, pls, cache=False)
+    if global_shape is not None:
+        _check_global_ndim(tuple(global_shape), tensor)
+        if mesh.coord is not None:
+            _check_local_block(tensor, tuple(global_shape), mesh, pls, cache=False)
+
+
+def _check_global_ndim(global_shape: tuple, local: torch.Tensor) -> None:
+    if len(global_shape) != local.ndim:
+        raise ShapeError(f"from_local: global_shape {global_shape} has {len(global_shape)} dims but the local "
+                         f"tensor has {local.ndim} (shape {tuple(local.shape)})")
 
 
 def _check_local_block(local: torch.Tensor, global_shape: tuple, mesh: DeviceMesh, pls, cache: bool = True) -> None:
@@ -275,9 +280,7 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     if global_shape is not None:
         dynamic = symbolic.any_symbolic(global_shape)   # torch.compile with dynamic shapes
         global_shape = tuple(global_shape) if dynamic else check_global_shape(global_shape)
-        if len(global_shape) != local.ndim:
-            raise ShapeError(f"from_local: global_shape {global_shape} has {len(global_shape)} dims but the local "
-                             f"tensor has {local.ndim} (shape {tuple(local.shape)})")
+        _check_global_ndim(global_shape, local)
     if coord is None:
         if global_shape is None:
             raise SbpError(f"from_local: rank {mesh.rank} is outside the mesh and cannot infer the global shape; "

@@ -160,7 +160,7 @@ def torch_alike(kind: type, message: str, torch_error: "BaseException | type") -
 
 
 def _reduce_alike(self: SbpError) -> tuple:
-    kind, base = type(self).__mro__[1], type(self).__bases__[1]
+    kind, base = type(self).__bases__
     return _rebuild_alike, (kind, base, self.args), self.__dict__ or None
 
 

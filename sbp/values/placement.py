@@ -223,27 +223,20 @@ def _balanced(text: str) -> bool:
     return depth == 0
 
 
-def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
+def normalize(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int,
+              cache: bool = True) -> tuple[Placement, ...]:
     """Check placements against a tensor's ndim and a mesh's ndim and make split dims non-negative.
+    ``cache=False`` skips the cache of common spellings: for code torch.compile's dynamo traces (it would
+    step around the cache with a warning).
 
-    >>> normalize("S(-1), B", ndim=2, mesh_ndim=2)
-    (S(1), B)
+    >>> normalize("S(-1), B", ndim=2, mesh_ndim=2), normalize(("S(-1)", B), ndim=2, mesh_ndim=2, cache=False)
+    ((S(1), B), (S(1), B))
     """
-    if isinstance(pls, (tuple, str)):   # the common spellings: parsed and checked once, then cached
+    if cache and isinstance(pls, (tuple, str)):   # the common spellings: parsed and checked once, then cached
         try:
             return _normalize_cached(pls, ndim, mesh_ndim)
         except TypeError:  # unhashable entries: validated (and refused) below
             pass
-    return _normalize(pls, ndim, mesh_ndim)
-
-
-def check_placements(pls: "str | Iterable[Placement | str]", ndim: int, mesh_ndim: int) -> tuple[Placement, ...]:
-    """`normalize` without its cache: the same checks and result, for code that torch.compile's dynamo traces
-    (it would skip the cache with a warning; a bad argument then raises where dynamo reports it).
-
-    >>> check_placements(("S(-1)", B), ndim=2, mesh_ndim=2)
-    (S(1), B)
-    """
     return _normalize(pls, ndim, mesh_ndim)
 
 
