@@ -29,7 +29,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..runtime.symbolic import size_key
 from ..tensor.construct import from_local
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
@@ -107,7 +106,7 @@ def _local_input(x: torch.Tensor, style: Packed, module: nn.Module, ctx: Any, fr
     if x.placements != want:
         x = x.redistribute(want)
     if x.ndim and any(isinstance(x.placements[a], Split) and x.placements[a].dim == 0 for a in ctx.dp_axes):
-        ctx.batch_lengths[size_key(x.local_shape[0])] = x.shape[0]
+        ctx.batch_lengths[x.local_shape[0]] = x.shape[0]
     return x.to_local(grad_placements=ctx.with_tp(x.placements, Partial(), x.ndim))
 
 
@@ -116,7 +115,7 @@ def _reduced_output(out: torch.Tensor, ctx: Any) -> GlobalTensor:
     pls = normalize(ctx.input_placements(Partial(), out.ndim), out.ndim, ctx.mesh.ndim)
     shape: Optional[tuple[int, ...]] = tuple(out.shape)
     if out.ndim and ctx.dp_axes:   # the batch's global length as recorded, else inferred (one small all_gather)
-        n = ctx.batch_lengths.get(size_key(out.shape[0]))
+        n = ctx.batch_lengths.get(out.shape[0])
         shape = (n,) + shape[1:] if n is not None else None
     y = from_local(out, ctx.mesh, pls, global_shape=shape)
     return y.redistribute(ctx.with_tp(pls, Broadcast(), out.ndim))

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
-from ..runtime.symbolic import size_key
+from ..runtime.symbolic import SizeMap
 from ..tensor.autograd import from_local_autograd, leaf_grad
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
@@ -56,7 +56,7 @@ class _Context:
     tp_axis: int
     # local -> global length of dim 0 (the batch) on the data-parallel axes, recorded when a global tensor
     # is turned into a local one, so a later local input gets its global shape without a collective
-    batch_lengths: dict[int, int] = field(default_factory=dict)
+    batch_lengths: SizeMap = field(default_factory=SizeMap)
     # the last input converted at a boundary in this forward pass (weakly held), what it was converted
     # under (target placements, the tensor's version, grad mode) and the result: modules reading one
     # tensor (q, k, v) share one conversion, so their gradients are summed before the one all_reduce, as
@@ -699,8 +699,8 @@ def _global_shape(local: torch.Tensor, pls: tuple[Placement, ...], module: nn.Mo
             continue
         if axes == [ctx.tp_axis] and dim == local.ndim - 1 and hasattr(module, "in_features"):
             shape[dim] = module.in_features
-        elif dim == 0 and ctx.tp_axis not in axes and size_key(shape[0]) in ctx.batch_lengths:
-            shape[0] = ctx.batch_lengths[size_key(shape[0])]
+        elif dim == 0 and ctx.tp_axis not in axes and ctx.batch_lengths.get(shape[0]) is not None:
+            shape[0] = ctx.batch_lengths.get(shape[0])
         else:
             return None  # from_local infers it with one small all_gather of the local shapes
     return tuple(shape)
@@ -708,7 +708,7 @@ def _global_shape(local: torch.Tensor, pls: tuple[Placement, ...], module: nn.Mo
 
 def _to_local(x: GlobalTensor, ctx: _Context) -> torch.Tensor:
     if x.ndim and any(isinstance(x.placements[a], Split) and x.placements[a].dim == 0 for a in ctx.dp_axes):
-        ctx.batch_lengths[size_key(x.local_shape[0])] = x.shape[0]
+        ctx.batch_lengths[x.local_shape[0]] = x.shape[0]
     return x.to_local()
 
 

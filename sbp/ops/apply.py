@@ -67,10 +67,10 @@ class Decision:
     Made once per cache key by `decide`; `execute` runs it for a call with those specs."""
 
     __slots__ = ("spec", "choice", "targets", "run", "paths", "out_shapes", "out_strides", "out_keys", "aliases",
-                 "writes", "fallback", "first", "fast", "view", "fast_inplace", "bounds")
+                 "writes", "fallback", "blank", "first", "fast", "view", "fast_inplace", "bounds")
 
     def __init__(self, spec: OpSpec, choice: Choice, run, paths: list[tuple], writes: list[tuple[int, Optional[int]]],
-                 fallback: bool = False) -> None:
+                 fallback: bool = False, blank: bool = False) -> None:
         self.spec = spec
         self.choice = choice
         self.run = run
@@ -78,6 +78,7 @@ class Decision:
         self.writes = writes          # (input index, output slot or None) for every input the op writes
         self.aliases = {k: i for i, k in writes if k is not None}
         self.fallback = fallback
+        self.blank = blank            # the first input is only drawn over: a fresh full tensor, not gathered
         self.first = next(i for i, m in enumerate(spec.inputs) if m.is_global)
         # None where the input is used as it is (a plain tensor counts as Broadcast)
         self.targets = tuple(None if tgt == meta.placements else tgt
@@ -134,7 +135,7 @@ class Decision:
                 if base is not None and base.detached:
                     notes.detached = True   # a view of a detached view is detached too
             return out
-        if self.fallback:
+        if self.fallback and not self.blank:   # a draw over a made tensor gathers nothing: nothing to warn of
             self._complain()
         if self.bounds is not None:
             check_bounds(self.bounds, leaves)
@@ -150,7 +151,12 @@ class Decision:
             if isinstance(t, GlobalTensor):
                 if t._mesh is not mesh and t._mesh != mesh:
                     refuse_mixed_meshes(func, mesh, t)
-                locals_.append(t._local if target is None else redistribute_raw(t, target)._local)
+                if target is None:
+                    locals_.append(t._local)
+                elif self.blank and not locals_:
+                    locals_.append(t._local.new_empty(t.shape))   # only its shape is read: made, not gathered
+                else:
+                    locals_.append(redistribute_raw(t, target)._local)
             else:
                 locals_.append(t if target is None or coord is None else local_from_full(t, mesh, target))
         if coord is None and self.spec.outputs:  # outside the mesh: empty tensors, nothing to compute

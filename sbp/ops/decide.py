@@ -26,7 +26,7 @@ from ..values.placement import Partial
 from . import table as rules
 from .apply import Decision, index_bounds
 from .cache import SPEC_TOKENS
-from .random import agreed_random_run, is_random
+from .random import agreed_random_run, draws_over, is_random
 from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
 
 MAX_COMBOS = 512    # whole-mesh signature combinations priced before pruning per axis
@@ -87,6 +87,8 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
             return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
         if isinstance(v, torch.device):  # e.g. _to_copy(device=cpu): stay on meta
             return torch.device("meta")
+        if isinstance(v, torch.Generator):  # shapes draw nothing (torch's meta `exponential_` refuses one)
+            return None
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
             return type(v)(to_meta(x) for x in v)
         return v
@@ -261,7 +263,9 @@ def _fallback(spec: OpSpec, paths: list[tuple], writes: list) -> Decision:
     spec.outputs = ()
     choice = Choice(tuple(all_b for _ in spec.inputs), ())
     run = agreed_random_run if is_random(spec.func) else default_run   # random ops: the same draws everywhere
-    return Decision(spec, choice, run, paths, writes, fallback=True)
+    # a draw over its input's shape (`normal_`, `bernoulli_(p)`, `rand_like`): the input is made, not gathered
+    blank = spec.inputs[0].is_global and draws_over(spec.func)
+    return Decision(spec, choice, run, paths, writes, fallback=True, blank=blank)
 
 
 def select(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Optional[Choice]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import matmul, nn, optim, pointwise, reductions, views
+from . import matmul, nn, optim, pointwise, random, reductions, views
 from .cache import DECISIONS
 from .spec import Rule
 
@@ -83,6 +83,7 @@ TABLE: dict[Any, Rule] = {
     aten.native_layer_norm_backward.default: nn.LAYER_NORM_BACKWARD,
     aten._fused_rms_norm.default: nn.RMS_NORM,
     aten._fused_rms_norm_backward.default: nn.RMS_NORM_BACKWARD,
+    aten.native_dropout.default: random.NATIVE_DROPOUT,
     aten.embedding.default: nn.EMBEDDING,
     aten.embedding_dense_backward.default: nn.EMBEDDING_BACKWARD,
     aten.nll_loss_forward.default: nn.NLL_LOSS,

@@ -14,24 +14,29 @@ view / reshape / _unsafe_view     S(first non-trivial output dim of d's group) w
                                   block is the same contiguous run of elements before and after
 ================================  ===========================================================
 
-The reshape test is exact, per coord, with layout maths: dims are grouped into runs whose sizes
-multiply to the same number ((B, T, C) -> (B*T, C) groups B,T with B*T); a block is the same run on
+The reshape test is exact, per coord, with layout maths (`regroup`): dims are grouped into runs whose
+sizes multiply to the same number ((B, T, C) -> (B*T, C) groups B,T with B*T); a block is the same run on
 both sides when its flattened (start, stop) range within the group agrees *and* is the balanced block
-of the output's split. Merging dims after the split dim passes when the shards are even (rows 2,2 of
-(4, 6) -> 12,12 of 24; but rows 3,2 of (5, 6) give 18,12 where S(0) of 30 is 15,15); splitting a split
-dim passes when the local sizes divide evenly (C split 6,6 -> (H=4, 3): 2,2 heads). Anything else is
-refused and the planner redistributes first (to the cheapest layout the view accepts).
+of the output's split. Merging dims after the split dim is local when the shards are even (rows 2,2 of
+(4, 6) -> 12,12 of 24); splitting a split dim when the local sizes divide evenly (C split 6,6 -> (H=4, 3):
+2,2 heads). When the blocks are runs in the same rank order but cut elsewhere (rows 3,2 of (5, 6) give
+18,12 where S(0) of 30 is 15,15), the split survives and the view moves the elements whose rank changes
+(`sbp.runtime.rows`). A block that is no single run is refused and the planner redistributes first (to the
+cheapest layout the view accepts).
 
 In-place views (``squeeze_``, ``t_``, ``transpose_``, ``detach_``, ...) have the composite rule
 `INPLACE_VIEW`: the tensor becomes its out-of-place view, placed by that view's rule (`inplace_view`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
 import torch
 
+from ..runtime.rows import move_rows
+from ..runtime.symbolic import block_of, hint_shape
 from ..tensor.global_tensor import GlobalTensor, logical_strides, notes_of
 from ..values.layout import block
 from ..values.placement import Split
@@ -109,23 +114,51 @@ def _view_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 
 
 def _view_check(spec: OpSpec, choice: Choice) -> bool:
-    x, out = spec.inputs[0], spec.out
     if not any(isinstance(p, Split) for p in choice.inputs[0]):
         return True
-    groups = view_groups(x.shape, out.shape)
-    mesh_shape = spec.mesh_shape
+    return regroup(spec.inputs[0].shape, spec.out.shape, choice.inputs[0], choice.outputs[0], spec.mesh_shape) \
+        is not False
+
+
+@functools.lru_cache(maxsize=4096)
+def regroup(shape: tuple[int, ...], out_shape: tuple[int, ...], src: tuple, dst: tuple,
+            mesh_shape: tuple[int, ...]) -> Any:
+    """How a view of `shape` laid out as `src` becomes `out_shape` laid out as `dst`, worked out per coord:
+    None when every rank's block is the same run of elements before and after (a local view), False when
+    a block is no contiguous run (the view is refused: the planner lays the input out anew first), or
+    ``(group, axes)`` when one group of dims holds the same runs in the same member order but cut in other
+    places (``(5, 10) -> (50,)`` with 5 split 3,2 over two ranks: rows 0-29 and 30-49 where the output's
+    split puts 0-24 and 25-49): the view then moves the rows between the ranks along `axes`
+    (`sbp.runtime.rows`), the exact elements whose owner changes.
+
+    >>> from sbp import S
+    >>> regroup((4, 6), (24,), (S(0),), (S(0),), (2,)), regroup((5, 6), (30,), (S(0),), (S(0),), (2,))
+    (None, (0, (0,)))
+    >>> regroup((4, 6), (24,), (S(1),), (S(0),), (2,))   # columns 0-2 of every row: no run
+    False
+    """
+    groups = view_groups(shape, out_shape)
+    moved = set()
     for coord in _coords(mesh_shape):
-        bin_ = block(x.shape, mesh_shape, choice.inputs[0], coord)
-        bout = block(out.shape, mesh_shape, choice.outputs[0], coord)
-        fin = [_flat_range([bin_[d] for d in gi], [x.shape[d] for d in gi]) for gi, _ in groups]
-        fout = [_flat_range([bout[d] for d in gj], [out.shape[d] for d in gj]) for _, gj in groups]
-        if _EMPTY in fin or _EMPTY in fout:
-            if not (_EMPTY in fin and _EMPTY in fout):
-                return False
-            continue
-        if None in fin or fin != fout:
+        bin_ = block(shape, mesh_shape, src, coord)
+        bout = block(out_shape, mesh_shape, dst, coord)
+        fin = [_flat_range([bin_[d] for d in gi], [shape[d] for d in gi]) for gi, _ in groups]
+        fout = [_flat_range([bout[d] for d in gj], [out_shape[d] for d in gj]) for _, gj in groups]
+        if _EMPTY in fin and _EMPTY in fout:
+            continue   # nothing held before or after
+        if None in fin or None in fout:
             return False
-    return True
+        moved.update(k for k, (a, b) in enumerate(zip(fin, fout)) if a != b)
+    if not moved:
+        return None
+    if len(moved) > 1:
+        return False
+    (k,) = moved
+    gi, gj = groups[k]
+    axes = tuple(a for a, p in enumerate(src) if isinstance(p, Split) and p.dim in gi)
+    if axes != tuple(a for a, p in enumerate(dst) if isinstance(p, Split) and p.dim in gj):
+        return False
+    return k, axes
 
 
 def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -137,14 +170,81 @@ def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def _run_view(call: Call) -> Any:
     local, shape = call.args[0], list(call.out_shape(0))
+    spec, src, dst = call.spec, call.choice.inputs[0], call.choice.outputs[0]
+    try:
+        how = regroup(spec.inputs[0].shape, spec.out.shape, src, dst, spec.mesh_shape)
+    except TypeError:   # a symbolic size does not hash
+        how = _symbolic_regroup(call)
+    if how:
+        return _move_group_rows(call, local, how)
     try:
         return call.func(local, shape)
     except (RuntimeError, ValueError):  # a non-contiguous local block (e.g. after a transpose): copy, as
         return local.reshape(shape)     # reshape would (fake tensors, under torch.compile, raise ValueError)
 
 
+def _symbolic_regroup(call: Call) -> Any:
+    """`regroup` for symbolic sizes: worked out at their hints. Where the view is local there, a guard per
+    run keeps the graph to the sizes where it stays local (equal runs before and after); moving rows holds
+    for every size (the runs are expressions of the sizes)."""
+    spec, src, dst = call.spec, call.choice.inputs[0], call.choice.outputs[0]
+    shape, out_shape = hint_shape(spec.inputs[0].shape), hint_shape(spec.out.shape)
+    how = regroup(shape, out_shape, src, dst, spec.mesh_shape)
+    if how is not None:
+        return how
+    for k, (gi, gj) in enumerate(view_groups(shape, out_shape)):
+        axes = tuple(a for a, p in enumerate(src) if isinstance(p, Split) and p.dim in gi)
+        if axes and any(h != w for h, w in zip(*_group_runs(call, gi, gj, axes))):   # records the guards
+            return k, axes
+    return None
+
+
+def _group_runs(call: Call, gi: list[int], gj: list[int], axes: tuple[int, ...]) -> tuple[list, list]:
+    """Every member's run of elements of one view group (input dims `gi`, output dims `gj`), before and
+    after, for the members of this rank's group along `axes` in member order; ints, or expressions of
+    symbolic sizes."""
+    spec, mesh_shape = call.spec, call.spec.mesh_shape
+
+    def runs(full: tuple, pls: tuple, dims: list[int]) -> list[tuple]:
+        out = []
+        for coord in _members(call.coord, axes, mesh_shape):
+            b = block_of(full, mesh_shape, pls, coord)
+            start, stride = 0, 1
+            for d in reversed(dims):
+                start, stride = start + b[d][0] * stride, stride * full[d]
+            out.append((start, start + math.prod(b[d][1] - b[d][0] for d in dims)))
+        return out
+
+    return (runs(tuple(spec.inputs[0].shape), call.choice.inputs[0], gi),
+            runs(tuple(spec.out.shape), call.choice.outputs[0], gj))
+
+
+def _move_group_rows(call: Call, local: torch.Tensor, how: tuple) -> torch.Tensor:
+    """A view whose group `how[0]` is cut in other places before and after (`regroup`): the group's dims of
+    the local merged into one, its rows moved between the ranks along `how[1]` (`sbp.runtime.rows.move_rows`),
+    then viewed as the output's local. Sizes may be symbolic: the runs are expressions of them."""
+    k, axes = how
+    spec, mesh_shape = call.spec, call.spec.mesh_shape
+    gi, gj = view_groups(hint_shape(spec.inputs[0].shape), hint_shape(spec.out.shape))[k]
+    have, want = _group_runs(call, gi, gj, axes)
+    me = sum(call.coord[a] * math.prod(mesh_shape[b] for b in axes[i + 1:]) for i, a in enumerate(axes))
+    at = gi[0]
+    rows = local.reshape(tuple(local.shape[:at]) + (-1,) + tuple(local.shape[gi[-1] + 1:])).movedim(at, 0)
+    moved = move_rows(rows, have, want, me, axes, call.mesh).movedim(0, at)
+    return moved.reshape(call.out_shape(0))
+
+
+def _members(coord: tuple[int, ...], axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The coords of `coord`'s group along `axes`, in member (row-major) order."""
+    found = [coord]
+    for a in axes:
+        found = [c[:a] + (i,) + c[a + 1:] for c in found for i in range(mesh_shape[a])]
+    return found
+
+
 VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,
-            doc="S(d)->S(first output dim of d's group) when every block stays one contiguous run; B; P")
+            doc="S(d)->S(first output dim of d's group) when every block stays one contiguous run (runs cut "
+                "elsewhere: rows moved between neighbours); B; P")
 
 
 def _pad_sigs(spec: OpSpec, axis: int) -> list[Sig]:

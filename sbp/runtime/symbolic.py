@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..values.layout import block, splitters
 from ..values.placement import Broadcast, Placement, Split
@@ -60,6 +61,39 @@ def size_key(n: "int | torch.SymInt") -> object:
         return n
     value = n.node.maybe_as_int()
     return value if value is not None else (id(n.node.shape_env), n.node.expr)
+
+
+class SizeMap:
+    """A dict keyed by sizes that may be symbolic (`size_key`), whose lookups also find a size recorded as an
+    expression that the guards since recorded make equal to the asked one (``s0 // 2`` recorded, ``1`` asked
+    after torch guarded ``s0 // 2 == 1``, as it does for a size 1 a broadcast could read).
+
+    >>> m = SizeMap()
+    >>> m[3] = 6
+    >>> m.get(3), m.get(4)
+    (6, None)
+    """
+
+    _KEEP = 64   # symbolic sizes kept for the second look (a few per traced graph)
+
+    def __init__(self) -> None:
+        self._by_key: dict = {}
+        self._symbolic: list = []
+
+    def __setitem__(self, n: "int | torch.SymInt", value: object) -> None:
+        self._by_key[size_key(n)] = value
+        if isinstance(n, torch.SymInt) and is_symbolic(n):
+            self._symbolic = self._symbolic[-self._KEEP + 1:] + [(n, value)]
+
+    def get(self, n: "int | torch.SymInt", default: object = None) -> object:
+        """The value recorded for size `n`, else `default`."""
+        key = size_key(n)
+        if key in self._by_key:
+            return self._by_key[key]
+        for size, value in reversed(self._symbolic):
+            if size_key(size) == key or statically_known_true(size == n):   # known equal: no guard is added
+                return value
+        return default
 
 
 def hint(n: "int | torch.SymInt") -> int:
@@ -192,5 +226,5 @@ def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
     return replace(plan, global_shape=shape, src=pls(plan.src), dst=pls(plan.dst), steps=steps)
 
 
-__all__ = ["is_symbolic", "any_symbolic", "size_key", "hint", "hint_shape", "specialize", "block_of", "frozen_splits",
-           "dynamic_dims", "splits_any", "split_dims", "without_dims"]
+__all__ = ["is_symbolic", "any_symbolic", "size_key", "SizeMap", "hint", "hint_shape", "specialize", "block_of",
+           "frozen_splits", "dynamic_dims", "splits_any", "split_dims", "without_dims"]

@@ -252,6 +252,12 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
     return out
 
 
+def all_to_all_rows(inp: torch.Tensor, out_sizes: list, in_sizes: list, name: str) -> torch.Tensor:
+    """One functional ``all_to_all_single`` along dim 0 of `inp` (sizes in rows, group-rank order; they may
+    be symbolic), waited for: `sbp.runtime.rows` in a traced graph."""
+    return _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
+
+
 def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
     ex = exchange(global_shape, mesh_shape, step.src, step.dst, step.axes, coord)
     me = ex.members.index(coord)
@@ -290,4 +296,4 @@ def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem=()
 
 _REDUCE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
-__all__ = ["CompileError", "is_tracing", "group_name", "run_step", "code_fingerprint", "cache_key"]
+__all__ = ["CompileError", "is_tracing", "group_name", "run_step", "all_to_all_rows", "code_fingerprint", "cache_key"]

@@ -80,26 +80,49 @@ def test_shape_op(name, data, mesh):
     check_op(SHAPE_OPS[name], [randn(s)], [pls], mesh)
 
 
-@pytest.mark.parametrize("src, dst, pls, local", [
-    ((4, 6, 5), (24, 5), (S(0),), True),           # merge after the split dim: blocks 12,12 both ways
-    ((5, 6, 5), (30, 5), (S(0),), False),          # uneven: rows 3,2 -> 18,12, but S(0) of 30 is 15,15
-    ((4, 12), (4, 4, 3), (S(1),), True),           # split a split dim: 6,6 -> heads 2,2 of 3
-    ((4, 12), (4, 3, 4), (S(1),), False),          # 6,6 is not a whole number of heads of 4
-    ((4, 6, 5), (24, 5), (S(0), S(0)), True),      # nested over 2x2: 1,1,1,1 rows -> 6,6,6,6
-    ((2, 6, 4), (2, 24), (S(1), S(1)), False),     # nested 2,1,2,1 -> 8,4,8,4 but S(1),S(1) of 24 is 6 each
+@pytest.mark.parametrize("src, dst, pls, moved", [
+    ((4, 6, 5), (24, 5), (S(0),), 0),              # merge after the split dim: blocks 12,12 both ways
+    ((5, 6, 5), (30, 5), (S(0),), 3 * 5),          # uneven: rows 3,2 -> 18,12 where S(0) of 30 is 15,15
+    ((4, 12), (4, 4, 3), (S(1),), 0),              # split a split dim: 6,6 -> heads 2,2 of 3
+    ((4, 12), (4, 3, 4), (S(1),), 4 * 2),          # 6,6 per row where heads of 4 split 2,1 put 8,4
+    ((4, 6, 5), (24, 5), (S(0), S(0)), 0),         # nested over 2x2: 1,1,1,1 rows -> 6,6,6,6
+    ((2, 6, 4), (2, 24), (S(1), S(1)), 2 * (2 + 2)),   # nested 2,1,2,1 -> 8,4,8,4 where S(1),S(1) is 6 each
+    ((7, 3), (21,), (S(0),), 2 + 1),               # rows 3,2,2 over 3 ranks: 9,6,6 elements where S(0) of 21 is 7 each
 ])
-def test_reshape_keeps_splits_local_only_when_blocks_agree(src, dst, pls, local):
+def test_reshape_keeps_splits_and_moves_only_rows_cut_elsewhere(src, dst, pls, moved):
+    # every split survives the view; where the input's blocks are not the output's (uneven pieces merged
+    # or split), the view moves exactly the elements whose rank changes, point to point (it redistributed
+    # the input before: an all_to_all of about half the tensor, or a gather)
     full = randn(src)
+    mesh_shape = (3,) if src == (7, 3) else (2,) * len(pls)
 
     def fn(mesh):
         x = make_global(full, mesh, pls)
         mesh.binding.counters.reset()
         y = x.view(dst)
-        return y.placements, mesh.binding.counters.received, y.full()
+        calls = {c.collective for c in mesh.binding.counters.calls}
+        return y.placements, mesh.binding.counters.received // full.element_size(), calls, y.full()
 
-    for got, moved, value in sbp.testing.spmd(fn, (2,) * len(pls)):
+    results = sbp.testing.spmd(fn, mesh_shape)
+    for got, _, calls, value in results:
         assert torch.equal(value, full.view(dst))
-        assert (moved == 0 and got == pls) == local, (got, moved)   # the split survives in place
+        assert got == pls
+        assert calls <= {"send_recv"}, calls
+    assert sum(received for _, received, _, _ in results) == moved
+
+
+def test_a_view_whose_rows_moved_refuses_writes():
+    # its local is no view of the base's: a write would not reach the base
+    def fn(mesh):
+        x = sbp.distribute(torch.zeros(5, 6), mesh, "S(0)")
+        y = x.view(30)
+        try:
+            y.add_(1)
+        except sbp.SbpError as e:
+            return "could not stay a view" in str(e)
+        return False
+
+    assert sbp.testing.spmd(fn, (2,)) == [True, True]
 
 
 def test_select_on_split_dim_gives_partial_sum():

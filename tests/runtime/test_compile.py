@@ -520,28 +520,33 @@ def run_dropout_compiled(mesh):
     x = sbp.distribute(_global_value((6, 4)) + 10, mesh, "S(0)", requires_grad=True)
     mesh.binding.counters.reset()
     eager_pls = torch.nn.functional.dropout(x, 0.5, training=True).placements
+    eager_calls = [c.collective for c in mesh.binding.counters.calls]
     torch._dynamo.reset()
-    f = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 3, backend="aot_eager",
+    rec = GraphRecorder()
+    f = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 3, backend=rec.backend,
                       fullgraph=True)
     y = f(x)
     y.sum().full().backward()
     again = f(x).full()
-    return y.placements == eager_pls == x.placements, y.full().detach(), x.grad.full(), again.detach()
+    return (y.placements == eager_pls == x.placements, y.full().detach(), x.grad.full(), again.detach(),
+            eager_calls, dict(rec.collectives(0)))
 
 
 def test_dropout_compiles_fullgraph_and_ranks_agree() -> None:
     # fails without the traced path of sbp.ops.random (the eager seed agreement is a collective on values:
     # "Could not extract specialized integer from data-dependent expression"), and without the draw keeping
-    # the input's layout the output was B where eager's is S(0)
+    # the input's layout the output was B where eager's is S(0). The mask is drawn over a tensor made on each
+    # rank, not gathered: eagerly one collective (the seed), none in the forward graph (both failed before)
     out = spmd(run_dropout_compiled, (2,))
     x = _global_value((6, 4)) + 10
-    for same_layout, y, grad, again in out:
+    for same_layout, y, grad, again, eager_calls, graph_calls in out:
         assert same_layout
+        assert eager_calls == ["all_gather"] and graph_calls == {}, (eager_calls, graph_calls)
         kept = y != 0
         assert torch.equal(y[kept], (x * 6)[kept]) and 0 < int(kept.sum()) < y.numel()   # 1/(1-p) * 3
         assert torch.equal(grad, kept.to(grad.dtype) * 6)
         assert not torch.equal(again != 0, kept)   # a new mask each call, not one baked into the graph
-    assert all(torch.equal(y, out[0][1]) for _, y, _, _ in out)   # every rank holds the same draw
+    assert all(torch.equal(r[1], out[0][1]) for r in out)   # every rank holds the same draw
 
 
 def run_slice_then_reshape(mesh):

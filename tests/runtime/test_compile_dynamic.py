@@ -125,3 +125,44 @@ def test_parallelized_mlp_batch_sizes_compile_at_most_once_more(mode, most) -> N
     for rank, (loss_diff, grad_diff, graphs) in enumerate(spmd(functools.partial(run_mlp_sizes, mode), (2,))):
         assert loss_diff <= 1e-10 and grad_diff <= 1e-10, (rank, loss_diff, grad_diff)
         assert graphs <= most, f"rank {rank}: {graphs} graphs for batch sizes {SIZES} ({mode})"
+
+
+def run_linear_on_a_split_batch(mesh):
+    """`x @ w` of a batch-split (B, T, C) input over odd and even batch sizes, forward and backward: compiled ==
+    eager, the graphs compiled, and for the odd sizes the graph's collectives against eager's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rec = GraphRecorder()
+    w = sbp.distribute(torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)), mesh, "B",
+                       requires_grad=True)
+    f = torch.compile(lambda x, w: (x @ w).relu().sum(1), backend=rec.backend, fullgraph=True, dynamic=True)
+    diffs, eager_calls = [], []
+    for b in (4, 6, 12, 5, 7, 9):
+        full = torch.randn(b, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(b))
+        x = sbp.distribute(full, mesh, "S(0)", requires_grad=True)
+        got = f(x, w)
+        got.sum().full().backward()
+        grads = x.grad.full(), w.grad.full()
+        x.grad, w.grad = None, None
+        mesh.binding.counters.reset()
+        want = (x @ w).relu().sum(1)
+        eager_calls.append([c.collective for c in mesh.binding.counters.calls])
+        want.sum().full().backward()
+        diffs.append(max((got.full() - want.full()).abs().max().item(), (grads[0] - x.grad.full()).abs().max().item(),
+                         (grads[1] - w.grad.full()).abs().max().item()))
+        w.grad = None
+    odd_forward = rec.collectives(2)   # graphs: even forward, even backward, odd forward, odd backward
+    return max(diffs), _graphs(), eager_calls, dict(odd_forward)
+
+
+def test_view_of_an_unevenly_split_batch_moves_rows_in_one_graph_per_remainder() -> None:
+    # (B, 10, 8) @ w flattens to (10 B, 8): for odd B the batch's pieces are not where the split of the
+    # flattened rows puts them, and the view moves the rows between the ranks (sbp.runtime.rows) with sizes
+    # symbolic in B: odd sizes share one graph (each compiled for its value before). The graph's all_to_alls
+    # are eager's point-to-point moves (the view forward, the view back)
+    for rank, (diff, graphs, eager_calls, odd_forward) in enumerate(spmd(run_linear_on_a_split_batch, (2,))):
+        assert diff <= 1e-12, (rank, diff)
+        assert graphs == 2, f"rank {rank}: {graphs} graphs for batch sizes 4, 6, 12 (one) and 5, 7, 9 (one)"
+        moves = eager_calls[3:]
+        assert eager_calls[:3] == [[]] * 3 and all(c == ["send_recv", "send_recv"] for c in moves), eager_calls
+        assert odd_forward == {"all_to_all_single": 2, "wait_tensor": 2}, odd_forward
