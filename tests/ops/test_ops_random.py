@@ -90,7 +90,7 @@ def test_a_draw_over_its_input_gathers_nothing(name, mesh, placements):
 def test_native_dropout_keeps_the_layout_and_gathers_nothing(mesh, placements, out):
     # fails without its rule (sbp.ops.random.NATIVE_DROPOUT, what compiled dropout runs): the input was
     # gathered, the outputs Broadcast
-    value = torch.arange(1.0, 16.0).reshape(5, 3)
+    value = torch.arange(1.0, 71.0).reshape(10, 7)   # 70 elements: a mask keeping all or none is ~1e-9 likely
 
     def rank(mesh_):
         x = sbp.distribute(value, mesh_, ("B",) * len(mesh)).redistribute(placements)

@@ -529,14 +529,14 @@ def run_dropout_compiled(mesh):
     y.sum().full().backward()
     again = f(x).full()
     return (y.placements == eager_pls == x.placements, y.full().detach(), x.grad.full(), again.detach(),
-            eager_calls, dict(rec.collectives(0)))
+            eager_calls, dict(rec.collectives()))
 
 
 def test_dropout_compiles_fullgraph_and_ranks_agree() -> None:
     # fails without the traced path of sbp.ops.random (the eager seed agreement is a collective on values:
     # "Could not extract specialized integer from data-dependent expression"), and without the draw keeping
     # the input's layout the output was B where eager's is S(0). The mask is drawn over a tensor made on each
-    # rank, not gathered: eagerly one collective (the seed), none in the forward graph (both failed before)
+    # rank, not gathered: eagerly one collective (the seed), none in the graphs (both failed before)
     out = spmd(run_dropout_compiled, (2,))
     x = _global_value((6, 4)) + 10
     for same_layout, y, grad, again, eager_calls, graph_calls in out:
