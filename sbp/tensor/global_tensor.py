@@ -367,7 +367,9 @@ class GlobalTensor(torch.Tensor):
                                        self.requires_grad, bool(getattr(self, "_is_param", False)))
 
     def __tensor_flatten__(self):
-        return ["_local"], (self._mesh, self._placements, tuple(self.shape))
+        # the global shape with symbolic sizes as None: the metadata is pickled into torch.compile's caches,
+        # and a symbolic size would drag its shape environment along (unpicklable: no cache entry was saved)
+        return ["_local"], (self._mesh, self._placements, tuple(n if type(n) is int else None for n in self.shape))
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -420,7 +422,7 @@ class GlobalTensor(torch.Tensor):
             return None
         mesh, placements, shape = expected
         if mesh != self._mesh or len(shape) != self.dim() or any(
-                type(a) is int and a != b for a, b in zip(shape, self.shape)):   # symbolic sizes: any
+                a is not None and a != b for a, b in zip(shape, self.shape)):   # None: a symbolic size, any
             return None
         return self.redistribute(placements)
 

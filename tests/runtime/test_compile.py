@@ -131,6 +131,27 @@ def test_redistribute_2_ranks_eager_and_inductor_backends() -> None:
     assert all(after > hits for after, hits in zip(spmd(run_cache_hits, (2,)), before)), "no warm-cache round ran"
 
 
+def run_dynamic_inductor_round(mesh):
+    """One round of a dynamic-shape inductor compile (dynamo reset first): equal to eager, and this rank's
+    AOTAutograd cache hits so far."""
+    x = sbp.distribute(_global_value((6, 4)), mesh, "S(1)")
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t.redistribute("B") * 2, backend="inductor", fullgraph=True, dynamic=True)
+    same = torch.equal(f(x).to_local(), (x.redistribute("B") * 2).to_local())
+    return same, torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def test_dynamic_shape_graphs_are_saved_to_the_compile_cache() -> None:
+    # the second round loads the first's graph from AOTAutograd's on-disk cache. Fails without the global
+    # shape's symbolic sizes left out of the tensor's flatten metadata: pickling a symbolic size dragged its
+    # shape environment along and torch warned "AOTAutograd cache unable to serialize compiled graph"
+    first = spmd(run_dynamic_inductor_round, (2,))
+    second = spmd(run_dynamic_inductor_round, (2,))
+    for (same, before), (again, after) in zip(first, second):
+        assert same and again
+        assert after > before, "the warm round did not load from the cache"
+
+
 def run_conversions(backend, mesh):
     """from_local / to_local / full / a rowwise matmul (P(sum) -> B): forward and backward, compiled vs eager."""
     x0, w0 = _global_value((6, 4)), _global_value((4, 3)) + 0.5
