@@ -292,7 +292,8 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     losses = train(model, data, args, on_step=progress(args.steps) if rank0 else None, mesh=mesh)
     if rank0:
-        print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0: "
+        note = " run eagerly (the compiled graphs' own collectives are torch's and not counted)" if args.compile else ""
+        print(f"trained in {time.perf_counter() - t0:.1f} s; collectives on rank 0{note}: "
               f"{len(mesh.binding.counters.calls)}", flush=True)
     if args.check:
         params = {name: p.full().cpu() for name, p in model.named_parameters()}  # every rank takes part

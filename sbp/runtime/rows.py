@@ -47,21 +47,20 @@ def move_rows(local: torch.Tensor, have: Sequence[Run], want: Sequence[Run], me:
     sends = [_overlap(mine, w, tracing) for w in want]              # to each member: (global start, length)
     recvs = [_overlap(target, h, tracing) for h in have]            # from each member
     comm = mesh.binding
+    # the result has the length of this member's run (under compile an expression as simple as its block's;
+    # a concatenation of the pieces would have the sum of their lengths as its size, which later views of
+    # the block cannot follow)
+    out = local.new_empty((target[1] - target[0],) + tuple(local.shape[1:]))
     if tracing:
-        name, n, order = traced.group_name(comm, axes)
+        name, _, order = traced.group_name(comm, axes)
         parts = [local.narrow(0, sends[m][0] - mine[0], sends[m][1]) for m in order]
         got = traced.all_to_all_rows(torch.cat(parts), [recvs[m][1] for m in order],
                                      [sends[m][1] for m in order], name)
-        # pieces arrive in group-rank order and land at their place in the result, which is made with the
-        # length of this member's run (an expression of the sizes as simple as its block's: a concatenation
-        # of the pieces would have their lengths' sum as its size, which later views cannot follow)
-        out = local.new_empty((target[1] - target[0],) + tuple(local.shape[1:]))
         at = 0
-        for m in order:
+        for m in order:   # pieces arrive in group-rank order
             out.narrow(0, recvs[m][0] - target[0], recvs[m][1]).copy_(got.narrow(0, at, recvs[m][1]))
             at = at + recvs[m][1]
         return out
-    out = local.new_empty((target[1] - target[0],) + tuple(local.shape[1:]))
     messages, inbox = [], []
     for m, ((s_start, s_len), (r_start, r_len)) in enumerate(zip(sends, recvs)):
         if m == me:
