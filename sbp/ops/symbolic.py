@@ -19,6 +19,7 @@ import torch
 
 from ..runtime import symbolic
 from ..tensor.global_tensor import GlobalTensor
+from ..values.errors import SbpError
 from ..values.layout import splitters
 from .cache import DECISIONS
 from .decide import Decision, DecisionClass, decide, instantiate_symbolic, meta_outputs
@@ -61,7 +62,10 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
         for k in (1, 2):
             assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
             cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
-            made = decide(func, cargs, ckwargs, cleaves, mesh)
+            try:
+                made = decide(func, cargs, ckwargs, cleaves, mesh)
+            except SbpError:   # made-up sizes that break what the call's constants hold (``x.view(30, 8)`` of a
+                return _specialized(func, args, kwargs, leaves, mesh)   # symbolic (B, T, 8)): its own sizes
             ints = [_value(v, assign) for v in values]
             if record is None:
                 record = DecisionClass(made, ints)
