@@ -699,8 +699,8 @@ def _global_shape(local: torch.Tensor, pls: tuple[Placement, ...], module: nn.Mo
             continue
         if axes == [ctx.tp_axis] and dim == local.ndim - 1 and hasattr(module, "in_features"):
             shape[dim] = module.in_features
-        elif dim == 0 and ctx.tp_axis not in axes and ctx.batch_lengths.get(shape[0]) is not None:
-            shape[0] = ctx.batch_lengths.get(shape[0])
+        elif dim == 0 and ctx.tp_axis not in axes and (length := ctx.batch_lengths.get(shape[0])) is not None:
+            shape[0] = length
         else:
             return None  # from_local infers it with one small all_gather of the local shapes
     return tuple(shape)

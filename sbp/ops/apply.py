@@ -147,13 +147,13 @@ class Decision:
                                f"Write into the base, or .clone() the view first")
         coord = mesh_coord(mesh)
         locals_ = []
-        for t, target in zip(leaves, self.targets):
+        for i, (t, target) in enumerate(zip(leaves, self.targets)):
             if isinstance(t, GlobalTensor):
                 if t._mesh is not mesh and t._mesh != mesh:
                     refuse_mixed_meshes(func, mesh, t)
                 if target is None:
                     locals_.append(t._local)
-                elif self.blank and not locals_:
+                elif self.blank and i == 0:
                     locals_.append(t._local.new_empty(t.shape))   # only its shape is read: made, not gathered
                 else:
                     locals_.append(redistribute_raw(t, target)._local)

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..runtime.buffers import group_coords
 from ..runtime.rows import move_rows
 from ..runtime.symbolic import block_of, hint_shape
 from ..tensor.global_tensor import GlobalTensor, logical_strides, notes_of
@@ -155,10 +156,15 @@ def regroup(shape: tuple[int, ...], out_shape: tuple[int, ...], src: tuple, dst:
         return False
     (k,) = moved
     gi, gj = groups[k]
-    axes = tuple(a for a, p in enumerate(src) if isinstance(p, Split) and p.dim in gi)
-    if axes != tuple(a for a, p in enumerate(dst) if isinstance(p, Split) and p.dim in gj):
+    axes = _splitting(src, gi)
+    if axes != _splitting(dst, gj):
         return False
     return k, axes
+
+
+def _splitting(pls: tuple, dims: list[int]) -> tuple[int, ...]:
+    """The mesh axes whose placement splits one of `dims`."""
+    return tuple(a for a, p in enumerate(pls) if isinstance(p, Split) and p.dim in dims)
 
 
 def _coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -193,7 +199,7 @@ def _symbolic_regroup(call: Call) -> Any:
     if how is not None:
         return how
     for k, (gi, gj) in enumerate(view_groups(shape, out_shape)):
-        axes = tuple(a for a, p in enumerate(src) if isinstance(p, Split) and p.dim in gi)
+        axes = _splitting(src, gi)
         if axes and any(h != w for h, w in zip(*_group_runs(call, gi, gj, axes))):   # records the guards
             return k, axes
     return None
@@ -207,7 +213,7 @@ def _group_runs(call: Call, gi: list[int], gj: list[int], axes: tuple[int, ...])
 
     def runs(full: tuple, pls: tuple, dims: list[int]) -> list[tuple]:
         out = []
-        for coord in _members(call.coord, axes, mesh_shape):
+        for coord in group_coords(mesh_shape, axes, call.coord):
             b = block_of(full, mesh_shape, pls, coord)
             start, stride = 0, 1
             for d in reversed(dims):
@@ -224,22 +230,14 @@ def _move_group_rows(call: Call, local: torch.Tensor, how: tuple) -> torch.Tenso
     the local merged into one, its rows moved between the ranks along `how[1]` (`sbp.runtime.rows.move_rows`),
     then viewed as the output's local. Sizes may be symbolic: the runs are expressions of them."""
     k, axes = how
-    spec, mesh_shape = call.spec, call.spec.mesh_shape
+    spec = call.spec
     gi, gj = view_groups(hint_shape(spec.inputs[0].shape), hint_shape(spec.out.shape))[k]
     have, want = _group_runs(call, gi, gj, axes)
-    me = sum(call.coord[a] * math.prod(mesh_shape[b] for b in axes[i + 1:]) for i, a in enumerate(axes))
+    me = call.mesh.group_index(call.coord, axes)
     at = gi[0]
     rows = local.reshape(tuple(local.shape[:at]) + (-1,) + tuple(local.shape[gi[-1] + 1:])).movedim(at, 0)
     moved = move_rows(rows, have, want, me, axes, call.mesh).movedim(0, at)
     return moved.reshape(call.out_shape(0))
-
-
-def _members(coord: tuple[int, ...], axes: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The coords of `coord`'s group along `axes`, in member (row-major) order."""
-    found = [coord]
-    for a in axes:
-        found = [c[:a] + (i,) + c[a + 1:] for c in found for i in range(mesh_shape[a])]
-    return found
 
 
 VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,

@@ -18,6 +18,7 @@ tensor: only unsplit dims stay symbolic.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import Iterable, Sequence
 
@@ -74,16 +75,14 @@ class SizeMap:
     (6, None)
     """
 
-    _KEEP = 64   # symbolic sizes kept for the second look (a few per traced graph)
-
     def __init__(self) -> None:
         self._by_key: dict = {}
-        self._symbolic: list = []
+        self._symbolic: deque = deque(maxlen=64)   # symbolic sizes kept for the second look (a few per graph)
 
     def __setitem__(self, n: "int | torch.SymInt", value: object) -> None:
         self._by_key[size_key(n)] = value
         if isinstance(n, torch.SymInt) and is_symbolic(n):
-            self._symbolic = self._symbolic[-self._KEEP + 1:] + [(n, value)]
+            self._symbolic.append((n, value))
 
     def get(self, n: "int | torch.SymInt", default: object = None) -> object:
         """The value recorded for size `n`, else `default`."""
