@@ -205,15 +205,15 @@ class _CompiledLeaves:
 
 class _MatmulMode:
     """`SplitBatchMatmul` on from the root module's forward-pre hook to its forward hook (also when the forward
-    raises); nested calls of the root share one mode; off under torch.compile (the decomposed ops are traced)."""
+    raises); nested calls of the root share one mode. Also when the whole model is compiled (the hooks then
+    run while dynamo traces): the compiled attention's batched matmuls keep their split heads as eagerly
+    (a Llama's compiled step held 6 + 14 all_to_alls for eager's 2 + 2 before)."""
 
     def __init__(self) -> None:
         self.mode: Optional[SplitBatchMatmul] = None
         self.depth = 0
 
     def enter(self, *_: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
         if self.depth == 0:
             self.mode = SplitBatchMatmul()
             self.mode.__enter__()

@@ -439,8 +439,10 @@ class DecisionClass:
     meta kernels; the candidates themselves (`candidates`: the rule's signatures, checks and what each
     changes) are made once per class, since they depend on placements, dtypes, sizes up to the rank count,
     remainders and which sizes are equal -- what the class key fixes -- not on the sizes' magnitudes.
-    Fallbacks, and classes whose output sizes are no symbols, stay `exact` (every call of the class
-    decided alone).
+    Fallbacks stay `exact` (every call of the class decided alone). A class whose output sizes are no
+    symbols (``x[:, :3]``, a cat) becomes *shaped* once a second call made the same choice: eager calls
+    decide such a class alone, and calls with symbolic sizes take its choice with torch's symbolic output
+    sizes (`sbp.ops.symbolic`; a choice that is not free only where the call's hint sizes choose it too).
 
     >>> import sbp
     >>> x = GlobalTensor(torch.zeros(6, 8), sbp.DeviceMesh((2,)), (sbp.S(0),), (12, 8))
@@ -450,7 +452,7 @@ class DecisionClass:
     (((-1, -2),), 'candidate')
     """
 
-    __slots__ = ("decision", "values", "formula", "state", "sized", "found")
+    __slots__ = ("decision", "values", "formula", "state", "sized", "found", "free")
 
     def __init__(self, decision: Decision, values: list[int]) -> None:
         self.decision = decision
@@ -459,7 +461,11 @@ class DecisionClass:
                            if arg.name in SIZE_ARGS)   # (position, name) of the size arguments
         self.found = None   # a priced class's `candidates`, made at its first instantiation
         self.formula = _formula(decision, values)
-        self.state = "exact" if self.formula is None else "candidate" if _free(decision) else "priced?"
+        self.free = not decision.fallback and _free(decision)
+        if self.formula is not None:
+            self.state = "candidate" if self.free else "priced?"
+        else:   # output sizes no symbol gives: only calls with symbolic sizes may share the choice
+            self.state = "exact" if decision.fallback else "shaped?"
 
     def confirm(self, decision: Decision, values: list[int]) -> None:
         """Check the class's formula and choice against a second call's cold `decision`, of other values."""
@@ -468,6 +474,10 @@ class DecisionClass:
                     and decision.fallback == self.decision.fallback
                     and _sizes(self.formula, values) == _out_shapes(decision))
             self.state = "generic" if same else "exact"
+        elif self.state == "shaped?" and values != self.values:
+            same = (decision.choice == self.decision.choice and decision.run is self.decision.run
+                    and not decision.fallback)
+            self.state = "shaped" if same else "exact"
         elif self.state == "priced?" and values != self.values:
             same = not decision.fallback and _sizes(self.formula, values) == _out_shapes(decision)
             self.state = "priced" if same else "exact"
@@ -519,6 +529,17 @@ def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict,
         return None
     if choice != made.choice:
         made = Decision(hinted, choice, rules.lookup(func).run, made.paths, made.writes)
+    return _resized(made, spec, keyed=False)
+
+
+def instantiate_shaped(record: DecisionClass, args: tuple, kwargs: dict, leaves: list,
+                       outputs: tuple) -> Decision:
+    """A *shaped* class's decision for a call with symbolic sizes: the class's free choice, the output
+    shapes torch's meta kernels gave for the call's symbolic shapes (`outputs`: a shape or None each)."""
+    made = record.decision
+    spec = _respec(made.spec, args, kwargs, leaves, record.sized)
+    spec.outputs = tuple(None if m is None or o is None else TensorMeta(tuple(o), m.dtype)
+                         for m, o in zip(made.spec.outputs, outputs))
     return _resized(made, spec, keyed=False)
 
 

@@ -5,15 +5,19 @@ It is keyed by its *shape class* instead (`sbp.ops.dispatch.class_key`: each sym
 its own), and the class must be shown generic: two cold decisions at made-up sizes (each symbol at its hint
 plus a distinct large multiple of the rank count, so no two symbols and no constant coincide) make the same
 choice, and the output sizes follow the symbols (`sbp.ops.decide.DecisionClass`). The call then runs the
-class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A decision
-that moves a symbolic dim (redistributes an input along it), or a class that is not generic (a fallback, an
-output size no symbol gives), specializes the call instead: its symbolic sizes are pinned by guards (the
-graph then holds for those sizes), and it is decided as any call with int sizes.
+class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A class
+whose output sizes no symbol gives (``x[:, :-1]``, a cat) is *shaped* when both cold decisions make the same
+choice (one that is not free must also be the choice at the call's hint sizes): the call runs that choice
+with the output sizes torch's meta kernels give for its symbolic shapes. A decision that moves a symbolic
+dim (redistributes an input along it, other than cutting each rank's block:
+`sbp.runtime.symbolic.narrows`), or a class that is neither (a fallback, a choice that differs),
+specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
+sizes), and it is decided as any call with int sizes. A symbolic float argument is pinned alone.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -22,7 +26,7 @@ from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
 from ..values.layout import splitters
 from .cache import DECISIONS
-from .decide import Decision, DecisionClass, decide, instantiate_symbolic, meta_outputs
+from .decide import Decision, DecisionClass, decide, instantiate_shaped, instantiate_symbolic, meta_outputs
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
 
@@ -51,48 +55,89 @@ def _scalars(a: Any):
 def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_key) -> Any:
     """Run one op call with symbolic sizes (see the module's text); `leaves` as `sbp.ops.dispatch.handle`
     collects them, `class_key` its shape-class key (`sbp.ops.dispatch.class_key`)."""
-    _torch_guards(func, args, kwargs)
+    outputs = _torch_guards(func, args, kwargs)
     if not has_symbolic(args, kwargs, leaves):   # torch pinned every symbolic size itself
         return _specialized(func, args, kwargs, leaves, mesh)
-    m = math.prod(mesh.shape)
-    key, values = class_key(func, args, kwargs, tuple(mesh.shape))
+    if _has_symbolic_float(args) or _has_symbolic_float(tuple(kwargs.values())):
+        # a symbolic float (attention's scale of a symbolic head dim) is pinned by a guard; the sizes may stay
+        args, kwargs = _pin_floats(args), {k: _pin_floats((v,))[0] for k, v in kwargs.items()}
+        if not has_symbolic(args, kwargs, leaves):
+            return _specialized(func, args, kwargs, leaves, mesh)
+    try:
+        key, values = class_key(func, args, kwargs, tuple(mesh.shape))
+    except TypeError:   # a symbolic bool
+        return _specialized(func, args, kwargs, leaves, mesh)
     record = DECISIONS.class_get(key)   # a class eager calls may have begun (the key holds no sizes)
-    if record is None or record.state in ("candidate", "priced?"):   # not yet shown generic: two cold decisions
-        symbols = _symbols(values)
-        for k in (1, 2):
-            assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
-            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
-            try:
-                made = decide(func, cargs, ckwargs, cleaves, mesh)
-            except SbpError:   # made-up sizes that break what the call's constants hold (``x.view(30, 8)`` of a
-                return _specialized(func, args, kwargs, leaves, mesh)   # symbolic (B, T, 8)): its own sizes
-            ints = [_value(v, assign) for v in values]
-            if record is None:
-                record = DecisionClass(made, ints)
-                DECISIONS.class_put(key, record)
-            else:
-                record.confirm(made, ints)
+    if record is None or record.state in ("candidate", "priced?", "shaped?"):   # not yet shown: decide cold
+        record = _decide_class(func, args, kwargs, mesh, key, values, record)
+        if record is None:
+            return _specialized(func, args, kwargs, leaves, mesh)
+    decision = None
     if record.state in ("generic", "priced"):
         decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
-        if decision is not None and keeps_symbolic_splits(decision):
-            return decision.execute(func, args, kwargs, leaves)
+    elif record.state == "shaped" and outputs is not None and len(outputs) == len(record.decision.spec.outputs) \
+            and (record.free or _at_hints(func, args, kwargs, mesh).choice == record.decision.choice):
+        known = [n for t in leaves if isinstance(t, torch.Tensor) for n in t.shape] + values
+        shapes = tuple(None if meta is None else symbolic.canonical(meta.shape, known) for meta in outputs)
+        decision = instantiate_shaped(record, args, kwargs, leaves, shapes)
+    if decision is not None and keeps_symbolic_splits(decision):
+        return decision.execute(func, args, kwargs, leaves)
     return _specialized(func, args, kwargs, leaves, mesh)
 
 
-def _torch_guards(func, args: tuple, kwargs: dict) -> None:
+def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
+                  record: Optional[DecisionClass]) -> Optional[DecisionClass]:
+    """The call's class record after two cold decisions at made-up sizes (each symbol at its hint plus a
+    distinct large multiple of the rank count); None where made-up sizes break what the call's constants
+    hold (``x.view(30, 8)`` of a symbolic (B, T, 8)): the call is then decided at its own sizes."""
+    m = math.prod(mesh.shape)
+    symbols = _symbols(values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values()))))
+    for k in (1, 2):
+        assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
+        cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
+        try:
+            made = decide(func, cargs, ckwargs, cleaves, mesh)
+        except SbpError:
+            return None
+        ints = [_value(v, assign) for v in values]
+        if record is None:
+            record = DecisionClass(made, ints)
+            DECISIONS.class_put(key, record)
+        else:
+            record.confirm(made, ints)
+    return record
+
+
+def _has_symbolic_float(a: tuple) -> bool:
+    for x in a:
+        if isinstance(x, torch.SymFloat) or (type(x) is list or type(x) is tuple) and _has_symbolic_float(x):
+            return True
+    return False
+
+
+def _pin_floats(a: tuple) -> tuple:
+    """`a` with each ``torch.SymFloat`` replaced by its value (``float()`` records the guard)."""
+    return tuple(float(x) if isinstance(x, torch.SymFloat) else
+                 type(x)(_pin_floats(x)) if type(x) is list or type(x) is tuple else x for x in a)
+
+
+def _torch_guards(func, args: tuple, kwargs: dict) -> Optional[tuple]:
     """Run `func` on meta tensors of the call's (symbolic) global shapes: torch records the guards it would
     record for plain tensors (a linear's input features equal the weight's pin them), so only the sizes
-    the op leaves free stay symbolic. An error is left to the decision, which reports it on the global
-    inputs."""
+    the op leaves free stay symbolic. Returns the outputs' metas, None on an error (left to the decision,
+    which reports it on the global inputs)."""
     try:
-        meta_outputs(func, args, kwargs)
+        outputs = meta_outputs(func, args, kwargs)
     except Exception:   # noqa: BLE001 - deciding reports it
-        pass
+        return None
+    return outputs
 
 
 def keeps_symbolic_splits(decision: Decision) -> bool:
     """Whether `decision` moves no dim of symbolic size: each global input's symbolic dims are split by the
-    same mesh axes in its placements and in its target (a redistribution that moves one would pin it).
+    same mesh axes in its placements and in its target (a redistribution that moves one would pin it), or
+    the input's move only narrows each rank's block (`sbp.runtime.symbolic.narrows`: ``B -> S(0)``, cut
+    with bounds in the symbolic sizes).
 
     A symbolic dim that some placement of the call splits gets its remainder by the pieces pinned by a guard
     here, so the checks of the chosen signature (which may depend on it: balanced pieces differ by one) hold
@@ -103,8 +148,9 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
     for meta, target in zip(spec.inputs, choice.inputs):
         if not meta.is_global:
             continue
+        cut = symbolic.narrows(meta.placements, target, len(meta.shape))   # cut with symbolic bounds
         for d in symbolic.dynamic_dims(meta.shape):
-            if splitters(meta.placements, d) != splitters(target, d):
+            if splitters(meta.placements, d) != splitters(target, d) and not cut:
                 return False
             pinned.append((meta.shape[d], _parts(spec.mesh_shape, target, d)))
     for meta, pls in zip(spec.outputs, choice.outputs):
@@ -120,10 +166,15 @@ def _parts(mesh_shape: tuple[int, ...], pls: tuple, dim: int) -> int:
     return math.prod(mesh_shape[a] for a in splitters(pls, dim))
 
 
+def _at_hints(func, args: tuple, kwargs: dict, mesh) -> Decision:
+    """The call decided cold at its sizes' hints (no guard recorded)."""
+    cargs, ckwargs, cleaves = _concrete_call(args, kwargs, symbolic.hint)
+    return decide(func, cargs, ckwargs, cleaves, mesh)
+
+
 def _specialized(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Any:
     """The call decided at its sizes' hints, with those sizes pinned by guards."""
-    cargs, ckwargs, cleaves = _concrete_call(args, kwargs, symbolic.hint)
-    decision = decide(func, cargs, ckwargs, cleaves, mesh)
+    decision = _at_hints(func, args, kwargs, mesh)
     _concrete_call(args, kwargs, int)   # int() of a symbolic size records its guard
     return decision.execute(func, args, kwargs, leaves)
 

@@ -77,6 +77,7 @@ TABLE: dict[Any, Rule] = {
     # softmax, norms, embedding, loss
     aten._softmax.default: reductions.ALONG_KEEP.rule(),
     aten._log_softmax.default: reductions.ALONG_KEEP.rule(),
+    aten._safe_softmax.default: reductions.ALONG_KEEP.rule(),   # attention's softmax (fully masked rows give 0)
     aten._softmax_backward_data.default: nn.SOFTMAX_BACKWARD,
     aten._log_softmax_backward_data.default: nn.SOFTMAX_BACKWARD,
     aten.native_layer_norm.default: nn.LAYER_NORM,

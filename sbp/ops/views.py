@@ -407,9 +407,10 @@ def _select_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 
 
 def _slice_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
-    out = spec.out
+    g, out = spec.inputs[0], spec.out
     dim = spec.arg("dim") % out.ndim
-    return [Sig((Split(d),), (Split(d),)) for d in range(out.ndim) if d != dim] + \
+    whole = g.shape[dim] == out.shape[dim]   # the backward of a whole-range slice: any split stays
+    return [Sig((Split(d),), (Split(d),)) for d in range(out.ndim) if d != dim or whole] + \
         [Sig((B,), (B,)), Sig((PSUM,), (PSUM,))]
 
 
@@ -421,7 +422,8 @@ def _run_with_local_sizes(call: Call) -> Any:
 
 
 SELECT_BACKWARD = Rule(_select_backward_sigs, run=_run_with_local_sizes, doc="S(d)->S(d'); B; P(sum)")
-SLICE_BACKWARD = Rule(_slice_backward_sigs, run=_run_with_local_sizes, doc="S(d != dim)->S(d); B; P(sum)")
+SLICE_BACKWARD = Rule(_slice_backward_sigs, run=_run_with_local_sizes,
+                      doc="S(d != dim)->S(d) (any S for a whole-range slice); B; P(sum)")
 
 
 # ---- factories from a tensor, fills and copies -----------------------------------------------------------------------

@@ -126,12 +126,18 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     """`redistribute_local` under torch.compile with symbolic sizes: planned on the sizes' hints. A dim no
     step moves (whole, or split alike in every state: `symbolic.frozen_splits`) is moved behind the others
     and rides along as each position's element (`execute(..., elem=...)`), so the graph holds for every size
-    it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`)."""
+    it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`), unless the move only
+    narrows each rank's block (`symbolic.narrows`: ``B -> S(0)``), which is cut with symbolic bounds."""
     hints = symbolic.hint_shape(global_shape)
     src = normalize(src, len(hints), mesh.ndim)
     dst = normalize(dst, len(hints), mesh.ndim)
     plan = cached_plan(hints, tuple(mesh.shape), src, dst, local.element_size())
     dyn = symbolic.dynamic_dims(global_shape)
+    if plan.steps and symbolic.narrows(src, dst, len(hints)) and traced.is_tracing(local):
+        # each rank cuts its block out of the one it holds: bounds in the symbolic sizes, nothing pinned
+        coord = mesh.coord
+        if coord is not None:
+            return symbolic.narrow_block(local, global_shape, tuple(mesh.shape), src, dst, coord).contiguous()
     split = symbolic.split_dims(plan, dyn)
     frozen = symbolic.frozen_splits(plan, split)
     moved_dims = [d for d in split if d not in frozen]

@@ -8,16 +8,18 @@ runs the plan on a reduced problem (the symbolic dims moved behind the others as
 position, `execute(..., elem=...)`): layout maths stays on ints, every buffer carries the symbolic dims as
 trailing dims, and collectives split and join along the leading dim only.
 
-A plan that splits a symbolic dim (``B -> S(0)`` on a dynamic batch) specializes it instead: ``int()`` of
-the size records a guard in dynamo's shape environment, the graph is compiled for that size, and another
-size compiles again (as without this module). A split dim's size is therefore always an int in a global
-tensor: only unsplit dims stay symbolic.
+A dim split alike in every state of a plan rides along too (`frozen_splits`: its pieces are expressions
+of the size, with only its remainder by the pieces pinned), and a move that only cuts each rank's block
+(``B -> S(0)``: `narrows`) cuts with symbolic bounds. Any other plan that moves a symbolic dim (``S(0) ->
+B``) specializes it: ``int()`` of the size records a guard in dynamo's shape environment, the graph is
+compiled for that size, and another size compiles again (as without this module).
 
 >>> hint_shape((3, 4)), any_symbolic((3, 4))
 ((3, 4), False)
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import replace
 from typing import Iterable, Sequence
@@ -93,6 +95,38 @@ class SizeMap:
             if size_key(size) == key or statically_known_true(size == n):   # known equal: no guard is added
                 return value
         return default
+
+
+_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph tracer -> {expression: size}
+
+
+def canonical(shape: Sequence["int | torch.SymInt"], known: Iterable[object] = ()) -> tuple:
+    """`shape` with each symbolic size replaced by the first size of the same expression seen while
+    tracing this graph (`known` first: the sizes a call was given).
+
+    torch records how a size computed in Python is made lazily, as a chain back to the sizes it came
+    from. A size handed from op to op through meta kernels (an output shape of torch's meta kernel, the
+    next op's input: ``T + 1`` after a cat, ``T`` again after the slice in its backward) would grow that
+    chain with every op, and recording a size deep in a long program then recurses past Python's limit.
+    One object per expression ends the chain where the expression was first made.
+
+    >>> canonical((4, 2), [4])   # ints, or no graph being traced: as they are
+    (4, 2)
+    """
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if not any_symbolic(shape):
+        return tuple(shape)
+    mode = get_proxy_mode()
+    if mode is None:
+        return tuple(shape)
+    table = _SEEN.get(mode.tracer)
+    if table is None:
+        table = _SEEN[mode.tracer] = {}
+    for n in known:
+        if is_symbolic(n):
+            table.setdefault(n.node.expr, n)
+    return tuple(table.setdefault(n.node.expr, n) if is_symbolic(n) else n for n in shape)
 
 
 def hint(n: "int | torch.SymInt") -> int:
@@ -171,6 +205,45 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     return tuple(ranges)
 
 
+def narrows(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int) -> bool:
+    """Whether `src` -> `dst` (normalised) only narrows each rank's block: every mesh axis keeps its
+    placement or goes from Broadcast to a split, and each dim's splitting axes in `src` come first (in
+    order) among its axes in `dst`. Each rank then cuts its new block out of the one it holds, with no
+    communication, and the cut's bounds are expressions of symbolic sizes (`narrow_block`).
+
+    >>> from sbp import S, B, Partial
+    >>> narrows((B,), (S(0),), 2), narrows((S(0), B), (S(0), S(0)), 2), narrows((B, S(0)), (S(0), S(0)), 2)
+    (True, True, False)
+    >>> narrows((S(1),), (S(0),), 2), narrows((Partial("sum"),), (S(0),), 2)
+    (False, False)
+    """
+    if any(s != d and not (isinstance(s, Broadcast) and isinstance(d, Split)) for s, d in zip(src, dst)):
+        return False
+    for k in range(ndim):
+        before = splitters(src, k)
+        if splitters(dst, k)[:len(before)] != before:
+            return False
+    return True
+
+
+def narrow_block(local: torch.Tensor, shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
+                 src: tuple[Placement, ...], dst: tuple[Placement, ...], coord: tuple[int, ...]) -> torch.Tensor:
+    """This rank's block laid out as `dst`, cut from its block `local` laid out as `src` where `narrows(src,
+    dst)`: the bounds are expressions of `shape`'s symbolic sizes (each split size's remainder pinned by a
+    guard, `block_of`), so the graph holds for every size of that remainder class.
+
+    >>> from sbp import S, B
+    >>> narrow_block(torch.arange(6.), (6,), (2,), (B,), (S(0),), (1,)).tolist()
+    [3.0, 4.0, 5.0]
+    """
+    have = block_of(shape, mesh_shape, src, coord, cache=False)
+    want = block_of(shape, mesh_shape, dst, coord, cache=False)
+    for d, ((lo, hi), (new_lo, new_hi)) in enumerate(zip(have, want)):
+        if (lo, hi) != (new_lo, new_hi):
+            local = local.narrow(d, new_lo - lo, new_hi - new_lo)
+    return local
+
+
 def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """The dims of `dims` that every state of the plan splits alike (the same mesh axes), with those axes:
     no step moves them, so each rank keeps its piece of such a dim throughout.
@@ -225,5 +298,6 @@ def without_dims(plan: Plan, dims: Sequence[int]) -> Plan:
     return replace(plan, global_shape=shape, src=pls(plan.src), dst=pls(plan.dst), steps=steps)
 
 
-__all__ = ["is_symbolic", "any_symbolic", "size_key", "SizeMap", "hint", "hint_shape", "specialize", "block_of",
-           "frozen_splits", "dynamic_dims", "splits_any", "split_dims", "without_dims"]
+__all__ = ["is_symbolic", "any_symbolic", "size_key", "SizeMap", "canonical", "hint", "hint_shape", "specialize",
+           "block_of", "narrows", "narrow_block", "frozen_splits", "dynamic_dims", "splits_any", "split_dims",
+           "without_dims"]

@@ -375,7 +375,7 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic
         mesh, pls, _ = meta
-        return GlobalTensor(inner["_local"], mesh, pls, tuple(outer_size))
+        return GlobalTensor(inner["_local"], mesh, pls, symbolic.canonical(outer_size))
 
     @classmethod
     def __metadata_guard__(cls, orig: tuple, other: tuple) -> bool:
@@ -901,7 +901,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
-        acc *= max(n, 1) if type(n) is int else torch.sym_max(n, 1)   # symbolic: no guard
+        acc = acc * (max(n, 1) if type(n) is int else n)   # a symbolic size is >= 2 (torch pins 0 and 1)
     return tuple(reversed(strides))
 
 

@@ -6,6 +6,7 @@ model's. Needs the `hf` extra (transformers); gloo (compiled collectives need pr
 Worker functions are module-level (they travel pickled to the shared gloo pool)."""
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -18,6 +19,7 @@ import sbp.testing
 
 transformers = pytest.importorskip("transformers")
 from tests.nn.test_transformers_models import batch, build  # noqa: E402
+from tests.runtime.test_compile import EAGER_TO_FUNCOL, GraphRecorder  # noqa: E402
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=600)
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
@@ -35,28 +37,43 @@ def _shifted_loss(model, ids):
 
 def run_compiled(name, how, mesh):
     """Two training steps' loss differences (compiled vs eager parallel model), the largest gradient
-    difference, the graphs compiled and the graph breaks."""
+    difference, the graphs compiled and the graph breaks; for the whole model also the forward and
+    backward graphs' collectives and the eager step's (as functional-collective names)."""
     single, ids = build(name), batch()
     eager, compiled = (sbp.nn.parallelize(copy.deepcopy(single), mesh, "auto") for _ in range(2))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    rec = GraphRecorder()
     if how == "layers":   # use_cache=False: a cache's keys and values are outputs no loss reaches (see docs)
         for layer in compiled.model.layers:
             layer.compile(backend="aot_eager")
         run = {id(m): (lambda m=m: m(input_ids=ids, labels=ids, use_cache=False).loss) for m in (eager, compiled)}
     else:
-        whole = torch.compile(_shifted_loss, backend="aot_eager", fullgraph=True)
+        whole = torch.compile(_shifted_loss, backend=rec.backend, fullgraph=True)
         run = {id(eager): lambda: _shifted_loss(eager, ids), id(compiled): lambda: whole(compiled, ids)}
-    diffs = []
+    diffs, eager_calls = [], []
     for _ in range(2):
-        want, got = run[id(eager)](), run[id(compiled)]()
+        mesh.binding.counters.reset()
+        want = run[id(eager)]()
+        eager_calls.append(_funcol_names(mesh.binding.counters.calls))
+        mesh.binding.counters.reset()
         want.backward()
+        eager_calls.append(_funcol_names(mesh.binding.counters.calls))
+        got = run[id(compiled)]()
         got.backward()
         diffs.append((_full(want) - _full(got)).abs().item())
     grads = max((_full(p.grad) - _full(q.grad)).abs().max().item()
                 for p, q in zip(eager.parameters(), compiled.parameters()) if p.grad is not None)
     counters = torch._dynamo.utils.counters
-    return max(diffs), grads, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    traced = [dict(rec.collectives(i)) for i in range(len(rec.graphs))]
+    for found in traced:
+        found.pop("wait_tensor", None)
+    return (max(diffs), grads, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+            (traced, eager_calls[2:]))
+
+
+def _funcol_names(calls) -> dict:
+    return dict(collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in calls))
 
 
 @pytest.mark.parametrize("name, how, graphs", [("llama", "layers", 2), ("qwen2", "layers", 2),
@@ -64,8 +81,45 @@ def run_compiled(name, how, mesh):
 def test_transformers_model_compiles_without_graph_breaks(name, how, graphs) -> None:
     # per layer: fails without SplitBatchMatmul's opaque call under compile (attention's matmul read the
     # placements of a tensor made in the graph: 8 graph breaks); whole: fails without logical_strides' copy
-    # case (the shifted logits' reshape)
-    for rank, (loss_diff, grad_diff, made, breaks) in enumerate(spmd(functools.partial(run_compiled, name, how),
-                                                                    (2,))):
+    # case (the shifted logits' reshape). The whole model's forward and backward graphs hold the eager
+    # step's collectives: fails when the split-heads matmul mode is off under compile (attention's batched
+    # matmuls then fold split heads into the batch: 6 + 14 all_to_alls for eager's 2 + 2)
+    for rank, (loss_diff, grad_diff, made, breaks, (traced, eager)) in enumerate(
+            spmd(functools.partial(run_compiled, name, how), (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
         assert breaks == 0 and made == graphs, (rank, made, breaks)
+        if how == "whole":
+            assert traced == eager, (rank, traced, eager)
+
+
+def run_compiled_dynamic(name, mesh):
+    """The whole model compiled with dynamic=True over five (batch, sequence) shapes, with sdpa attention:
+    the largest loss and gradient differences from the eager parallel model, the graphs and graph breaks."""
+    single = build(name, "sdpa")
+    eager, compiled = (sbp.nn.parallelize(copy.deepcopy(single), mesh, "auto") for _ in range(2))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    whole = torch.compile(_shifted_loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    loss_diff = grad_diff = 0.0
+    for b, t in ((2, 8), (4, 8), (3, 8), (2, 10), (4, 12)):
+        ids = torch.randint(0, single.config.vocab_size, (b, t), generator=torch.Generator().manual_seed(b * t))
+        want, got = _shifted_loss(eager, ids), whole(compiled, ids)
+        want.backward()
+        got.backward()
+        loss_diff = max(loss_diff, (_full(want) - _full(got)).abs().item())
+        pairs = [(p.grad, q.grad) for p, q in zip(eager.parameters(), compiled.parameters()) if p.grad is not None]
+        grad_diff = max([grad_diff] + [(_full(g) - _full(h)).abs().max().item() for g, h in pairs])
+        eager.zero_grad(), compiled.zero_grad()
+    counters = torch._dynamo.utils.counters
+    return loss_diff, grad_diff, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def test_transformers_model_compiles_one_graph_for_every_batch_and_sequence_length() -> None:
+    # dynamic=True: the batch and the sequence length stay symbolic through the whole model (the shift
+    # logits[:, :-1] and ids[:, 1:], rotary slices, the causal mask). Before, the RMS norm's epsilon (a
+    # symbolic float under dynamic=True) failed ("unsupported operand type(s) for +: 'GlobalTensor' and
+    # 'SymFloat'"); the other families (qwen2, gpt_neox, phi3, gemma3) also compile one graph (checked by hand)
+    for rank, (loss_diff, grad_diff, made, breaks) in enumerate(spmd(functools.partial(run_compiled_dynamic, "llama"),
+                                                                    (2,))):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
+        assert breaks == 0 and made == 1, (rank, made, breaks)

@@ -34,6 +34,8 @@ REDUCTIONS = {
     "cumsum": (lambda x, d, k: x.cumsum(d), ("sum",)),
     "softmax": (lambda x, d, k: x.softmax(d), ("sum",)),
     "log_softmax": (lambda x, d, k: F.log_softmax(x, d), ("sum",)),
+    # attention's softmax (what compiled scaled-dot-product attention runs); a fully masked row gives zeros
+    "safe_softmax": (lambda x, d, k: torch.ops.aten._safe_softmax(x.masked_fill(x > 1, float("-inf")), d), ("sum",)),
     "sort": (lambda x, d, k: x.sort(d, descending=k), ("sum",)),
     "tril": (lambda x, d, k: x.tril(-1 if k else 0), ("sum", "max")),
     "flip": (lambda x, d, k: x.flip(d), ("sum", "max")),

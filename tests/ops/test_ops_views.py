@@ -138,6 +138,24 @@ def test_select_on_split_dim_gives_partial_sum():
         assert pls == (Partial("sum"),) and moved == 0 and torch.equal(row, full[3])
 
 
+def test_backward_of_a_whole_range_slice_keeps_the_split():
+    # narrow(0, 0, 5) slices dim 0 whole (as a compiled x[:, :2] does): its slice_backward keeps S(0), as
+    # the forward slice does (it moved the gradient to S(1) with an all_to_all before)
+    full = randn((5, 3))
+
+    def fn(mesh):
+        x = make_global(full, mesh, (S(0),), requires_grad=True)
+        y = (x.narrow(0, 0, 5)[:, :2] * 2).sum(1)
+        mesh.binding.counters.reset()
+        y.backward(torch.ones_like(y))
+        return [c.collective for c in mesh.binding.counters.calls], x.grad.placements, x.grad.full()
+
+    want = torch.zeros(5, 3, dtype=full.dtype)
+    want[:, :2] = 2
+    for calls, pls, grad in sbp.testing.spmd(fn, (2,)):
+        assert calls == [] and pls == (S(0),) and torch.equal(grad, want), (calls, pls)
+
+
 @pytest.mark.slow
 @SETTINGS
 @given(data=st.data(), mesh=meshes)

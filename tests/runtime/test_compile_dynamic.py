@@ -30,7 +30,7 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def run_redistribute_sizes(src, dst, ndim, mesh):
+def run_redistribute_sizes(src, dst, ndim, mesh, sizes=SIZES):
     """Per batch size, compiled == eager; the graphs compiled; per graph its functional collectives, and per
     size the eager plan's collectives (as functional-collective names)."""
     torch._dynamo.reset()
@@ -38,7 +38,7 @@ def run_redistribute_sizes(src, dst, ndim, mesh):
     rec = GraphRecorder()
     f = torch.compile(lambda x: x.redistribute(dst) * 2, backend=rec.backend, fullgraph=True, dynamic=True)
     out, eager = [], []
-    for b in SIZES:
+    for b in sizes:
         full = torch.arange(b * 6 * 2 ** (ndim - 2), dtype=torch.float64).reshape((b, 6) + (2,) * (ndim - 2))
         x = sbp.distribute(full, mesh, src)
         got = f(x)
@@ -70,11 +70,24 @@ def test_redistribution_of_a_whole_dynamic_dim_compiles_once(src, dst, ndim, mes
         assert all(traced[0] == e for e in eager), (rank, traced, eager)
 
 
-def test_redistribution_that_splits_the_dynamic_dim_is_pinned_per_size() -> None:
-    # B -> S(0) splits the batch: each size compiles (a guard pins it), and every result is still exact
-    for rank, (same, graphs, _) in enumerate(spmd(functools.partial(run_redistribute_sizes, "B", "S(0)", 2), (2,))):
+def test_redistribution_that_gathers_the_dynamic_dim_is_pinned_per_size() -> None:
+    # S(0) -> B gathers the split batch: each size compiles (a guard pins it), and every result is still exact
+    for rank, (same, graphs, _) in enumerate(spmd(functools.partial(run_redistribute_sizes, "S(0)", "B", 2), (2,))):
         assert all(same), (rank, same)
         assert graphs == len(SIZES)
+
+
+def test_redistribution_that_only_cuts_the_dynamic_dim_compiles_once_per_remainder() -> None:
+    # B -> S(0) cuts each rank's piece of the batch out of the whole: the bounds are expressions of the batch
+    # (its remainder by the ranks pinned), so sizes 4, 6 share a graph and 5, 7 another (each size compiled
+    # alone before); no collective, as eagerly. (A size leaving a rank a piece of 1, like 3, compiles alone:
+    # torch pins size-1 dims.)
+    sizes = (4, 6, 5, 7)
+    run = functools.partial(run_redistribute_sizes, "B", "S(0)", 2, sizes=sizes)
+    for rank, (same, graphs, (traced, eager)) in enumerate(spmd(run, (2,))):
+        assert all(same), (rank, same)
+        assert graphs == 2, f"rank {rank}: {graphs} graphs for batch sizes {sizes}"
+        assert traced == [{}, {}] and eager == [{}] * len(sizes), (traced, eager)
 
 
 class MLP(nn.Module):
@@ -182,3 +195,68 @@ def test_view_to_constant_sizes_of_symbolic_dims_compiles() -> None:
     # sizes for them, which no longer fit the constant [30, 8] (ShapeError while tracing). Such a call is
     # now decided at its own sizes
     assert spmd(run_constant_view_sizes, (2,)) == [True, True]
+
+
+SIZED_OPS = {   # ops whose output sizes no input size gives (a constant, or an expression of a size)
+    "slice": lambda x: x[:, :3] * 2,
+    "shift": lambda x: x[:, :-1] * 2,              # the next-token shift before a language-model loss
+    "cat": lambda x: torch.cat([x, x * 2], 1).sin(),
+    "transpose_reshape": lambda x: x.transpose(1, 2).reshape(x.shape[0], -1),
+}
+
+
+SCATTERING_BACKWARDS = {   # backwards that make zeros of the whole input's shape, then scatter into them
+    "max": lambda x: x.max(1)[0],
+    "topk": lambda x: x.topk(2, -1)[0],
+    "index_select": lambda x: x.index_select(1, torch.tensor([0, 2, 5])),
+    "unsqueeze_cat": lambda x: torch.cat([x[:, :1], x], 1),
+    "repeat": lambda x: x.repeat(1, 2, 1),
+    # and attention: its scale 1 / sqrt(head dim) is a symbolic float
+    "attention": lambda x: nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True),
+}
+
+
+def run_ops_over_batch_sizes(ops, mesh):
+    """Each op of `ops` (a dict's name here) on a batch-split (B, 6, 8) input over batch sizes 4, 6, 5, 7,
+    9, forward and backward: per op, the largest difference from eager and the graphs compiled."""
+    out = {}
+    for name, fn in globals()[ops].items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        f = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        diff = 0.0
+        for b in (4, 6, 5, 7, 9):
+            full = torch.randn(b, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(b))
+            x = sbp.distribute(full, mesh, "S(0)", requires_grad=True)
+            got = f(x)
+            got.full().sum().backward()
+            grad, x.grad = x.grad.full(), None
+            want = fn(x)
+            want.full().sum().backward()
+            diff = max(diff, (got.full() - want.full()).abs().max().item(), (grad - x.grad.full()).abs().max().item())
+        out[name] = (diff, _graphs())
+    return out
+
+
+def test_ops_with_sizes_no_symbol_gives_keep_the_batch_symbolic() -> None:
+    # a slice to a constant, the shift x[:, :-1], a cat and a transpose + reshape give output sizes that are
+    # constants or expressions (3, T - 1, 2 T): their shape class has no size formula, and each call was
+    # decided at its own sizes -- every symbolic size pinned, the batch too, one graph per batch size (5
+    # here). Their choice is shown free and the same at two made-up sizes, and the output sizes come from
+    # torch's meta kernels: one graph per remainder of the batch by the ranks
+    for rank, found in enumerate(spmd(functools.partial(run_ops_over_batch_sizes, "SIZED_OPS"), (2,))):
+        for name, (diff, graphs) in found.items():
+            assert diff <= 1e-12, (rank, name, diff)
+            assert graphs == 2, f"rank {rank}, {name}: {graphs} graphs for batch sizes 4, 6 (one) and 5, 7, 9 (one)"
+
+
+def test_backwards_that_scatter_into_zeros_compile_once_per_remainder() -> None:
+    # the backward of max(dim), topk, index_select, a cat of a slice, repeat makes zeros of the input's
+    # shape (B) and scatters the split gradient into them: B -> S(0) of the batch, which pinned the batch
+    # while AOTAutograd traced the backward and failed in its partitioner ("Node ... was invalid, but is
+    # output"), with a None output size, or recursed past Python's limit. The cut has symbolic bounds now.
+    # Attention's scale is a symbolic float (its head dim is symbolic here): pinned alone, the batch stays
+    for rank, found in enumerate(spmd(functools.partial(run_ops_over_batch_sizes, "SCATTERING_BACKWARDS"), (2,))):
+        for name, (diff, graphs) in found.items():
+            assert diff <= 1e-12, (rank, name, diff)
+            assert graphs == 2, f"rank {rank}, {name}: {graphs} graphs for batch sizes 4, 6 (one) and 5, 7, 9 (one)"
