@@ -52,7 +52,7 @@ def _scalars(a: Any):
             yield x
 
 
-def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_key) -> Any:
+def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_key, retry: bool = True) -> Any:
     """Run one op call with symbolic sizes (see the module's text); `leaves` as `sbp.ops.dispatch.handle`
     collects them, `class_key` its shape-class key (`sbp.ops.dispatch.class_key`)."""
     outputs = _torch_guards(func, args, kwargs)
@@ -70,7 +70,9 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
     record = DECISIONS.class_get(key)   # a class eager calls may have begun (the key holds no sizes)
     if record is None or record.state in ("candidate", "priced?", "shaped?"):   # not yet shown: decide cold
         record = _decide_class(func, args, kwargs, mesh, key, values, record)
-        if record is None:
+        if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
+            if retry and _pin_breaking(func, args, kwargs, mesh, values):
+                return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)
             return _specialized(func, args, kwargs, leaves, mesh)
     decision = None
     if record.state in ("generic", "priced"):
@@ -106,6 +108,30 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
         else:
             record.confirm(made, ints)
     return record
+
+
+def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list) -> bool:
+    """Pin (by guards) each symbol whose made-up size alone, the others at their hints, breaks the call
+    (``x.view(B, 3, 2, 8)`` of a symbolic (B, T, 8): torch checks ``T == 6`` at run time without pinning
+    it, so T breaks and B does not). Whether some but not all symbols were pinned."""
+    sizes = values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values())))
+    symbols = _symbols(sizes)
+    hints = dict(symbols)
+    breaking = []
+    for j, (s, h) in enumerate(symbols):
+        assign = dict(hints)
+        assign[s] = h + math.prod(mesh.shape) * _OFFSET * (j + 1)
+        cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
+        try:
+            decide(func, cargs, ckwargs, cleaves, mesh)
+        except SbpError:
+            breaking.append(s)
+    if not breaking or len(breaking) == len(symbols):
+        return False
+    for n in sizes:
+        if symbolic.is_symbolic(n) and any(s in n.node.expr.free_symbols for s in breaking):
+            int(n)   # records the guard that pins it
+    return True
 
 
 def _has_symbolic_float(a: tuple) -> bool:

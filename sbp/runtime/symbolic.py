@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..values.layout import block, splitters
@@ -113,8 +114,6 @@ def canonical(shape: Sequence["int | torch.SymInt"], known: Iterable[object] = (
     >>> canonical((4, 2), [4])   # ints, or no graph being traced: as they are
     (4, 2)
     """
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     if not any_symbolic(shape):
         return tuple(shape)
     mode = get_proxy_mode()
