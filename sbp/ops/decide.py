@@ -534,8 +534,9 @@ def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict,
 
 def instantiate_shaped(record: DecisionClass, args: tuple, kwargs: dict, leaves: list,
                        outputs: tuple) -> Decision:
-    """A *shaped* class's decision for a call with symbolic sizes: the class's free choice, the output
-    shapes torch's meta kernels gave for the call's symbolic shapes (`outputs`: a shape or None each)."""
+    """A *shaped* class's decision for a call with symbolic sizes: the class's choice (`sbp.ops.symbolic`
+    checks one that is not free against the call's hint sizes), the output shapes torch's meta kernels gave
+    for the call's symbolic shapes (`outputs`: a shape or None each)."""
     made = record.decision
     spec = _respec(made.spec, args, kwargs, leaves, record.sized)
     spec.outputs = tuple(None if m is None or o is None else TensorMeta(tuple(o), m.dtype)

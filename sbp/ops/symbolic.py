@@ -12,7 +12,9 @@ with the output sizes torch's meta kernels give for its symbolic shapes. A decis
 dim (redistributes an input along it, other than cutting each rank's block:
 `sbp.runtime.symbolic.narrows`), or a class that is neither (a fallback, a choice that differs),
 specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
-sizes), and it is decided as any call with int sizes. A symbolic float argument is pinned alone.
+sizes), and it is decided as any call with int sizes -- or, where only some symbols break the made-up
+sizes or change the choice, those alone are pinned and the call is tried again. A symbolic float argument
+is pinned alone.
 """
 from __future__ import annotations
 
@@ -67,13 +69,19 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
         key, values = class_key(func, args, kwargs, tuple(mesh.shape))
     except TypeError:   # a symbolic bool
         return _specialized(func, args, kwargs, leaves, mesh)
-    record = DECISIONS.class_get(key)   # a class eager calls may have begun (the key holds no sizes)
+    # which sizes are symbolic is part of the class: a size a guard pinned keys as its symbol did, and an
+    # eager class's sizes may coincide (a split's piece of 4 of a batch of 4 reads as the batch)
+    key = (key, tuple(map(symbolic.is_symbolic, values)))
+    record = DECISIONS.class_get(key)
     if record is None or record.state in ("candidate", "priced?", "shaped?"):   # not yet shown: decide cold
         record = _decide_class(func, args, kwargs, mesh, key, values, record)
         if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
             if retry and _pin_breaking(func, args, kwargs, mesh, values):
                 return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)
             return _specialized(func, args, kwargs, leaves, mesh)
+    if record.state == "exact" and retry and not record.decision.fallback \
+            and _pin_breaking(func, args, kwargs, mesh, values, compare=True):   # a choice some symbols change
+        return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)   # (a split's pieces)
     decision = None
     if record.state in ("generic", "priced"):
         decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
@@ -90,8 +98,8 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
 def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
                   record: Optional[DecisionClass]) -> Optional[DecisionClass]:
     """The call's class record after two cold decisions at made-up sizes (each symbol at its hint plus a
-    distinct large multiple of the rank count); None where made-up sizes break what the call's constants
-    hold (``x.view(30, 8)`` of a symbolic (B, T, 8)): the call is then decided at its own sizes."""
+    distinct large multiple of the rank count), kept under `key`; None where made-up sizes break what the
+    call's constants hold (``x.view(30, 8)`` of a symbolic (B, T, 8))."""
     m = math.prod(mesh.shape)
     symbols = _symbols(values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values()))))
     for k in (1, 2):
@@ -110,20 +118,26 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
     return record
 
 
-def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list) -> bool:
+def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: bool = False) -> bool:
     """Pin (by guards) each symbol whose made-up size alone, the others at their hints, breaks the call
     (``x.view(B, 3, 2, 8)`` of a symbolic (B, T, 8): torch checks ``T == 6`` at run time without pinning
-    it, so T breaks and B does not). Whether some but not all symbols were pinned."""
+    it, so T breaks and B does not) or, with `compare`, changes its choice from the one at the hints
+    (``x.split(4, 1)``: T sets the number of pieces). Whether some but not all symbols were pinned."""
     sizes = values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values())))
     symbols = _symbols(sizes)
     hints = dict(symbols)
+    try:
+        choice = _at_hints(func, args, kwargs, mesh).choice if compare else None
+    except SbpError:
+        return False
     breaking = []
     for j, (s, h) in enumerate(symbols):
         assign = dict(hints)
         assign[s] = h + math.prod(mesh.shape) * _OFFSET * (j + 1)
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         try:
-            decide(func, cargs, ckwargs, cleaves, mesh)
+            if decide(func, cargs, ckwargs, cleaves, mesh).choice != choice and compare:
+                breaking.append(s)
         except SbpError:
             breaking.append(s)
     if not breaking or len(breaking) == len(symbols):

@@ -901,7 +901,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
-        acc = acc * (max(n, 1) if type(n) is int else n)   # a symbolic size is >= 2 (torch pins 0 and 1)
+        acc *= max(n, 1) if type(n) is int else torch.sym_max(n, 1)   # symbolic: no guard
     return tuple(reversed(strides))
 
 

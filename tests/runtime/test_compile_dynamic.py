@@ -205,6 +205,8 @@ SIZED_OPS = {   # ops whose output sizes no input size gives (a constant, or an 
     # constants a symbolic size is cut into: torch checks T == 6 at run time without pinning T, and the
     # shape class's made-up sizes break it; T alone is pinned, the batch stays symbolic
     "view_to_constants": lambda x: x.view(x.shape[0], 3, 2, 8) * 2,
+    # the number of pieces follows T: the made-up sizes choose otherwise, T alone is pinned
+    "split": lambda x: x.split(4, 1)[1] * 3,
 }
 
 
@@ -245,8 +247,8 @@ def test_ops_with_sizes_no_symbol_gives_keep_the_batch_symbolic() -> None:
     # a slice to a constant, the shift x[:, :-1], a cat and a transpose + reshape give output sizes that are
     # constants or expressions (3, T - 1, 2 T): their shape class has no size formula, and each call was
     # decided at its own sizes -- every symbolic size pinned, the batch too, one graph per batch size (5
-    # here). Their choice is shown free and the same at two made-up sizes, and the output sizes come from
-    # torch's meta kernels: one graph per remainder of the batch by the ranks
+    # here). Their choice is shown the same at two made-up sizes, and the output sizes come from torch's
+    # meta kernels: one graph per remainder of the batch by the ranks
     for rank, found in enumerate(spmd(functools.partial(run_ops_over_batch_sizes, "SIZED_OPS"), (2,))):
         for name, (diff, graphs) in found.items():
             assert diff <= 1e-12, (rank, name, diff)
