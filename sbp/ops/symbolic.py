@@ -46,12 +46,18 @@ def has_symbolic(args: tuple, kwargs: dict, leaves: list, pinned: bool = False) 
     return any(map(test, _scalars(args))) or any(map(test, _scalars(tuple(kwargs.values()))))
 
 
-def _scalars(a: Any):
+def _scalars(a: Any, kind: type = torch.SymInt):
+    """The `kind` scalars (``torch.SymInt`` or ``torch.SymFloat``) among `a`, lists and tuples opened."""
     for x in a:
         if type(x) is list or type(x) is tuple:
-            yield from _scalars(x)
-        elif isinstance(x, torch.SymInt):
+            yield from _scalars(x, kind)
+        elif isinstance(x, kind):
             yield x
+
+
+def _call_sizes(values: list, args: tuple, kwargs: dict) -> list:
+    """A call's class values and the symbolic sizes among its arguments (their symbols are made up too)."""
+    return values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values())))
 
 
 def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_key, retry: bool = True) -> Any:
@@ -60,7 +66,7 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
     outputs = _torch_guards(func, args, kwargs)
     if not has_symbolic(args, kwargs, leaves):   # torch pinned every symbolic size itself
         return _specialized(func, args, kwargs, leaves, mesh)
-    if _has_symbolic_float(args) or _has_symbolic_float(tuple(kwargs.values())):
+    if any(_scalars(args, torch.SymFloat)) or any(_scalars(tuple(kwargs.values()), torch.SymFloat)):
         # a symbolic float (attention's scale of a symbolic head dim) is pinned by a guard; the sizes may stay
         args, kwargs = _pin_floats(args), {k: _pin_floats((v,))[0] for k, v in kwargs.items()}
         if not has_symbolic(args, kwargs, leaves):
@@ -101,7 +107,7 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
     distinct large multiple of the rank count), kept under `key`; None where made-up sizes break what the
     call's constants hold (``x.view(30, 8)`` of a symbolic (B, T, 8))."""
     m = math.prod(mesh.shape)
-    symbols = _symbols(values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values()))))
+    symbols = _symbols(_call_sizes(values, args, kwargs))
     for k in (1, 2):
         assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
@@ -123,7 +129,7 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: 
     (``x.view(B, 3, 2, 8)`` of a symbolic (B, T, 8): torch checks ``T == 6`` at run time without pinning
     it, so T breaks and B does not) or, with `compare`, changes its choice from the one at the hints
     (``x.split(4, 1)``: T sets the number of pieces). Whether some but not all symbols were pinned."""
-    sizes = values + list(_scalars(args)) + list(_scalars(tuple(kwargs.values())))
+    sizes = _call_sizes(values, args, kwargs)
     symbols = _symbols(sizes)
     hints = dict(symbols)
     try:
@@ -136,9 +142,11 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: 
         assign[s] = h + math.prod(mesh.shape) * _OFFSET * (j + 1)
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         try:
-            if decide(func, cargs, ckwargs, cleaves, mesh).choice != choice and compare:
-                breaking.append(s)
+            made = decide(func, cargs, ckwargs, cleaves, mesh)
         except SbpError:
+            breaking.append(s)
+            continue
+        if compare and made.choice != choice:
             breaking.append(s)
     if not breaking or len(breaking) == len(symbols):
         return False
@@ -146,13 +154,6 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: 
         if symbolic.is_symbolic(n) and any(s in n.node.expr.free_symbols for s in breaking):
             int(n)   # records the guard that pins it
     return True
-
-
-def _has_symbolic_float(a: tuple) -> bool:
-    for x in a:
-        if isinstance(x, torch.SymFloat) or (type(x) is list or type(x) is tuple) and _has_symbolic_float(x):
-            return True
-    return False
 
 
 def _pin_floats(a: tuple) -> tuple:
