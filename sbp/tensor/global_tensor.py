@@ -467,7 +467,6 @@ def _never_compiled(code) -> None:
         return
 
 
-_never_compiled(GlobalTensor.__torch_dispatch__.__func__.__code__)
 
 
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
@@ -864,19 +863,53 @@ def install_leaf_rule(leaf: GlobalTensor) -> None:
     >>> leaf._notes.leaf_rule
     True
     """
-    mesh, shape, want = leaf._mesh, tuple(leaf.shape), grad_placements(leaf._placements)
+    leaf.register_hook(_LeafHook(leaf._mesh, grad_placements(leaf._placements)))
+    notes_of(leaf).leaf_rule = True
 
-    def to_leaf_layout(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+
+class _LeafHook:
+    """The leaf rule's hook on one leaf: its mesh and gradient placements. Also a constant of traced calls
+    (a `torch.utils._pytree` constant, equal only to itself: no two leaves are taken for each other)."""
+    __slots__ = ("mesh", "want")
+
+    def __init__(self, mesh: DeviceMesh, want: tuple[Placement, ...]) -> None:
+        self.mesh, self.want = mesh, want
+
+    def __call__(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:   # no gradient comes (a function stored it in .grad itself: `sbp.nn.fully_shard`)
             return None
+        if torch.compiler.is_compiling():   # compiled autograd: dynamo traces the hook
+            return _traced_leaf_layout(grad, self)
+        return self.laid_out(grad)
+
+    def laid_out(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """`grad` in the leaf's layout; None when it is in it already. A plain gradient is the whole value
+        (autograd checked its shape against the leaf's)."""
+        mesh, want = self.mesh, self.want
         if isinstance(grad, GlobalTensor):
             if grad._placements == want and grad._mesh == mesh:
                 return None
             return autograd.redistribute(grad, want)
-        return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, shape)
+        return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, tuple(grad.shape))
 
-    leaf.register_hook(to_leaf_layout)
-    notes_of(leaf).leaf_rule = True
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+torch.utils._pytree.register_constant(_LeafHook)
+
+
+def _laid_out(grad: torch.Tensor, hook: _LeafHook) -> torch.Tensor:
+    out = hook.laid_out(grad)
+    return grad if out is None else out
+
+
+# the leaf rule as one opaque call that AOTAutograd traces: under compiled autograd dynamo inlines the leaf
+# hooks, and it cannot build the placements of a gradient made inside its graph
+_traced_leaf_layout = torch._dynamo.nonstrict_trace(_laid_out)
 
 
 def ensure_leaf_rule(t: GlobalTensor) -> None:
@@ -908,3 +941,8 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _fmt(pls: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(repr(p) for p in pls) + ("," if len(pls) == 1 else "") + ")"
 
+
+for _code in (GlobalTensor.__torch_dispatch__.__func__.__code__, GlobalTensor.__new__.__code__,
+              GlobalTensor.__tensor_unflatten__.__code__, GlobalTensor.__setattr__.__code__,
+              _LeafHook.__call__.__code__):
+    _never_compiled(_code)

@@ -1,8 +1,8 @@
 """torch.compile of `sbp.nn.parallelize`d transformers: the embedding, colwise / rowwise and sequence-parallel
-styles train (forward, backward, optimizer step) through one ``fullgraph=True`` graph that matches eager
-to float64 rounding (1e-10) on 1-d and 2-d meshes, even and uneven shapes, and compiles once for fixed
-shapes, also when the batch size changes (``dynamic=True``: the batch stays symbolic, see
-docs/compile.md).
+styles train with forward and loss as one ``fullgraph=True`` graph (its backward compiled from it) that
+matches eager to float64 rounding (1e-10) on 1-d and 2-d meshes, even and uneven shapes, and compiles once
+for fixed shapes, also when the batch size changes (``dynamic=True``: the batch stays symbolic, see
+docs/compile.md); with ``torch.compile(opt.step)``; and as a whole step under compiled autograd.
 
 The backend is ``aot_eager``: AOTAutograd traces sbp's ops and the planner's collectives (as torch's
 functional collectives, `sbp.runtime.traced`), the part that must be right; inductor's code generation
@@ -326,3 +326,100 @@ def test_parallelized_model_with_graph_breaks_compiles_as_eager() -> None:
     for rank, (out_diff, grad_diff) in enumerate(spmd(run_parallelized_with_graph_breaks, (2,))):
         assert out_diff <= TOL and grad_diff <= TOL, (rank, out_diff, grad_diff)
 
+
+
+def run_compiled_optimizer_step(optimizer, mesh):
+    """Forward and loss compiled (fullgraph), ``torch.compile(opt.step)``: the parallelized model's loss and
+    parameters after 4 steps against the one-process model trained with the same compiled optimizer, the
+    functional collectives in the optimizer's graphs, and whether steps 3 and 4 compiled anything new."""
+    torch.manual_seed(0)
+    ref = TinyGPT().double()
+    model = sbp.nn.parallelize(copy.deepcopy(ref), mesh, plan(False))
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    losses, graphs = [], []
+    for m, full in ((ref, lambda t: t), (model, lambda t: t.full())):
+        opt = make(m.parameters())
+        loss_of = torch.compile(lambda i, t, m=m, full=full: full(m(i, t)), backend="aot_eager", fullgraph=True)
+        step = torch.compile(opt.step, backend=recorder.backend)
+        run = []
+        for i in range(4):
+            loss = loss_of(*_batch(i, 4, 6))
+            loss.backward()
+            step()
+            opt.zero_grad()
+            run.append(loss.detach())
+            graphs.append(len(recorder.graphs))
+        losses.append(torch.stack(run))
+    want = dict(ref.named_parameters())
+    param_diff = max((p.full() - want[name]).abs().max().item() for name, p in model.named_parameters())
+    sbp_graphs = recorder.graphs[graphs[3]:]
+    return ((losses[0] - losses[1]).abs().max().item(), param_diff, len(sbp_graphs),
+            sum(sum(recorder.collectives(i).values()) for i in range(graphs[3], len(recorder.graphs))),
+            graphs[5] == graphs[7])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_compiled_optimizer_step_trains_as_one_process(optimizer) -> None:
+    # torch.compile(opt.step) over global parameters: each update runs on the locals, no collective in the
+    # optimizer's graphs, and after the first two steps (SGD's momentum buffers appear at step 1) nothing
+    # compiles again. The reference is the same model in one process with the same compiled optimizer
+    # (torch's compiled AdamW rounds its step count in float32: compared compiled to compiled)
+    for rank, (loss_diff, param_diff, graphs, collectives, settled) in enumerate(
+            spmd(functools.partial(run_compiled_optimizer_step, optimizer), (2,))):
+        assert loss_diff <= TOL and param_diff <= TOL, (rank, loss_diff, param_diff)
+        assert graphs >= 1 and collectives == 0, (rank, graphs, collectives)
+        assert settled, f"rank {rank}: the optimizer step compiled again at step 3 or 4"
+
+
+def run_compiled_autograd_step(sequence_parallel, mesh):
+    """A whole training step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``) compiled with
+    compiled autograd on: loss and parameters against eager after 4 steps, the graph breaks dynamo counted
+    (by reason), graphs compiled in steps 3 and 4, and the eager collectives those two steps ran."""
+    eager, compiled = _parallel_pair(mesh, sequence_parallel)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    losses, per_step, eager_calls = [], [], []
+    for m, compile_it in ((eager, False), (compiled, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def train(idx, targets, m=m, opt=opt):
+            loss = m(idx, targets).full()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        f = train
+        if compile_it:
+            with torch._dynamo.config.patch(compiled_autograd=True):   # torch.compile reads it here
+                f = torch.compile(train, backend="aot_eager")
+        run = []
+        for i in range(4):
+            mesh.binding.counters.reset()
+            run.append(f(*_batch(i, 4, 6)))
+            if compile_it:
+                per_step.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                eager_calls.append(len(mesh.binding.counters.calls))
+        losses.append(torch.stack(run))
+    param_diff = max((a.full() - b.full()).abs().max().item()
+                     for a, b in zip(eager.parameters(), compiled.parameters()))
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    return ((losses[0] - losses[1]).abs().max().item(), param_diff, breaks, per_step[3] - per_step[1],
+            eager_calls[2:], torch._dynamo.utils.counters["compiled_autograd"]["captures"])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_compiled_autograd_trains_as_eager(sequence_parallel) -> None:
+    # compiled autograd (torch._dynamo.config.compiled_autograd) traces the backward with sbp's leaf hooks
+    # (one opaque traced call each: dynamo cannot read placements off a gradient made in its graph) and the
+    # optimizer step. Fails without them: `GlobalTensor.__new__` compiled as a frame of its own under the
+    # capture, then graph breaks in every hook. The only graph breaks left are torch's own (Tensor.backward,
+    # the optimizer's), nothing compiles again after step 2, and no collective runs eagerly
+    for rank, (loss_diff, param_diff, breaks, new_graphs, eager_calls, captures) in enumerate(
+            spmd(functools.partial(run_compiled_autograd_step, sequence_parallel), (2,))):
+        assert loss_diff <= TOL and param_diff <= TOL, (rank, loss_diff, param_diff)
+        assert captures >= 1, (rank, captures)
+        assert not [b for b in breaks if "sbp" in b], (rank, list(breaks))
+        assert new_graphs == 0 and eager_calls == [0, 0], (rank, new_graphs, eager_calls)
