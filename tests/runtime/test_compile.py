@@ -296,6 +296,46 @@ def test_compiled_output_gradient_with_other_placements_is_redistributed() -> No
         assert per_rank == dict.fromkeys(per_rank, True) and len(per_rank) == 4
 
 
+def run_leaf_rule_under_compiled_autograd(mesh):
+    """A `B` leaf whose gradient arrives `P(sum)` (it scales an `S(0)` tensor), forward and backward compiled
+    as one function under compiled autograd: gradients and their placements against eager, the collectives
+    that ran eagerly in the compiled call, and the functional collectives in each compiled graph."""
+    t = _global_value((6, 4))
+    got = []
+    recorder = GraphRecorder()
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        x = sbp.distribute(t, mesh, "S(0)", requires_grad=True)
+        w = sbp.distribute(torch.linspace(-1, 1, 4, dtype=torch.float64), mesh, "B", requires_grad=True)
+
+        def train(x, w):
+            loss = (x * w).sin().full().sum()
+            loss.backward()
+            return loss.detach()
+        f = train
+        if compiled:
+            with torch._dynamo.config.patch(compiled_autograd=True):   # read by torch.compile
+                f = torch.compile(train, backend=recorder.backend)
+        mesh.binding.counters.reset()
+        loss = f(x, w)
+        eager_calls = len(mesh.binding.counters.calls)
+        got.append((loss, x.grad.full(), w.grad.placements, w.grad.full(), eager_calls))
+    (l0, x0, p0, w0, _), (l1, x1, p1, w1, eager_calls) = got
+    same = p0 == p1 and all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in ((l0, l1), (x0, x1), (w0, w1)))
+    return same, p1, eager_calls, [dict(recorder.collectives(i)) for i in range(len(recorder.graphs))]
+
+
+def test_leaf_rule_runs_in_the_compiled_autograd_graph() -> None:
+    # compiled autograd inlines the leaf hooks into its backward graph: w's P(sum) gradient is reduced there
+    # (an all_reduce in a compiled graph, none eagerly). Fails without the hook's traced call (a graph break
+    # in the hook, its all_reduce eager) and without sbp's frames kept from dynamo ("Found tensor of type
+    # GlobalTensor, which is not supported by FakeTensorMode")
+    for rank, (same, placements, eager_calls, graphs) in enumerate(spmd(run_leaf_rule_under_compiled_autograd, (2,))):
+        assert same and placements == (sbp.B,), (rank, placements)
+        assert eager_calls == 0, (rank, eager_calls)
+        assert sum(g.get("all_reduce", 0) for g in graphs) == 1, (rank, graphs)
+
+
 def run_distribute_in_graph(mesh):
     t = _global_value((5, 3))
     out = []
