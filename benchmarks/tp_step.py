@@ -31,12 +31,16 @@ backward and optimizer step as usual, for both frameworks alike), and a second t
   warm on-disk cache), slowest rank;
 - ``comp diff``: |compiled loss - eager loss| at the first step (sbp, DTensor).
 
+With ``--whole-step`` a third table times sbp's whole step (forward, loss, backward and SGD) as one compiled
+function under compiled autograd (``sbp whole``) against DTensor's compiled step (``DT comp``; DTensor does
+not run under compiled autograd on torch 2.13), with its CPU ratio, first step and loss difference to eager.
+
 Times come from one set of 4 processes holding both models, their steps alternating (sbp, DTensor, sbp,
 ...), so a burst of load on the machine hits both alike. Memory comes from two more sets of processes,
 one per framework, so one's cached memory does not hide the other's. Timings on a shared 2-core
 machine are still noisy; compare ratios within one run.
 
-    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64] [--no-compile]
+    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64] [--no-compile] [--whole-step]
 """
 from __future__ import annotations
 
@@ -127,23 +131,27 @@ def forward_loss_of(framework: str | None, model):
     return forward_loss
 
 
-def build(framework: str, ex, dim: int, args, compiled: bool = False):
+def build(framework: str, ex, dim: int, args, compiled: bool | str = False):
     """The example's model, sharded by `framework`; returns (step function, parameters per rank). With
-    `compiled`, forward and loss run as one compiled graph (``fullgraph=True``)."""
+    `compiled`, forward and loss run as one compiled graph (``fullgraph=True``); with ``"whole"``, the whole
+    step (forward, loss, backward, SGD) is one compiled function under compiled autograd."""
     model, (idx, targets) = sharded_model(framework, ex, dim, args)
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     forward_loss = forward_loss_of(framework, model)
-    loss_of = torch.compile(forward_loss, fullgraph=True) if compiled else forward_loss
+    loss_of = torch.compile(forward_loss, fullgraph=True) if compiled is True else forward_loss
 
-    def step() -> float:
+    def step() -> torch.Tensor:
         loss = loss_of(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return loss.item()
+        return loss.detach()
 
-    return step, params
+    if compiled == "whole":
+        with torch._dynamo.config.patch(compiled_autograd=True):   # read by torch.compile, here
+            step = torch.compile(step)
+    return (lambda: step().item()), params
 
 
 def timed(step) -> tuple[float, float]:
@@ -161,6 +169,8 @@ def time_case(ex, dim: int, args) -> dict:
     steps, params = {fw: step for fw, (step, _) in built.items()}, built["sbp"][1]
     if args.compile:
         steps |= {f"{fw}-comp": build(fw, ex, dim, args, compiled=True)[0] for fw in ("sbp", "dtensor")}
+    if args.whole_step:
+        steps["sbp-whole"] = build("sbp", ex, dim, args, compiled="whole")[0]
     losses, first = {}, {}
     for fw, step in steps.items():
         dist.barrier()
@@ -272,6 +282,8 @@ def main(argv=None) -> None:
                    help="measure peak memory in two more sets of processes (MiB columns); default on")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="also time compiled copies of both models (torch.compile, inductor); default on")
+    p.add_argument("--whole-step", action="store_true",
+                   help="also time sbp's whole step compiled under compiled autograd (with --compile)")
     args = p.parse_args(argv)
     args.dims = [int(d) for d in args.dims.split(",")]
     if any(d % 64 or d < 64 for d in args.dims):
@@ -306,6 +318,18 @@ def main(argv=None) -> None:
             print(f"{f'gpt-d{dim}':<14} {ms['sbp']:9.1f} {ms['sbp-comp']:9.1f} {ms['dtensor']:9.1f} "
                   f"{ms['dtensor-comp']:8.1f} {ms['sbp-comp'] / ms['dtensor-comp']:7.2f} "
                   f"{ms['sbp-comp'] / ms['sbp']:10.2f} {cpu:8.2f} {first:>11} {diffs:>17}")
+        if args.whole_step:
+            print("\nsbp's whole step compiled (forward, loss, backward, SGD; compiled autograd, inductor)\n")
+            print(f"{'case':<14} {'sbp whole':>9} {'DT comp':>8} {'whole/DT':>8} {'cpu w/DT':>8} {'1st step s':>10} "
+                  f"{'loss diff':>9}")
+            for dim in args.dims:
+                t = timing[dim]
+                whole, dt = slowest_median(t, "sbp-whole"), slowest_median(t, "dtensor-comp")
+                cpu = mean_cpu(t, "sbp-whole") / mean_cpu(t, "dtensor-comp")
+                first = max(r["first"]["sbp-whole"] for r in t)
+                diff = abs(t[0]["loss"]["sbp-whole"] - t[0]["loss"]["sbp"])
+                print(f"{f'gpt-d{dim}':<14} {whole:9.1f} {dt:8.1f} {whole / dt:8.2f} {cpu:8.2f} {first:10.0f} "
+                      f"{diff:9.1e}")
     if not all(r["peak_reset"] for fw in memory.values() for rs in fw.values() for r in rs):
         print("\n(note: /proc/self/clear_refs was not writable: MiB columns are whole-process peaks)")
 
