@@ -40,7 +40,8 @@ Times come from one set of 4 processes holding both models, their steps alternat
 one per framework, so one's cached memory does not hide the other's. Timings on a shared 2-core
 machine are still noisy; compare ratios within one run.
 
-    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64] [--no-compile] [--whole-step]
+    python benchmarks/tp_step.py [--steps 8] [--dims 512,1024] [--layers 2] [--batch 8] [--block 64]
+                                  [--no-compile] [--whole-step]
 """
 from __future__ import annotations
 
