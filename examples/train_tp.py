@@ -10,6 +10,7 @@ character by character.
     python examples/train_tp.py --check              # also train on one process and compare
     python examples/train_tp.py --sequence-parallel  # layer norms on S(1): all_gather + reduce_scatter
     python examples/train_tp.py --compile            # forward + loss as one torch.compile graph (inductor)
+    python examples/train_tp.py --compile --whole-step   # the whole step compiled, under compiled autograd
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py
     torchrun --standalone --nproc-per-node 4 --max-restarts 1 examples/train_tp.py --checkpoint ckpt --resume
                                                      # a checkpoint every 5 steps; a restarted job resumes
@@ -200,16 +201,25 @@ def train(model: nn.Module, data: torch.Tensor, args, *, on_step=None, mesh=None
     saving = mesh is not None and args.checkpoint is not None
     if saving and args.resume:
         start, losses = resume(model, opt, args.checkpoint, mesh)
-    forward = loss_fn(model, getattr(args, "compile", None) if mesh is not None else None)  # --check's model: eager
-    for step, (idx, targets) in enumerate(batches(data, args.batch, model.cfg.block, args.steps, args.seed)):
-        if step < start:
-            continue   # a step taken before the restart: its batch is drawn again, so the data stream continues
-        t0 = time.perf_counter()
+    backend = getattr(args, "compile", None) if mesh is not None else None   # --check's model: eager
+    whole = backend is not None and getattr(args, "whole_step", False)
+    forward = loss_fn(model, None if whole else backend)
+
+    def train_step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = forward(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        return loss.detach()
+
+    if whole:   # compiled autograd: backward and optimizer step compile too (torch.compile reads the flag)
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            train_step = torch.compile(train_step, backend=backend)
+    for step, (idx, targets) in enumerate(batches(data, args.batch, model.cfg.block, args.steps, args.seed)):
+        if step < start:
+            continue   # a step taken before the restart: its batch is drawn again, so the data stream continues
+        t0 = time.perf_counter()
+        losses.append(train_step(idx, targets).item())
         if on_step is not None:
             on_step(step, losses[-1], time.perf_counter() - t0)
         if saving and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
@@ -376,6 +386,8 @@ def parse(argv=None):
     p.add_argument("--check", action="store_true", help="also train on one process and compare")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="forward and loss as one torch.compile(fullgraph=True) graph; backend default inductor")
+    p.add_argument("--whole-step", action="store_true",
+                   help="with --compile: the whole step (forward, backward, optimizer) compiled, compiled autograd")
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="save model, optimizer and step to DIR every --save-every steps and at the end")
@@ -383,6 +395,8 @@ def parse(argv=None):
                    help="start from the checkpoint in --checkpoint DIR if there is one (for torchrun --max-restarts)")
     p.add_argument("--save-every", type=int, default=5, metavar="K", help="steps between checkpoints; default 5")
     args = p.parse_args(argv)
+    if args.whole_step and args.compile is None:
+        p.error("--whole-step compiles the whole step: it needs --compile [BACKEND]")
     if args.resume and args.checkpoint is None:
         p.error("--resume needs --checkpoint DIR (the checkpoint to resume from)")
     if args.save_every < 1:
