@@ -57,7 +57,8 @@ def test_script_on_gloo_with_check():
 
 
 @pytest.mark.parametrize("argv, message",
-                         [(["--mesh", "2y2"], "--mesh '2y2'"), (["--optimizer", "lbfgs"], "--optimizer")])
+                         [(["--mesh", "2y2"], "--mesh '2y2'"), (["--optimizer", "lbfgs"], "--optimizer"),
+                          (["--whole-step"], "--whole-step compiles the whole step: it needs --compile")])
 def test_script_bad_arguments(argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
