@@ -942,7 +942,11 @@ def _fmt(pls: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(repr(p) for p in pls) + ("," if len(pls) == 1 else "") + ")"
 
 
+# what torch's tracing machinery calls on a global tensor (compiled autograd's capture runs it with dynamo's
+# frame hook on: each would be compiled as a frame of its own, on fake tensors)
 for _code in (GlobalTensor.__torch_dispatch__.__func__.__code__, GlobalTensor.__new__.__code__,
-              GlobalTensor.__tensor_unflatten__.__code__, GlobalTensor.__setattr__.__code__,
+              GlobalTensor.__tensor_flatten__.__code__, GlobalTensor.__tensor_unflatten__.__code__,
+              GlobalTensor.__metadata_guard__.__func__.__code__, GlobalTensor.__coerce_tangent_metadata__.__code__,
+              GlobalTensor.__coerce_same_metadata_as_tangent__.__code__, GlobalTensor.__setattr__.__code__,
               _LeafHook.__call__.__code__):
     _never_compiled(_code)
