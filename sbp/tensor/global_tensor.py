@@ -457,16 +457,17 @@ def _never_compiled(code) -> None:
     """dynamo never compiles a frame of `code`, nor the frames it calls. For `__torch_dispatch__`: between two
     graphs (after a graph break, e.g. at ``.item()``) an op on a global tensor runs sbp's dispatch as eager
     Python, which dynamo would otherwise take for user code, compile as a frame of its own and fail in. In a
-    graph, ops reach the dispatch through fake tensors, never through dynamo's frames. (A code-level skip:
-    eager dispatch pays nothing for it, where a `torch._dynamo.disable` wrapper costs ~0.6 us a call.)"""
+    graph, ops reach the dispatch through fake tensors, never through dynamo's frames. Likewise for what
+    torch's tracing calls on a global tensor (`__new__`, `__tensor_flatten__`, ... at the end of this module):
+    compiled autograd's capture fakes its inputs with dynamo's frame hook on. (A code-level skip: eager pays
+    nothing for it, where a `torch._dynamo.disable` wrapper costs ~0.6 us a call. Inlining is not affected:
+    dynamo still traces these where it inlines them, e.g. the leaf hook under compiled autograd.)"""
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     except (ImportError, AttributeError, TypeError):   # another torch: its dynamo keeps its own rules
         return
-
-
 
 
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
