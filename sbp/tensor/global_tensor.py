@@ -151,6 +151,8 @@ class GlobalTensor(torch.Tensor):
         d, v = self.__dict__, value.__dict__
         d["_local"], d["_placements"], d["_notes"] = v["_local"], v["_placements"], v["_notes"]
         d["_key"] = None   # the op cache's key of this tensor is made again from the new layout
+        if getattr(self, "_is_param", False):
+            _static_parameter_shapes(self)
 
     # ---- indexing: torch checks integer indices against the (global) sizes before any op runs ----------
     def __getitem__(self, index: Any) -> Any:
@@ -335,6 +337,8 @@ class GlobalTensor(torch.Tensor):
         super().__setattr__(name, value)
         if name == "requires_grad":
             ensure_leaf_rule(self)
+        elif name == "_is_param" and value:   # nn.Parameter(x) sets this on a tensor subclass
+            _static_parameter_shapes(self)
 
     def __deepcopy__(self, memo: dict) -> "GlobalTensor":
         if id(self) in memo:
@@ -924,6 +928,24 @@ def ensure_leaf_rule(t: GlobalTensor) -> None:
     """
     if t.requires_grad and t.is_leaf and (t._notes is None or not t._notes.leaf_rule):
         install_leaf_rule(t)
+
+
+def _static_parameter_shapes(t: GlobalTensor) -> None:
+    """Mark a global parameter's sizes and its local tensor's static for ``torch.compile(dynamic=True)``,
+    as dynamo treats a plain ``nn.Parameter`` (``force_parameter_static_shapes``; it checks the exact type,
+    so a tensor subclass parameter would otherwise get symbolic sizes when reached other than as a module
+    attribute, e.g. through an optimizer's ``param_groups``). On torch 2.13 such symbolic parameter sizes
+    break the optimizer step inside a dynamic compiled function (docs/compile.md).
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     p = torch.nn.Parameter(sbp.distribute(torch.ones(4, 2), mesh, "S(0)"))
+    ...     return sorted(p._dynamo_static_indices), sorted(p._local._dynamo_static_indices)
+    >>> sbp.testing.spmd(fn, (2,))
+    [([0, 1], [0, 1]), ([0, 1], [0, 1])]
+    """
+    if not torch.compiler.is_compiling():   # (inside a graph mark_static would specialize instead)
+        torch._dynamo.mark_static(t)   # the wrapper and, as a tensor subclass, its local tensor
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

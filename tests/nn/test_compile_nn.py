@@ -426,9 +426,9 @@ def test_compiled_autograd_trains_as_eager(sequence_parallel) -> None:
 
 
 def run_compiled_autograd_batch_change(sizes, mesh):
-    """Forward, loss and ``backward()`` compiled as one function under compiled autograd with
-    ``dynamic=True``, batch sizes `sizes`, the SGD step eager: losses and parameters against eager, and
-    the graphs dynamo compiled after the first two sizes."""
+    """A whole step (forward, loss, ``backward()``, the SGD step) compiled as one function under compiled
+    autograd with ``dynamic=True``, batch sizes `sizes`: losses and parameters against eager, and the graphs
+    dynamo compiled after the first two sizes."""
     eager, compiled = _parallel_pair(mesh, False)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -436,19 +436,19 @@ def run_compiled_autograd_batch_change(sizes, mesh):
     for m, compile_it in ((eager, False), (compiled, True)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
-        def forward_backward(idx, targets, m=m):
+        def train(idx, targets, m=m, opt=opt):
             loss = m(idx, targets).full()
             loss.backward()
+            opt.step()
+            opt.zero_grad()
             return loss.detach()
-        f = forward_backward
+        f = train
         if compile_it:
             with torch._dynamo.config.patch(compiled_autograd=True):
-                f = torch.compile(forward_backward, backend="aot_eager", dynamic=True)
+                f = torch.compile(train, backend="aot_eager", dynamic=True)
         run = []
         for step, batch in enumerate(sizes):
             run.append(f(*_batch(step, batch, 6)))
-            opt.step()
-            opt.zero_grad()
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         losses.append(torch.stack(run))
     param_diff = max((a.full() - b.full()).abs().max().item()
@@ -459,7 +459,9 @@ def run_compiled_autograd_batch_change(sizes, mesh):
 def test_compiled_autograd_with_dynamic_batch_trains_as_eager() -> None:
     # the capture fakes each global input, calling its __tensor_flatten__ with dynamo's frame hook on; with
     # symbolic sizes dynamo compiled that as a frame and failed in a guard ("Cannot call numel() on tensor
-    # with symbolic sizes/strides"). The optimizer step stays outside: see docs/compile.md
+    # with symbolic sizes/strides"). The optimizer step inside needs the parameters' static sizes (nn.Parameter
+    # marks a global tensor static): with symbolic ones dynamo built an optimizer graph that used a parameter
+    # before its input ("Argument 'p' of Node 'getattr_1' was used before it has been defined")
     fn = functools.partial(run_compiled_autograd_batch_change, (4, 4, 6, 3, 5))
     for rank, (loss_diff, param_diff, new_graphs) in enumerate(spmd(fn, (2,))):
         assert loss_diff <= TOL and param_diff <= TOL, (rank, loss_diff, param_diff)

@@ -353,3 +353,22 @@ def test_data_assignment_takes_the_new_layout_or_refuses():
         assert halves == (torch.float16, torch.float16)
         assert param == ((sbp.S(1),), True, True)
         assert refused
+
+
+def test_parameters_have_static_shapes_for_dynamo():
+    # dynamo keeps a plain nn.Parameter's sizes static under dynamic=True but checks the exact type: a global
+    # parameter reached through an optimizer got symbolic sizes, and its dynamic optimizer graph failed
+    def static(t):
+        return (sorted(getattr(t, "_dynamo_static_indices", ())),
+                sorted(getattr(t._local, "_dynamo_static_indices", ())))
+
+    def fn(mesh):
+        x = sbp.distribute(reference((4, 3)), mesh, "S(0)")
+        p = torch.nn.Parameter(x)
+        twin = copy.deepcopy(p)
+        p.data = sbp.distribute(torch.ones(4, 3), mesh, "S(1)")   # a new local tensor
+        return static(x), static(p), static(twin)
+
+    for plain, param, twin in spmd(fn, (2,)):
+        assert plain == ([], [])   # not a parameter: a batch dimension may be dynamic
+        assert param == twin == ([0, 1], [0, 1])
