@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..runtime.executor import cached_plan
 from ..runtime.symbolic import hint, hint_shape
@@ -93,7 +94,14 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
             return type(v)(to_meta(x) for x in v)
         return v
 
-    out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+    if torch._C._len_torch_dispatch_stack():
+        # under torch.compile the tracing modes would take these meta tensors and the run through their fake-
+        # tensor and tracing machinery (several ms a call); plain meta tensors of symbolic sizes record the
+        # same guards, as eagerly
+        with _disable_current_modes():
+            out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+    else:
+        out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
     items = out if isinstance(out, (tuple, list)) else [out] if isinstance(out, torch.Tensor) else []
     return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
 

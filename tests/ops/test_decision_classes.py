@@ -165,3 +165,33 @@ def test_dim_arguments_stay_exact():
     assert k1 != k2 and k1 == class_key(aten.sum.dim_IntList, (y, [1]), {}, mesh.shape)[0]
     z = _global((11, 12, 14), mesh, (Split(0),))   # 11 is odd: splits over 2 differ
     assert class_key(aten.sum.dim_IntList, (z, [1]), {}, mesh.shape)[0] != k1
+
+
+def test_meta_runs_under_tracing_modes_stay_outside_them():
+    # under torch.compile sbp's op handler runs inside torch's tracing modes; the meta runs that read an op's
+    # output shapes (and torch's guards on symbolic sizes) went through them at several ms a call. They run
+    # on plain meta tensors now, and record the same guards
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    env = ShapeEnv()
+    fake = FakeTensorMode(shape_env=env)
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    x = fake.from_tensor(torch.randn(6, 8), symbolic_context=dynamic)
+    w = fake.from_tensor(torch.randn(8, 4), static_shapes=True)
+    rows, features = (str(n) for n in x.shape)   # symbols
+    with fake, Seen() as seen:
+        out = decide_mod.meta_outputs(torch.ops.aten.mm.default, (x, w), {})
+    assert seen.ops == []
+    assert str(out[0].shape[0]) == rows and out[0].shape[1] == 4
+    assert [str(g.expr) for g in env.guards] == [f"Eq({features}, 8)"]   # mm pinned x's features to w's
