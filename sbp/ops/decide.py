@@ -9,6 +9,7 @@ one fallback of sbp, also taken by a composite rule (``_foreach_*``, in-place vi
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -94,13 +95,9 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
             return type(v)(to_meta(x) for x in v)
         return v
 
-    if torch._C._len_torch_dispatch_stack():
-        # under torch.compile the tracing modes would take these meta tensors and the run through their fake-
-        # tensor and tracing machinery (several ms a call); plain meta tensors of symbolic sizes record the
-        # same guards, as eagerly
-        with _disable_current_modes():
-            out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
-    else:
+    # under torch.compile the tracing modes would take these meta tensors and the run through their fake-tensor
+    # and tracing machinery (several ms a call); plain meta tensors of symbolic sizes record the same guards
+    with _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext():
         out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
     items = out if isinstance(out, (tuple, list)) else [out] if isinstance(out, torch.Tensor) else []
     return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
