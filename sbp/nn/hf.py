@@ -52,11 +52,16 @@ _MOE = ("the MoE experts' module runs on local shards of its packed expert weigh
         "transformers; sbp builds packed nn.Linear modules ('packed_colwise' / 'packed_rowwise') but not the experts' "
         "local routing: leave the experts out of the plan (they run replicated, exactly) or shard the dense layers "
         "only")
+_UNIT = ("transformers (5.25) splits q/k/v and the output projection by whole heads on a mesh of head units of "
+         "its own, each head replicated on several ranks when there are fewer heads than ranks; sbp does not build "
+         "that mesh: use 'colwise' / 'rowwise' where the head counts divide the tensor-parallel size")
 REFUSED: dict[str, str] = {
     "moe_tp_experts": _MOE,
     "moe_identity_expert": "it only pairs with 'moe_tp_experts', which sbp does not support",
     "grouped_gemm": "expert parallelism (experts split over ranks) is not supported by sbp",
     "ep_dispatch_experts": "expert parallelism (experts split over ranks) is not supported by sbp",
+    "unit_colwise": _UNIT,
+    "unit_rowwise": _UNIT,
 }
 
 
