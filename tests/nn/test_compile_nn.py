@@ -374,6 +374,23 @@ def test_compiled_optimizer_step_trains_as_one_process(optimizer) -> None:
         assert settled, f"rank {rank}: the optimizer step compiled again at step 3 or 4"
 
 
+def _whole_step(m, compile_it: bool, **compile_kwargs):
+    """`m`'s training step with SGD (momentum 0.9): forward, ``loss.backward()``, ``opt.step()``,
+    ``opt.zero_grad()``; returns the detached loss. Compiled with compiled autograd on when `compile_it`."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    def train(idx, targets):
+        loss = m(idx, targets).full()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    if not compile_it:
+        return train
+    with torch._dynamo.config.patch(compiled_autograd=True):   # torch.compile reads it here
+        return torch.compile(train, backend="aot_eager", **compile_kwargs)
+
+
 def run_compiled_autograd_step(sequence_parallel, mesh):
     """A whole training step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``) compiled with
     compiled autograd on: loss and parameters against eager after 4 steps, the graph breaks dynamo counted
@@ -383,18 +400,7 @@ def run_compiled_autograd_step(sequence_parallel, mesh):
     torch._dynamo.utils.counters.clear()
     losses, per_step, eager_calls = [], [], []
     for m, compile_it in ((eager, False), (compiled, True)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-
-        def train(idx, targets, m=m, opt=opt):
-            loss = m(idx, targets).full()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        f = train
-        if compile_it:
-            with torch._dynamo.config.patch(compiled_autograd=True):   # torch.compile reads it here
-                f = torch.compile(train, backend="aot_eager")
+        f = _whole_step(m, compile_it)
         run = []
         for i in range(4):
             mesh.binding.counters.reset()
@@ -434,18 +440,7 @@ def run_compiled_autograd_batch_change(sizes, mesh):
     torch._dynamo.utils.counters.clear()
     losses, graphs = [], []
     for m, compile_it in ((eager, False), (compiled, True)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-
-        def train(idx, targets, m=m, opt=opt):
-            loss = m(idx, targets).full()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        f = train
-        if compile_it:
-            with torch._dynamo.config.patch(compiled_autograd=True):
-                f = torch.compile(train, backend="aot_eager", dynamic=True)
+        f = _whole_step(m, compile_it, dynamic=True)
         run = []
         for step, batch in enumerate(sizes):
             run.append(f(*_batch(step, batch, 6)))
