@@ -235,9 +235,11 @@ def _move_group_rows(call: Call, local: torch.Tensor, how: tuple) -> torch.Tenso
     have, want = _group_runs(call, gi, gj, axes)
     me = call.mesh.group_index(call.coord, axes)
     at = gi[0]
-    rows = local.reshape(tuple(local.shape[:at]) + (-1,) + tuple(local.shape[gi[-1] + 1:])).movedim(at, 0)
-    moved = move_rows(rows, have, want, me, axes, call.mesh).movedim(0, at)
-    return moved.reshape(call.out_shape(0))
+    rows = local.reshape(tuple(local.shape[:at]) + (-1,) + tuple(local.shape[gi[-1] + 1:]))
+    if at:     # (no-op moves stay out of a traced graph: each op costs its tracing time)
+        rows = rows.movedim(at, 0)
+    moved = move_rows(rows, have, want, me, axes, call.mesh)
+    return (moved.movedim(0, at) if at else moved).reshape(call.out_shape(0))
 
 
 VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,

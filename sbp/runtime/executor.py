@@ -153,10 +153,11 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
         return local.contiguous()
     keep = [d for d in range(len(hints)) if d not in dyn]
     order = keep + list(dyn)
-    moved = local.permute(order)
+    in_place = order == sorted(order)   # the dims ride along where they are: no permutes in the graph
+    moved = local if in_place else local.permute(order)
     out = execute(symbolic.without_dims(plan, dyn), moved, mesh, tuple(moved.shape[len(keep):]))
     back = [order.index(d) for d in range(len(order))]
-    return out.permute(back).contiguous()
+    return (out if in_place else out.permute(back)).contiguous()
 
 
 @lru_cache(maxsize=4096)

@@ -181,6 +181,32 @@ def test_view_of_an_unevenly_split_batch_moves_rows_in_one_graph_per_remainder()
         assert odd_forward == {"all_to_all_single": 2, "wait_tensor": 2}, odd_forward
 
 
+def run_view_on_reversed_ranks(world):
+    """The view of `run_linear_on_a_split_batch` on a mesh whose members are ranks 1, 0 (its group's ranks
+    ascend the other way: the all_to_all's pieces are reordered) for odd batch sizes: exact, graphs, and the
+    last graph's collectives."""
+    mesh = sbp.testing.submesh(world, (2,), ranks=[1, 0])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rec = GraphRecorder()
+    f = torch.compile(lambda x: x.reshape(-1, 8) * 2, backend=rec.backend, fullgraph=True, dynamic=True)
+    same = []
+    for b in (5, 7, 9):
+        full = torch.randn(b, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(b))
+        got = f(sbp.distribute(full, mesh, "S(0)"))
+        same.append(got.placements == (sbp.S(0),) and torch.equal(got.full(), full.reshape(-1, 8) * 2))
+    return same, _graphs(), dict(rec.collectives(len(rec.graphs) - 1))
+
+
+def test_rows_move_between_members_in_either_rank_order() -> None:
+    # members in mesh order are group ranks 1, 0: the pieces arrive in group-rank order and are put back in
+    # member order (sbp.runtime.rows; in ascending order they arrive as they lie)
+    for rank, (same, graphs, last) in enumerate(spmd(run_view_on_reversed_ranks, (2,))):
+        assert all(same), (rank, same)
+        assert graphs <= 2, f"rank {rank}: {graphs} graphs for batch sizes 5, 7, 9"
+        assert last == {"all_to_all_single": 1, "wait_tensor": 1}, last
+
+
 def run_constant_view_sizes(mesh):
     """A view to sizes written as constants (``x.reshape(30, 8)``) of an input compiled with dynamic=True."""
     torch._dynamo.reset()
