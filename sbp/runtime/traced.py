@@ -197,6 +197,9 @@ def _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> 
         flat = torch.cat([flat, flat.new_zeros((lay.width - flat.shape[0],) + elem)])
     buf = _from_group_order(_wait(_FUNCOL.all_gather_into_tensor(flat.contiguous(), n, name)), lay.width, order)
     if lay.runs is not None:
+        if len(lay.runs) == 1:   # one run (the pieces lie in order): the buffer, or its head, as it is
+            (lo, hi), = lay.runs
+            return (buf if (lo, hi) == (0, buf.shape[0]) else buf[lo:hi]).view(lay.shape + elem)
         return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape + elem)
     out = local.new_empty(lay.shape + elem)
     for where, shape, offset in lay.places:
