@@ -43,13 +43,16 @@ Place = tuple[tuple[slice, ...], tuple[int, ...], int]  # slices of a block, the
 class Gather:
     """all_gather on one coord: gathered buffer of `width` elements per member (member order); the result
     (shape `shape`) is the concatenation of the buffer's `runs`, or, when `runs` is None, every member's
-    piece copied to its `places` entry (slices of the result, piece shape, buffer offset)."""
+    piece copied to its `places` entry (slices of the result, piece shape, buffer offset). `stack`: the dim
+    along which equal pieces lie side by side in member order (the buffer viewed as (members, *piece) with
+    that dim moved after the first is the result), or None."""
 
     shape: tuple[int, ...]
     width: int
     numels: tuple[int, ...]
     runs: tuple[Run, ...] | None
     places: tuple[Place, ...]
+    stack: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +194,10 @@ def gather(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tupl
     >>> from sbp import S, B
     >>> gather((10,), (4,), (S(0),), (B,), (0,), (1,)).runs      # pieces 3,3,2,2: two runs to join
     ((0, 8), (9, 11))
-    >>> gather((2, 4), (2,), (S(1),), (B,), (0,), (0,)).runs is None  # columns: placed one by one
+    >>> lay = gather((2, 4), (2,), (S(1),), (B,), (0,), (0,))  # columns: placed one by one, or stacked
+    >>> lay.runs is None, lay.stack
+    (True, 1)
+    >>> gather((2, 5), (2,), (S(1),), (B,), (0,), (0,)).stack is None   # pieces of 3 and 2 columns
     True
     """
     pieces = [block(global_shape, mesh_shape, src, c) for c in group_coords(mesh_shape, axes, coord)]
@@ -202,7 +208,21 @@ def gather(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tupl
     in_order = chain([run_in(p, want) for p in pieces]) == (0, block_numel(want))
     runs = (_merge([(i * width, i * width + n) for i, n in enumerate(numels)]) or ((0, 0),)) if in_order else None
     offsets = [i * width for i in range(len(pieces))]
-    return Gather(block_shape(want), width, numels, runs, _places(pieces, want, offsets))
+    stack = None if runs is not None else _stack_dim(pieces, want)
+    return Gather(block_shape(want), width, numels, runs, _places(pieces, want, offsets), stack)
+
+
+def _stack_dim(pieces: list[Block], want: Block) -> int | None:
+    """The one dim along which `pieces` (member order) cut `want` into equal consecutive parts, or None."""
+    dims = {d for p in pieces for d, (r, w) in enumerate(zip(p, want)) if r != w}
+    if len(dims) != 1:
+        return None
+    d, = dims
+    size = pieces[0][d][1] - pieces[0][d][0]
+    lo = want[d][0]
+    if size == 0 or any(p[d] != (lo + i * size, lo + (i + 1) * size) for i, p in enumerate(pieces)):
+        return None
+    return d if lo + len(pieces) * size == want[d][1] else None
 
 
 @lru_cache(maxsize=4096)

@@ -69,7 +69,12 @@ def test_gather_layout_rebuilds_the_destination_block(case) -> None:
         got = torch.full(lay.shape, SENTINEL, dtype=torch.int64)
         for where, piece_shape, offset in lay.places:
             got[where] = buf[offset:offset + math.prod(piece_shape)].view(piece_shape)
-    assert torch.equal(got, _cut(g, shape, mesh_shape, dst, coord))
+    want = _cut(g, shape, mesh_shape, dst, coord)
+    assert torch.equal(got, want)
+    if lay.stack is not None:   # the traced lowering's one copy: the buffer as (members, *piece), dim moved
+        n, d = len(lay.numels), lay.stack
+        piece = lay.shape[:d] + (lay.shape[d] // n,) + lay.shape[d + 1:]
+        assert torch.equal(buf.view((n,) + piece).movedim(0, d).reshape(lay.shape), want)
 
 
 @pytest.mark.parametrize("shape, runs", [((1024, 8), ((0, 8192),)),       # even: the buffer is the result
@@ -83,6 +88,15 @@ def test_gather_runs_along_dim_0(shape, runs) -> None:
 def test_gather_of_columns_places_each_piece() -> None:
     lay = gather((3, 8), (4,), (S(1),), (B,), (0,), (0,))
     assert lay.runs is None and [where for where, _, _ in lay.places][1] == (slice(0, 3), slice(2, 4))
+    assert lay.stack == 1   # four equal pieces of 2 columns, side by side in member order
+
+
+@pytest.mark.parametrize("shape, mesh_shape, src, axes, coord", [
+    ((3, 9), (4,), (S(1),), (0,), (0,)),              # 3,2,2,2 columns: unequal
+    ((4, 8), (2, 2), (S(1), S(0)), (0, 1), (0, 0)),   # pieces cut along two dims
+    ((4, 8), (2, 2), (S(1), S(1)), (1, 0), (0, 0))])  # members in axes order hold columns 0,4,2,6 (x2)
+def test_gather_stacks_only_equal_pieces_in_member_order(shape, mesh_shape, src, axes, coord) -> None:
+    assert gather(shape, mesh_shape, src, (B,) * len(mesh_shape), axes, coord).stack is None
 
 
 # ---- reduce_scatter --------------------------------------------------------------------------------
