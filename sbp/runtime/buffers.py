@@ -44,8 +44,8 @@ class Gather:
     """all_gather on one coord: gathered buffer of `width` elements per member (member order); the result
     (shape `shape`) is the concatenation of the buffer's `runs`, or, when `runs` is None, every member's
     piece copied to its `places` entry (slices of the result, piece shape, buffer offset). `stack`: the dim
-    along which equal pieces lie side by side in member order (the buffer viewed as (members, *piece) with
-    that dim moved after the first is the result), or None."""
+    along which equal pieces lie side by side in member order, or None; the buffer viewed as
+    (members, *piece), its first axis moved next to that dim and merged with it, is then the result."""
 
     shape: tuple[int, ...]
     width: int
