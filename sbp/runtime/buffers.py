@@ -213,16 +213,14 @@ def gather(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tupl
 
 
 def _stack_dim(pieces: list[Block], want: Block) -> int | None:
-    """The one dim along which `pieces` (member order) cut `want` into equal consecutive parts, or None."""
+    """The one dim along which `pieces` (member order; they tile `want`, `_check_tiling`) cut `want` into
+    equal consecutive parts, or None."""
     dims = {d for p in pieces for d, (r, w) in enumerate(zip(p, want)) if r != w}
     if len(dims) != 1:
         return None
     d, = dims
-    size = pieces[0][d][1] - pieces[0][d][0]
-    lo = want[d][0]
-    if size == 0 or any(p[d] != (lo + i * size, lo + (i + 1) * size) for i, p in enumerate(pieces)):
-        return None
-    return d if lo + len(pieces) * size == want[d][1] else None
+    size, lo = pieces[0][d][1] - pieces[0][d][0], want[d][0]
+    return d if all(p[d] == (lo + i * size, lo + (i + 1) * size) for i, p in enumerate(pieces)) else None
 
 
 @lru_cache(maxsize=4096)
