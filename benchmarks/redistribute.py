@@ -47,6 +47,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -63,6 +64,7 @@ from sbp.runtime.executor import redistribute_local
 
 WORLD = 4
 CASES = [((4,), "S(0)", "B"), ((4,), "S(0)", "S(1)"), ((4,), "P", "B"), ((4,), "P", "S(0)"),
+         ((4,), "S(1)", "B"), ((4,), "P", "S(1)"),
          ((2, 2), "S(0), S(1)", "S(1), S(0)"), ((2, 2), "S(0), S(0)", "S(1), S(1)"),
          ((2, 2), "S(0), S(0)", "B, S(0)"), ((2, 2), "S(0), B", "B, S(0)"), ((2, 2), "P, P", "B, B")]
 SHAPES = [(1024, 1024), (1023, 1021)]
@@ -392,7 +394,7 @@ def _step_group(step: sbp.Step, plan: sbp.Plan, mesh: sbp.DeviceMesh):
     return pg, (plan.global_shape, plan.mesh_shape, step.src, step.dst, step.axes, mesh.coord)
 
 
-def main(iters: int) -> None:
+def main(iters: int, only: str | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -410,6 +412,8 @@ def main(iters: int) -> None:
     results = []
     for shape in SHAPES:
         for mesh_shape, src, dst in CASES:
+            if only is not None and not re.search(only, f"{'x'.join(map(str, mesh_shape))} [{src}]->[{dst}]"):
+                continue
             r = run_case(meshes[mesh_shape], tmeshes[mesh_shape], shape, src, dst, iters)
             results.append(r)
             if rank == 0:
@@ -441,9 +445,9 @@ def summary(results: list[dict]) -> str:
             f"{len(single)}")
 
 
-def _launch(rank: int, port: int, iters: int) -> None:
+def _launch(rank: int, port: int, iters: int, only: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    main(iters)
+    main(iters, only)
 
 
 def free_port() -> int:
@@ -455,9 +459,11 @@ def free_port() -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=60, help="timed iterations per case (default 60)")
+    parser.add_argument("--only", help="run only the cases whose 'mesh change' matches this regular expression, "
+                        "e.g. '^4 .*S\\(1\\)\\]$' (the (4,) mesh, to S(1))")
     args = parser.parse_args()
     if "RANK" in os.environ:
-        main(args.iters)
+        main(args.iters, args.only)
     else:
-        mp.start_processes(_launch, args=(free_port(), args.iters), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_launch, args=(free_port(), args.iters, args.only), nprocs=WORLD, start_method="spawn")
         sys.exit(0)

@@ -54,13 +54,26 @@ class Gather:
     places: tuple[Place, ...]
     stack: int | None = None
 
+    @property
+    def members_shape(self) -> tuple[int, ...]:
+        """With `stack`: the buffer's shape as (members, *piece).
+
+        >>> from sbp import S, B
+        >>> gather((2, 4), (2,), (S(1),), (B,), (0,), (0,)).members_shape
+        (2, 2, 2)
+        """
+        n, d = len(self.numels), self.stack
+        return (n,) + self.shape[:d] + (self.shape[d] // n,) + self.shape[d + 1:]
+
 
 @dataclass(frozen=True, slots=True)
 class Scatter:
     """reduce_scatter on one coord: an input of `width` elements per member (member order). `direct`: the
     contiguous local read flat is that input as it is. Otherwise `runs` ((local start, buffer start,
     length) copies of the flat local) or, when `runs` is None, `places` (slices of the local, shape,
-    buffer offset) fill a buffer whose `pads` ranges are zeroed. The result is the first
+    buffer offset) fill a buffer whose `pads` ranges are zeroed. `stack`: the dim along which equal
+    pieces lie side by side in member order, or None; the local with that dim split into (members,
+    piece) and the members' axis moved first is then the input, read flat. The result is the first
     ``numels[index]`` elements of the output, shaped `shape`."""
 
     index: int
@@ -71,6 +84,7 @@ class Scatter:
     runs: tuple[tuple[int, int, int], ...] | None
     places: tuple[Place, ...]
     pads: tuple[Run, ...]
+    stack: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +247,8 @@ def scatter(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tup
     True
     >>> scatter((7, 2), (4,), (Partial(),), (S(0),), (0,), (0,)).runs   # 2,2,2,1 rows: one copy, one pad
     ((0, 0, 14),)
+    >>> scatter((2, 4), (2,), (Partial(),), (S(1),), (0,), (0,)).stack   # columns: members side by side
+    1
     """
     members = group_coords(mesh_shape, axes, coord)
     have = block(global_shape, mesh_shape, src, coord)
@@ -257,7 +273,9 @@ def scatter(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tup
     pads = _merge([(i * width + n, (i + 1) * width) for i, n in enumerate(numels)]) if not direct else ()
     me = members.index(coord)
     offsets = [i * width for i in range(len(pieces))]
-    return Scatter(me, block_shape(pieces[me]), width, numels, direct, runs, _places(pieces, have, offsets), pads)
+    stack = None if direct or runs is not None else _stack_dim(pieces, have)
+    return Scatter(me, block_shape(pieces[me]), width, numels, direct, runs, _places(pieces, have, offsets), pads,
+                   stack)
 
 
 @lru_cache(maxsize=4096)

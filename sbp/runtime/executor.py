@@ -284,6 +284,8 @@ def _all_gather(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         if len(lay.runs) == 1:
             return buf[lay.runs[0][0]:lay.runs[0][1]].view(lay.shape)
         return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape)
+    if lay.stack is not None:   # equal pieces side by side along one dim: one copy, not one per member
+        return buf.view(lay.members_shape).movedim(0, lay.stack).reshape(lay.shape)
     out = local.new_empty(lay.shape)
     for where, shape, offset in lay.places:
         out[where] = buf[offset:offset + math.prod(shape)].view(shape)
@@ -302,6 +304,8 @@ def _reduce_scatter(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         return ctx.comm.reduce_scatter_runs(flat, lay.numels, step.axes, _op(step)).view(lay.shape)
     if lay.direct:
         inp = local.reshape(-1)
+    elif lay.stack is not None:   # equal pieces side by side along one dim: one copy, not one per member
+        inp = local.unflatten(lay.stack, (len(lay.numels), -1)).movedim(lay.stack, 0).reshape(-1)
     else:
         inp = local.new_empty(len(lay.numels) * lay.width)
         for where, shape, offset in lay.places:

@@ -202,9 +202,7 @@ def _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> 
             return (buf if (lo, hi) == (0, buf.shape[0]) else buf[lo:hi]).view(lay.shape + elem)
         return torch.cat([buf[lo:hi] for lo, hi in lay.runs]).view(lay.shape + elem)
     if lay.stack is not None:   # equal pieces side by side along one dim: one copy, not one per member
-        d = lay.stack
-        piece = lay.shape[:d] + (lay.shape[d] // n,) + lay.shape[d + 1:]
-        return buf.view((n,) + piece + elem).movedim(0, d).reshape(lay.shape + elem)
+        return buf.view(lay.members_shape + elem).movedim(0, lay.stack).reshape(lay.shape + elem)
     out = local.new_empty(lay.shape + elem)
     for where, shape, offset in lay.places:
         out[where] = buf[offset:offset + math.prod(shape)].view(shape + elem)
@@ -218,6 +216,8 @@ def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=())
     name, n, order = group_name(comm, step.axes)
     if lay.direct:
         inp = local.reshape((-1,) + elem)
+    elif lay.stack is not None:   # equal pieces side by side along one dim: one copy, not one per member
+        inp = local.unflatten(lay.stack, (n, -1)).movedim(lay.stack, 0).reshape((-1,) + elem)
     else:
         inp = local.new_zeros((n * lay.width,) + elem)
         if lay.runs is not None:

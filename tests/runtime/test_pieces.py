@@ -71,10 +71,8 @@ def test_gather_layout_rebuilds_the_destination_block(case) -> None:
             got[where] = buf[offset:offset + math.prod(piece_shape)].view(piece_shape)
     want = _cut(g, shape, mesh_shape, dst, coord)
     assert torch.equal(got, want)
-    if lay.stack is not None:   # the traced lowering's one copy: the buffer as (members, *piece), dim moved
-        n, d = len(lay.numels), lay.stack
-        piece = lay.shape[:d] + (lay.shape[d] // n,) + lay.shape[d + 1:]
-        assert torch.equal(buf.view((n,) + piece).movedim(0, d).reshape(lay.shape), want)
+    if lay.stack is not None:   # the executors' one copy: the buffer as (members, *piece), dim moved
+        assert torch.equal(buf.view(lay.members_shape).movedim(0, lay.stack).reshape(lay.shape), want)
 
 
 @pytest.mark.parametrize("shape, runs", [((1024, 8), ((0, 8192),)),       # even: the buffer is the result
@@ -125,6 +123,9 @@ def test_scatter_layout_builds_the_padded_input(case, same_dim) -> None:
                 inp[offset:offset + math.prod(piece_shape)] = local[where].reshape(-1)
         for lo, hi in lay.pads:
             inp[lo:hi] = 0
+        if lay.stack is not None:   # the executors' one copy: the local's dim split, the members' axis first
+            assert not lay.pads
+            assert torch.equal(local.unflatten(lay.stack, (n, -1)).movedim(lay.stack, 0).reshape(-1), inp)
     assert inp.numel() == n * lay.width
     have = block(shape, mesh_shape, src, coord)
     for i, member in enumerate(group_coords(mesh_shape, axes, coord)):
@@ -132,6 +133,15 @@ def test_scatter_layout_builds_the_padded_input(case, same_dim) -> None:
         chunk = inp[i * lay.width:(i + 1) * lay.width]
         assert torch.equal(chunk[:piece.numel()], piece) and not chunk[piece.numel():].any()
     assert lay.shape == tuple(hi - lo for lo, hi in block(shape, mesh_shape, dst, coord))
+
+
+@pytest.mark.parametrize("shape, mesh_shape, dst, axes, coord, stack", [
+    ((3, 8), (4,), (S(1),), (0,), (1,), 1),               # four equal pieces of 2 columns
+    ((2, 3, 8), (2, 2), (P, S(2)), (1,), (1, 0), 2),      # along the last dim, on one axis of two
+    ((3, 9), (4,), (S(1),), (0,), (0,), None),            # 3,2,2,2 columns: unequal
+    ((4, 8), (2, 2), (S(1), S(1)), (1, 0), (0, 0), None)])  # members in axes order: columns 0,4,2,6 (x2)
+def test_scatter_stacks_only_equal_pieces_in_member_order(shape, mesh_shape, dst, axes, coord, stack) -> None:
+    assert scatter(shape, mesh_shape, (P,) * len(mesh_shape), dst, axes, coord).stack == stack
 
 
 def test_scatter_along_dim_0_takes_the_local_as_it_is() -> None:
