@@ -26,6 +26,7 @@ All communication is what the placements imply; nothing here calls a collective 
 from __future__ import annotations
 
 import fnmatch
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -164,6 +165,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
     matmuls = _MatmulMode()   # batched matmuls keep a split batch dim (heads): sbp.ops.matmul.SplitBatchMatmul
     module.register_forward_pre_hook(matmuls.enter, prepend=True)
     module.register_forward_hook(matmuls.exit, always_call=True)
+    for sub in module.modules():   # a submodule recomputed alone in the backward (activation checkpointing)
+        if sub is not module:
+            sub.register_forward_pre_hook(matmuls.enter_eager, prepend=True)
+            sub.register_forward_hook(matmuls.exit_eager, always_call=True)
     if ctx.dp_axes and "" not in matched:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
     leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
@@ -212,6 +217,19 @@ class _MatmulMode:
     def __init__(self) -> None:
         self.mode: Optional[SplitBatchMatmul] = None
         self.depth = 0
+
+    # Eagerly every submodule enters the mode too: activation checkpointing recomputes a block's forward in
+    # the backward, outside the root's forward, and the recomputation must run the ops the forward ran (its
+    # saved tensors are matched to the forward's by order), or the gradients come out wrong. Compiled, the
+    # recomputation is part of the graph traced inside the root's forward, and a submodule's hook changing
+    # state would be refused inside a checkpointed region.
+    def enter_eager(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.enter()
+
+    def exit_eager(self, *_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.exit()
 
     def enter(self, *_: Any) -> None:
         if self.depth == 0:
@@ -388,8 +406,29 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
 
     w_pls = tuple(Split(1) if a == ctx.tp_axis else Broadcast() for a in range(ctx.mesh.ndim))
     global_pre, global_post = _hook_fns(module, style, ctx)   # the matmul's own rule: a weight not plainly ours
+    # compiled, a plain nn.Linear computes in a forward of its own that changes no state, not through the hooks'
+    # swap of its parameters: dynamo refuses a change of outside state inside a region it traces as one higher
+    # order op (activation checkpointing: torch.utils.checkpoint, checkpoint_wrapper, around a block)
+    pure = type(module).forward is nn.Linear.forward
+
+    def compiled_pure(mod: nn.Module) -> bool:
+        return (pure and torch.compiler.is_compiling() and isinstance(mod._parameters["weight"], GlobalTensor)
+                and not _computes_locally(mod))
+
+    def forward(mod: nn.Linear, input: torch.Tensor) -> Any:
+        if not (compiled_pure(mod) and isinstance(input, torch.Tensor)):
+            return nn.Linear.forward(mod, input)
+        x, x_local, w_local = compiled_prepare(input, mod._parameters["weight"])
+        out = torch.nn.functional.linear(x_local, w_local)
+        bias = mod._parameters["bias"]
+        return compiled_finish_nobias(out, x) if bias is None else compiled_finish(out, x, bias)
+
+    if pure:   # bound to the module: a deepcopy's forward is bound to the copy
+        module.forward = types.MethodType(forward, module)
 
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
+        if compiled_pure(mod):
+            return None
         if args and isinstance(args[0], torch.Tensor) and _computes_locally(mod):   # a fully_shard unit's local shares
             x = _local_rowwise_input(args[0], style, mod, ctx)
             bias = mod._parameters["bias"]
@@ -414,6 +453,8 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
         return (x_local,) + tuple(args[1:])
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+        if compiled_pure(mod):
+            return None
         if not saved:
             return global_post(mod, args, out) if isinstance(out, GlobalTensor) else None
         weight, bias, x = saved.pop()

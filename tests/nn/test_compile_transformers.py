@@ -40,6 +40,9 @@ def run_compiled(name, how, mesh):
     difference, the graphs compiled and the graph breaks; for the whole model also the forward and
     backward graphs' collectives and the eager step's (as functional-collective names)."""
     single, ids = build(name), batch()
+    if how.endswith("-checkpointed"):   # every decoder layer recomputed in the backward
+        single.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        how = how.removesuffix("-checkpointed")
     eager, compiled = (sbp.nn.parallelize(copy.deepcopy(single), mesh, "auto") for _ in range(2))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -77,13 +80,17 @@ def _funcol_names(calls) -> dict:
 
 
 @pytest.mark.parametrize("name, how, graphs", [("llama", "layers", 2), ("qwen2", "layers", 2),
-                                               ("llama", "whole", 1)])
+                                               ("llama", "whole", 1), ("qwen2", "whole-checkpointed", 1)])
 def test_transformers_model_compiles_without_graph_breaks(name, how, graphs) -> None:
     # per layer: fails without SplitBatchMatmul's opaque call under compile (attention's matmul read the
     # placements of a tensor made in the graph: 8 graph breaks); whole: fails without logical_strides' copy
     # case (the shifted logits' reshape). The whole model's forward and backward graphs hold the eager
     # step's collectives: fails when the split-heads matmul mode is off under compile (attention's batched
-    # matmuls then fold split heads into the batch: 6 + 14 all_to_alls for eager's 2 + 2)
+    # matmuls then fold split heads into the batch: 6 + 14 all_to_alls for eager's 2 + 2). Checkpointed: every
+    # decoder layer is one higher order op to dynamo, which refuses a change of outside state inside it (the
+    # rowwise layers' parameter swap before: sbp.nn.parallelize's compiled rowwise forward). Dynamo does not
+    # apply the split-heads mode inside that op, so its graph holds more collectives than eager's (see
+    # docs/compile.md); the values are exact
     for rank, (loss_diff, grad_diff, made, breaks, (traced, eager)) in enumerate(
             spmd(functools.partial(run_compiled, name, how), (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
