@@ -11,6 +11,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,6 +142,42 @@ def _check_training(layout: str, shapes: dict, backend: str = "threads") -> None
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp_auto", "fsdp_tp", "fsdp_tp_global", "hsdp"])
 def test_training_matches_one_process(layout: str, shapes: dict) -> None:
     _check_training(layout, shapes)
+
+
+class Checkpointed(Net):
+    """Net with each block recomputed in the backward (activation checkpointing, as FSDP2 training scripts
+    wrap their blocks)."""
+
+    reentrant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _checkpointed(mesh, layout: str, reentrant: bool):
+    net, x, y = _model(EVEN)
+    net.__class__, net.reentrant = Checkpointed, reentrant   # same parameters and init as the reference
+    _shard(net, mesh, layout)
+    losses, _ = _train(net, x, y, mesh)
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("layout", ["fsdp_auto", "fsdp_tp", "fsdp_tp_global"])
+def test_checkpointed_blocks_train_as_one_process(layout: str, reentrant: bool) -> None:
+    # the recomputation runs each unit's forward again in the backward: its gather and its tp collectives
+    net, x, y = _model(EVEN)
+    ref_losses, _ = _train(net, x, y)
+    shape, names = MESHES[layout]
+    for losses, params in sbp.testing.spmd(functools.partial(_checkpointed, layout=layout, reentrant=reentrant),
+                                           shape, names=names):
+        assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(value, dict(net.named_parameters())[name].detach(), atol=1e-10, rtol=0), name
 
 
 class Spare(nn.Module):
