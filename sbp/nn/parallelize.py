@@ -648,6 +648,8 @@ def _rowwise_output(out: torch.Tensor, x: GlobalTensor, bias: Optional[GlobalTen
     `S(1)` output, its gradient would be `P(sum)`, one all_reduce more)."""
     pls = tuple(Partial() if a == ctx.tp_axis else p for a, p in enumerate(x.placements))
     y = from_local(out, ctx.mesh, pls, global_shape=tuple(x.shape[:-1]) + (out.shape[-1],))
+    if bias is not None and bias.dtype != out.dtype and torch.is_autocast_enabled(out.device.type):
+        bias = bias.to(out.dtype)   # as autocast's linear casts its bias: the output keeps autocast's dtype
     after = bias is not None and isinstance(style.output_placement, Broadcast)
     if bias is not None and not after:   # once, to the partial sums (the reduction needs no gradient of its own)
         y = y + bias

@@ -219,6 +219,16 @@ def _plain_grad_hook(t: torch.Tensor) -> None:
     PLAIN_GRAD_HOOKED[t] = True
 
 
+def _has_decomposition(func) -> bool:
+    """Whether `func` has a CompositeImplicitAutograd kernel: torch decomposes it at the autograd keys, above
+    `GlobalTensor.__torch_dispatch__`, except where those keys are skipped (``torch.inference_mode()``)."""
+    try:
+        key = torch._C.DispatchKey.CompositeImplicitAutograd
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+    except (AttributeError, RuntimeError):   # not an OpOverload
+        return False
+
+
 # ---- the handler ---------------------------------------------------------------------------------------------
 def handle(func, args: tuple, kwargs: dict) -> Any:
     """The op handler installed with `sbp.tensor.global_tensor.set_op_handler`: look up (or make) the decision, run it.
@@ -268,6 +278,10 @@ def handle(func, args: tuple, kwargs: dict) -> Any:
     rule = rules.lookup(func)
     if rule is not None and rule.composite is not None:   # its parts are dispatched (and cached) one by one
         out = rule.composite(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    if rule is None and _has_decomposition(func):   # a composite op that reached dispatch whole (``aten.linear``
+        out = func.decompose(*args, **kwargs)      # under inference_mode): its parts have rules
         if out is not NotImplemented:
             return out
     for t in leaves:   # before deciding: placements are read against the first tensor's mesh

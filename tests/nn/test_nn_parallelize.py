@@ -94,6 +94,50 @@ def test_mlp_matches_single_device(mesh_shape):
         assert grad_pls == pls  # the leaf rule: a parameter's .grad has the parameter's placements
 
 
+def _run_autocast(mesh, model, x):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, MLP_PLAN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    (full(y).float() ** 2).sum().backward()
+    return y.dtype, full(y), grads_of(model)
+
+
+def test_autocast_matches_single_device():
+    # the rowwise layer's bias, added after the reduction, is cast as autocast's linear casts it: the output
+    # has autocast's dtype (float32 before)
+    model = mlp(hidden=10).float()
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+    (want.float() ** 2).sum().backward()
+    for dtype, y, grads in sbp.testing.spmd(functools.partial(_run_autocast, model=model, x=x), (2,)):
+        assert dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+        for name, g in grads_of(ref).items():
+            torch.testing.assert_close(grads[name].float(), g.float(), rtol=5e-2, atol=5e-2)
+
+
+def _run_inference_mode(mesh, model, x):
+    model = copy.deepcopy(model)
+    sbp.nn.parallelize(model, mesh, MLP_PLAN)
+    mesh.binding.counters.reset()
+    with torch.inference_mode():
+        y = model(x)
+    return collectives(mesh), full(y)
+
+
+def test_inference_mode_runs_megatron_s_plan():
+    # inference_mode skips the autograd keys, where torch decomposes nn.Linear's aten.linear: the op reaches
+    # sbp's dispatch whole, which decomposes it into ops with rules (before: no rule, and the fallback
+    # gathered the colwise layer's weight and bias, two all_gathers)
+    model, x = mlp(hidden=10), torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for forward, y in sbp.testing.spmd(functools.partial(_run_inference_mode, model=model, x=x), (2,)):
+        assert forward == {"all_reduce": 1}, forward   # Megatron's one all_reduce, no weight gathered
+        torch.testing.assert_close(y, model(x), **TOL)
+
+
 def _output_layouts(mesh, model):
     model = copy.deepcopy(model)
     sbp.nn.parallelize(model, mesh, {"0": Colwise(), "2": Rowwise(use_local_output=True)})
