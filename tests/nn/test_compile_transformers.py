@@ -91,12 +91,29 @@ def test_transformers_model_compiles_without_graph_breaks(name, how, graphs) -> 
     # rowwise layers' parameter swap before: sbp.nn.parallelize's compiled rowwise forward). Dynamo does not
     # apply the split-heads mode inside that op, so its graph holds more collectives than eager's (see
     # docs/compile.md); the values are exact
+    if how.endswith("-checkpointed"):
+        _skip_unless_one_device_compiles_checkpointed(name)
     for rank, (loss_diff, grad_diff, made, breaks, (traced, eager)) in enumerate(
             spmd(functools.partial(run_compiled, name, how), (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
         assert breaks == 0 and made == graphs, (rank, made, breaks)
         if how == "whole":
             assert traced == eager, (rank, traced, eager)
+
+
+def _skip_unless_one_device_compiles_checkpointed(name: str) -> None:
+    """Skip when the single-device model itself does not compile with its layers checkpointed: transformers
+    5.25 with the `kernels` package wraps attention in a forward that sets a context variable, which dynamo
+    refuses inside the checkpoint region (`HOP: Unsafe side effect`), sbp or not."""
+    single = build(name)
+    single.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    try:
+        torch.compile(_shifted_loss, backend="aot_eager", fullgraph=True)(single, batch())
+    except torch._dynamo.exc.Unsupported as e:
+        pytest.skip(f"the single-device {name} does not compile checkpointed here: {str(e).splitlines()[0]}")
+    finally:
+        torch._dynamo.reset()
 
 
 def run_compiled_dynamic(name, mesh):
