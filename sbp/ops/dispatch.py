@@ -219,6 +219,7 @@ def _plain_grad_hook(t: torch.Tensor) -> None:
     PLAIN_GRAD_HOOKED[t] = True
 
 
+@lru_cache(maxsize=None)
 def _has_decomposition(func) -> bool:
     """Whether `func` has a CompositeImplicitAutograd kernel: torch decomposes it at the autograd keys, above
     `GlobalTensor.__torch_dispatch__`, except where those keys are skipped (``torch.inference_mode()``)."""
