@@ -27,6 +27,7 @@ the mode on while a parallelized model runs its forward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -149,7 +150,21 @@ class SplitBatchMatmul(TorchFunctionMode):
                 # tensor made in the graph); AOTAutograd traces the permuted matmul inside
                 return _compiled_split_batch_matmul(*args)
             return _split_batch_matmul(*args)
+        if func is _CHECKPOINT and args:
+            # Compiled activation checkpointing: dynamo turns `checkpoint(body, ...)` into this op and passes
+            # it through the modes on the stack. A mode's own handler runs with the mode popped, so the body
+            # would run without it (attention's matmuls folding split heads into the batch: collectives
+            # eager does not run). The body enters the mode again.
+            return func(functools.partial(_with_mode, self, args[0]), *args[1:], **kwargs)
         return func(*args, **kwargs)
+
+
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _with_mode(mode: TorchFunctionMode, body: Any, *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return body(*args, **kwargs)
 
 
 def _split_batch_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -88,16 +88,16 @@ def test_transformers_model_compiles_without_graph_breaks(name, how, graphs) -> 
     # step's collectives: fails when the split-heads matmul mode is off under compile (attention's batched
     # matmuls then fold split heads into the batch: 6 + 14 all_to_alls for eager's 2 + 2). Checkpointed: every
     # decoder layer is one higher order op to dynamo, which refuses a change of outside state inside it (the
-    # rowwise layers' parameter swap before: sbp.nn.parallelize's compiled rowwise forward). Dynamo does not
-    # apply the split-heads mode inside that op, so its graph holds more collectives than eager's (see
-    # docs/compile.md); the values are exact
+    # rowwise layers' parameter swap before: sbp.nn.parallelize's compiled rowwise forward); the split-heads
+    # mode enters that op again (without: forward 8 all_to_alls more, backward 16 all_to_alls, 8 all_gathers
+    # and 6 reduce_scatters more than eager's 7 all_reduces)
     if how.endswith("-checkpointed"):
         _skip_unless_one_device_compiles_checkpointed(name)
     for rank, (loss_diff, grad_diff, made, breaks, (traced, eager)) in enumerate(
             spmd(functools.partial(run_compiled, name, how), (2,))):
         assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
         assert breaks == 0 and made == graphs, (rank, made, breaks)
-        if how == "whole":
+        if how.startswith("whole"):
             assert traced == eager, (rank, traced, eager)
 
 
