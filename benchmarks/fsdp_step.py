@@ -4,6 +4,7 @@ processes, steps interleaved (sbp, FSDP2, sbp, ...).
 
     python benchmarks/fsdp_step.py                 # FSDP on (4,), then FSDP x TP on (2, 2)
     python benchmarks/fsdp_step.py --steps 20 --dim 128
+    python benchmarks/fsdp_step.py --compile aot_eager   # both models under torch.compile(model, backend=...)
 
 Figures per layout (rank 0; medians over the timed steps):
 
@@ -181,6 +182,9 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
     data, vocab = encode()
     cfg = Config(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, block=args.block)
     ours, theirs = _sbp_model(cfg, mesh, two_d, local_batch), _torch_model(cfg, tmesh, two_d)
+    # --compile: the whole root compiled (each library's unit hooks run between graphs); the warm-up steps compile
+    run_ours, run_theirs = ((torch.compile(m, backend=args.compile) for m in (ours, theirs)) if args.compile
+                            else (ours, theirs))
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True)   # the same setting for both
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=True)
     queue, timed, probe = queue_of(mesh.binding), _TimedCollectives(), _TorchGatheredPeak()
@@ -197,12 +201,12 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
             blocked0, coll0, ncalls = queue.blocked_s, timed.seconds, len(calls)
             t0, c0 = time.perf_counter(), time.process_time()
             if who == "sbp":
-                loss = ours(idx, targets).full()
+                loss = run_ours(idx, targets).full()
                 opt_ours.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_ours.step()
             else:
-                loss = theirs(idx[local], targets[local])
+                loss = run_theirs(idx[local], targets[local])
                 opt_theirs.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_theirs.step()
@@ -241,7 +245,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
         rows += [run_layout(args, shape, rank), run_layout(args, shape, rank, local_batch=False)]
     if rank == 0:
         print(f"model: GPT dim {args.dim}, {args.layers} layers, batch {args.batch} x {args.block}; "
-              f"{args.steps} timed steps after {args.warmup} warm-up, 4 gloo ranks")
+              f"{args.steps} timed steps after {args.warmup} warm-up, 4 gloo ranks"
+              + (f"; torch.compile(model, backend={args.compile!r})" if args.compile else ""))
         print(f"{'layout':23} {'sbp ms':>8} {'FSDP2 ms':>9} {'ratio':>6} {'CPU ms sbp/FSDP2':>17} {'ratio':>6} "
               f"{'sbp exposed':>12} {'FSDP2 exposed':>14} "
               f"{'sbp peak MiB':>13} {'FSDP2 peak MiB':>15} {'gathered KiB sbp/FSDP2':>23} {'sbp colls':>9}")
@@ -265,6 +270,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--layout", choices=("all", "4", "2x2"), default="all")
+    p.add_argument("--compile", metavar="BACKEND", default=None,
+                   help="compile both roots whole with this torch.compile backend (e.g. aot_eager, inductor)")
     args = p.parse_args()
     import torch.multiprocessing as mp
     mp.start_processes(worker, args=(4, free_port(), args), nprocs=4, start_method="spawn")

@@ -8,6 +8,7 @@ them again for backward and sends the gradients back as one reduce_scatter per b
     python examples/train_fsdp.py                    # 4 gloo processes on 127.0.0.1, FSDP over 4 ranks
     python examples/train_fsdp.py --mesh 2x2         # FSDP on dp x tensor parallel on tp
     python examples/train_fsdp.py --check            # also train on one process and compare
+    python examples/train_fsdp.py --compile          # torch.compile(model): hooks between graphs (inductor)
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py
 
 Without torchrun's environment the script launches itself (a free port picked at run time, one process per
@@ -38,13 +39,16 @@ from train_tp import (  # noqa: E402  (the model, data and launcher are the tens
 )
 
 
-def train(model, data: torch.Tensor, args, *, on_step=None):
-    """The tensor-parallel example's loop, returning the optimizer too (its states count in the memory report)."""
+def train(model, data: torch.Tensor, args, *, on_step=None, backend=None):
+    """The tensor-parallel example's loop, returning the optimizer too (its states count in the memory report).
+    With a torch.compile `backend` the whole fully-sharded model is compiled: its units' hooks run eagerly
+    between the graphs (a graph break at each unit boundary)."""
     opt = make_optimizer(model, args.optimizer, args.lr)
+    run = model if backend is None else torch.compile(model, backend=backend)
     losses = []
     for step, (idx, targets) in enumerate(batches(data, args.batch, model.cfg.block, args.steps, args.seed)):
         t0 = time.perf_counter()
-        loss = scalar(model(idx, targets))
+        loss = scalar(run(idx, targets))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -83,7 +87,7 @@ def worker(args) -> None:
         print(f"sbp FSDP: mesh {shape} {names}, {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{args.steps} steps of batch {args.batch} x {cfg.block} chars", flush=True)
     t0 = time.perf_counter()
-    losses, opt = train(model, data, args, on_step=progress(args.steps) if rank0 else None)
+    losses, opt = train(model, data, args, on_step=progress(args.steps) if rank0 else None, backend=args.compile)
     report = memory_report(model, opt)
     if rank0:
         mib = lambda n: f"{n / 2**20:.3f} MiB"
@@ -106,6 +110,8 @@ def main(argv=None) -> None:
     shape = [int(n) for n in args.mesh.lower().split("x")]
     if len(shape) > 2:
         sys.exit(f"--mesh {args.mesh!r}: train_fsdp takes a 1-d (FSDP) or 2-d (FSDP x TP) mesh, like '4' or '2x2'")
+    if args.whole_step:
+        sys.exit("--whole-step: train_fsdp compiles the model (--compile), not the whole step")
     launch(worker, args, math.prod(shape))
 
 

@@ -617,8 +617,8 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     tp collectives (`sbp.nn.tp_local`), as FSDP2 + `parallelize_module` does; its check also requires that its
     Broadcast parameters and inputs never meet the tp-split activations (`tp_local.SplitTracker`). ``True``:
     local without the check (the user's promise; not for tensor-parallel units); ``False``: global tensors
-    always. Under torch.compile, compile the blocks (``block.compile(...)``), not the root
-    (`CompileNotSupported`).
+    always. Under torch.compile the unit's hooks run eagerly between graphs (a graph break at each unit boundary):
+    compile the root, or each block (``block.compile(...)``; with ``fullgraph=True`` before `fully_shard`).
 
     >>> import copy, torch, sbp, sbp.testing
     >>> _ = sbp.load_torch_layers(), torch.manual_seed(0)
@@ -855,24 +855,14 @@ def _install_hooks(unit: Unit) -> None:
     unit.owners = owners
     # under torch.compile the hooks run eagerly (graph breaks at unit boundaries): they keep state, issue
     # queued collectives and resize storages, none of which belongs in a graph; a unit's compute compiles
-    eager_pre = torch._dynamo.disable(pre, recursive=True)
-
-    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict):
-        if torch.compiler.is_compiling() and unit is unit.schedule.root:
-            _refuse_compiled_root(unit)
-        return eager_pre(mod, args, kwargs)
-
-    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    module.register_forward_hook(torch._dynamo.disable(post, recursive=True), with_kwargs=True)
+    module.register_forward_pre_hook(torch._dynamo.disable(pre, recursive=True, reason=_EAGER_HOOKS),
+                                     with_kwargs=True)
+    module.register_forward_hook(torch._dynamo.disable(post, recursive=True, reason=_EAGER_HOOKS), with_kwargs=True)
 
 
-@torch._dynamo.disable
-def _refuse_compiled_root(unit: Unit) -> None:
-    raise CompileNotSupported(
-        f"fully_shard: the root unit {type(unit.module).__name__} runs under torch.compile; sbp compiles a "
-        f"fully-sharded model per block, not whole (the root's global tensors, created by its hooks between "
-        f"graphs, do not trace): compile each fully_shard block instead (block.compile(backend=...) or "
-        f"torch.compile(block)) and call the root eagerly")
+_EAGER_HOOKS = ("sbp.nn.fully_shard: a unit's hooks run eagerly between graphs (they gather and free parameters "
+                "and keep the unit's state): a fully-sharded module compiles with a graph break at each unit "
+                "boundary; for one graph per block, compile each block with fullgraph=True before fully_shard")
 
 
 class _NoCopy:
@@ -883,14 +873,6 @@ class _NoCopy:
         raise SbpError("copy.deepcopy of a fully_shard module is not supported (its units hold gathers, hooks and a "
                        "schedule bound to the original): deep-copy the model before fully_shard, or move weights "
                        "with state_dict() / load_state_dict() (or sbp.save / sbp.load)")
-
-
-class CompileNotSupported(SbpError):
-    """A fully-sharded root module called under torch.compile (compile its blocks instead; docs/fsdp.md).
-
-    >>> issubclass(CompileNotSupported, SbpError)
-    True
-    """
 
 
 def _bind(unit: Unit, local: bool) -> None:

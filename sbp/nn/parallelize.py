@@ -26,6 +26,7 @@ All communication is what the placements imply; nothing here calls a collective 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
 from ..runtime.symbolic import SizeMap
+from ..runtime.traced import traced_here
 from ..tensor.autograd import from_local_autograd, leaf_grad
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
@@ -63,6 +65,27 @@ class _Context:
     # tensor (q, k, v) share one conversion, so their gradients are summed before the one all_reduce, as
     # with Megatron's fused qkv. Forgotten when the root module's forward starts.
     last_input: tuple[Any, Any, Any] = (None, None, None)
+    # the conversions the hooks make as opaque calls under torch.compile, by key (see `opaque`)
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+    opaque_fns: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _CONTEXTS[self.serial] = self
+
+    def opaque(self, kind: str, fn, style: Any = None, module: Optional[nn.Module] = None) -> Any:
+        """`fn` as one opaque call for torch.compile (`torch._dynamo.nonstrict_trace`, traced by AOTAutograd).
+
+        Dynamo guards a nonstrict-traced function by its code only, not by what its closure holds: the
+        compiled code of a hook made for one model would be reused for another model's identical hook and
+        call the first model's conversion (another mesh, another style). So the hooks call one module-level
+        function with a key -- this `parallelize` call's serial number and, by value, the kind of
+        conversion, the style and what it reads off the module -- that dynamo guards like any constant:
+        equivalent layers (the blocks of one model) share compiled code, a different model or style
+        compiles its own."""
+        key = repr((kind, style, _signature(module), self.serial))
+        self.opaque_fns.setdefault(key, fn)
+        serial = self.serial
+        return lambda *args: _call_opaque(serial, key, *args)
 
     def shared(self, x: torch.Tensor, pls: tuple[Placement, ...], convert) -> GlobalTensor:
         """`convert(x)`, reused when the previous conversion in this forward pass was of this very tensor,
@@ -93,6 +116,25 @@ class _Context:
         out = list(pls)
         out[self.tp_axis] = tp
         return normalize(tuple(out), ndim, self.mesh.ndim)
+
+
+_SERIALS = itertools.count()
+_CONTEXTS: "weakref.WeakValueDictionary[int, _Context]" = weakref.WeakValueDictionary()
+
+
+@torch._dynamo.nonstrict_trace
+def _call_opaque(serial: int, key: str, *args: Any) -> Any:
+    return _CONTEXTS[serial].opaque_fns[key](*args)
+
+
+def _signature(module: Optional[nn.Module]) -> tuple:
+    """A module as the conversions see it: its class and its plain settings (``in_features``, ``padding_idx``...)."""
+    if module is None:
+        return ()
+    plain = (bool, int, float, str, type(None))
+    return (type(module).__module__, type(module).__qualname__,
+            tuple(sorted((k, v) for k, v in vars(module).items()
+                         if not k.startswith("_") and k != "training" and isinstance(v, plain))))
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | Style] | str", *,
@@ -188,7 +230,7 @@ class _CompiledLeaves:
         self.wrap = torch._dynamo.nonstrict_trace(lambda params: [leaf_grad(p) for p in params])
 
     def enter(self, module: nn.Module, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() and traced_here()):
             return
         slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
                  if isinstance(p, GlobalTensor) and p.requires_grad]
@@ -224,11 +266,11 @@ class _MatmulMode:
     # recomputation is part of the graph traced inside the root's forward, and a submodule's hook changing
     # state would be refused inside a checkpointed region.
     def enter_eager(self, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() and traced_here()):
             self.enter()
 
     def exit_eager(self, *_: Any) -> None:
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() and traced_here()):
             self.exit()
 
     def enter(self, *_: Any) -> None:
@@ -356,22 +398,22 @@ def _hook_fns(module: nn.Module, style: Style, ctx: _Context):
     """The forward-pre and forward hooks of `style` on `module`: input and output conversions."""
     # under torch.compile the conversions are opaque calls that AOTAutograd traces (sbp.runtime.traced):
     # dynamo then never reads a mesh or placements off an intermediate tensor
-    compiled_in = torch._dynamo.nonstrict_trace(lambda x: _to_input(x, style, module, ctx))
-    compiled_out = torch._dynamo.nonstrict_trace(lambda out: convert_out(out))
+    compiled_in = ctx.opaque("input", lambda x: _to_input(x, style, module, ctx), style, module)
+    compiled_out = ctx.opaque("output", lambda out: convert_out(out), style, module)
 
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         if _computes_locally(mod):   # inside a fully_shard unit computing on plain local shares
             return (_local_input(args[0], style, mod, ctx),) + tuple(args[1:])
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and traced_here():
             return (compiled_in(args[0]),) + tuple(args[1:])
         return (_to_input(args[0], style, mod, ctx),) + tuple(args[1:])
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
         if _computes_locally(mod) and isinstance(out, torch.Tensor):
             return _local_output(out, style, mod, ctx)
-        if torch.compiler.is_compiling() and isinstance(out, torch.Tensor):
+        if torch.compiler.is_compiling() and traced_here() and isinstance(out, torch.Tensor):
             return compiled_out(out)
         return convert_out(out)
 
@@ -400,9 +442,12 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
     goes. The parameters are swapped for the local weight (its gradient: `S(1)` on tp, `P(sum)` on the
     data-parallel axes, each rank's batch) and no bias for the forward, and restored after it."""
     saved: list[tuple[Any, Any, GlobalTensor]] = []
-    compiled_prepare = torch._dynamo.nonstrict_trace(lambda x, w: _rowwise_operands(x, w, style, module, ctx))
-    compiled_finish = torch._dynamo.nonstrict_trace(lambda out, x, b: _rowwise_output(out, x, b, style, ctx))
-    compiled_finish_nobias = torch._dynamo.nonstrict_trace(lambda out, x: _rowwise_output(out, x, None, style, ctx))
+    compiled_prepare = ctx.opaque("rowwise_operands", lambda x, w: _rowwise_operands(x, w, style, module, ctx),
+                                  style, module)
+    compiled_finish = ctx.opaque("rowwise_output", lambda out, x, b: _rowwise_output(out, x, b, style, ctx),
+                                 style, module)
+    compiled_finish_nobias = ctx.opaque("rowwise_output_nobias",
+                                        lambda out, x: _rowwise_output(out, x, None, style, ctx), style, module)
 
     w_pls = tuple(Split(1) if a == ctx.tp_axis else Broadcast() for a in range(ctx.mesh.ndim))
     global_pre, global_post = _hook_fns(module, style, ctx)   # the matmul's own rule: a weight not plainly ours
@@ -412,8 +457,8 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
     pure = type(module).forward is nn.Linear.forward
 
     def compiled_pure(mod: nn.Module) -> bool:
-        return (pure and torch.compiler.is_compiling() and isinstance(mod._parameters["weight"], GlobalTensor)
-                and not _computes_locally(mod))
+        return (pure and torch.compiler.is_compiling() and traced_here()
+                and isinstance(mod._parameters["weight"], GlobalTensor) and not _computes_locally(mod))
 
     def forward(mod: nn.Linear, input: torch.Tensor) -> Any:
         if not (compiled_pure(mod) and isinstance(input, torch.Tensor)):
@@ -439,7 +484,7 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
             return (x,) + tuple(args[1:])
         if not args or not isinstance(args[0], torch.Tensor) or not isinstance(mod._parameters["weight"], GlobalTensor):
             return None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and traced_here():
             prepare = compiled_prepare
         else:
             weight = mod._parameters["weight"]
@@ -467,7 +512,7 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
         mod._parameters["bias"] = bias
         if not isinstance(out, torch.Tensor):   # the forward raised (always_call) or returned something else
             return None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and traced_here():
             return compiled_finish_nobias(out, x) if bias is None else compiled_finish(out, x, bias)
         return _rowwise_output(out, x, bias, style, ctx)
 
@@ -546,8 +591,9 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
     saved: list[tuple[GlobalTensor, Optional[GlobalTensor]]] = []
     replicated = tuple(Broadcast() for _ in range(ctx.mesh.ndim))
     summed = tuple(Partial() if a in ctx.dp_axes else Broadcast() for a in range(ctx.mesh.ndim))
-    compiled_local = torch._dynamo.nonstrict_trace(lambda w: _replicated_local(w, replicated, summed))
-    compiled_wrap = torch._dynamo.nonstrict_trace(lambda out: _replicated_output(out, ctx.mesh, replicated, summed))
+    compiled_local = ctx.opaque("replicated_local", lambda w: _replicated_local(w, replicated, summed), None, module)
+    compiled_wrap = ctx.opaque("replicated_output", lambda out: _replicated_output(out, ctx.mesh, replicated, summed),
+                                None, module)
 
     def pre(mod: nn.Module, args: tuple) -> Optional[tuple]:
         weight = mod._parameters["weight"]
@@ -555,7 +601,8 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
             return None
         if isinstance(args[0], GlobalTensor):   # each rank looks up its local indices in the whole table
             idx = args[0]
-            if torch.compiler.is_compiling() or weight.placements != replicated or not _local_indices(idx, ctx):
+            if (torch.compiler.is_compiling() and traced_here() or weight.placements != replicated
+                    or not _local_indices(idx, ctx)):
                 return None
             grad_w = tuple(Partial() if isinstance(p, Split) else Broadcast() for p in idx.placements)
             saved.append((weight, idx))
@@ -563,7 +610,7 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
             return (idx.to_local(),) + tuple(args[1:])
         if not _is_plain(args[0]):
             return None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and traced_here():
             local = compiled_local(weight)
         elif weight.placements != replicated:   # e.g. fully_shard's: it manages the weight
             return None
@@ -582,7 +629,7 @@ def _hook_replicated_embedding(module: nn.Embedding, ctx: _Context) -> None:
             return None
         if idx is not None:   # this rank's rows of the lookup: the indices' layout
             return from_local_autograd(out, ctx.mesh, idx.placements, tuple(idx.shape) + tuple(out.shape[idx.ndim:]))
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and traced_here():
             return compiled_wrap(out)
         return _replicated_output(out, ctx.mesh, replicated, summed)
 
@@ -664,10 +711,10 @@ def _rowwise_output(out: torch.Tensor, x: GlobalTensor, bias: Optional[GlobalTen
 
 def _root_hook(ctx: _Context):
     """On a dp x tp mesh: plain tensors entering the model are the full batch, laid out `S(0)` on dp."""
-    compiled = torch._dynamo.nonstrict_trace(lambda t: _from_full(t, ctx))
+    compiled = ctx.opaque("root_input", lambda t: _from_full(t, ctx))
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        full = compiled if torch.compiler.is_compiling() else (lambda t: _from_full(t, ctx))
+        full = compiled if (torch.compiler.is_compiling() and traced_here()) else (lambda t: _from_full(t, ctx))
         convert = lambda t: full(t) if _is_plain(t) else t
         return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
     return pre

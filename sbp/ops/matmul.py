@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..runtime.traced import traced_here
 from ..tensor.global_tensor import GlobalTensor
 from ..values.placement import Split
 from .spec import PSUM, B, OpSpec, Rule, Sig
@@ -145,7 +146,7 @@ class SplitBatchMatmul(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _MATMULS and len(args) == 2 and not kwargs:
-            if torch.compiler.is_compiling() and any(isinstance(a, GlobalTensor) for a in args):
+            if torch.compiler.is_compiling() and traced_here() and any(isinstance(a, GlobalTensor) for a in args):
                 # dynamo: one opaque call (the operands' placements are not values dynamo can read from a
                 # tensor made in the graph); AOTAutograd traces the permuted matmul inside
                 return _compiled_split_batch_matmul(*args)

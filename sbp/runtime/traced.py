@@ -21,6 +21,7 @@ import math
 import pathlib
 
 import torch
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -60,7 +61,30 @@ def is_tracing(t: torch.Tensor) -> bool:
     if type(t) is not torch.Tensor and isinstance(t, (FakeTensor, FunctionalTensor)):
         return True
     return (torch._is_functional_tensor(t) or get_proxy_mode() is not None
-            or torch.compiler.is_compiling())
+            or torch.compiler.is_compiling() and traced_here())
+
+
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
+def traced_here() -> bool:
+    """While torch's compiling flag is up: whether the calling thread is the one being traced. Call it as
+    ``torch.compiler.is_compiling() and traced_here()`` -- sbp's test for "this code is being traced by
+    torch.compile or torch.export".
+
+    The flag alone is not enough: torch raises it for the whole process during a compile, so another thread
+    (sbp's side thread running a prefetched `fully_shard` gather, another rank of the threads backend) would
+    see it too and take the traced path on real tensors while its peers run eagerly, and their collectives
+    would not match. Dynamo folds this call to True in the code it traces; elsewhere the flag counts only on
+    the thread holding a tracing context. The flag goes first at the call site: it is torch's, never compiled
+    as a frame of its own, where a call of this function in a frame that fell back to eager under
+    torch.compile could be (returning the True dynamo folds it to).
+
+    >>> import torch
+    >>> torch.compiler.is_compiling() and traced_here()   # eager code
+    False
+    """
+    return _dynamo_compiling() or TracingContext.try_get() is not None
 
 
 def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]]:

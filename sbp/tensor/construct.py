@@ -16,7 +16,7 @@ import torch
 
 from ..runtime import symbolic
 from ..runtime.agreement import agree, is_enabled, mesh_gather, mismatch
-from ..runtime.traced import CompileError, is_tracing
+from ..runtime.traced import CompileError, is_tracing, traced_here
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
@@ -69,7 +69,8 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     >>> sbp.testing.spmd(fn, (2, 2))
     [[[0.0, 1.0], [2.0, 3.0]], [[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]]]
     """
-    if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (slicing, no collective)
+    # dynamo: one opaque call, traced by AOTAutograd (slicing, no collective)
+    if torch.compiler.is_compiling() and traced_here():
         if src is not None or requires_grad or (isinstance(tensor, torch.Tensor) and tensor.requires_grad
                                                 and requires_grad is None):
             return _eager_distribute(tensor, mesh, placements, src, requires_grad)   # a graph break
@@ -260,7 +261,8 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     >>> sbp.testing.spmd(fn, (2,))
     [torch.Size([5, 3]), torch.Size([5, 3])]
     """
-    if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (no collective)
+    # dynamo: one opaque call, traced by AOTAutograd (no collective)
+    if torch.compiler.is_compiling() and traced_here():
         if global_shape is None or check:
             return _eager_from_local(local, mesh, placements, global_shape, check)   # a graph break
         _check_in_graph(local, mesh, placements, "from_local", global_shape)

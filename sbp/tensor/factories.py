@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..runtime.backends.base import comm_device
+from ..runtime.traced import traced_here
 from ..values.errors import DTypeError, MeshError, SbpError
 from ..values.layout import check_global_shape, local_slices
 from ..values.mesh import DeviceMesh
@@ -95,7 +96,7 @@ def rand(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=None
     >>> torch.equal(rand((3, 5), seed=1)[1:], rand((3, 5), seed=1)[1:])
     True
     """
-    if torch.compiler.is_compiling() and mesh is not None:
+    if torch.compiler.is_compiling() and traced_here() and mesh is not None:
         return _eager_random(torch.rand, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
     return _random(torch.rand, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
 
@@ -111,7 +112,7 @@ def randn(global_shape: Shape, mesh: Optional[DeviceMesh] = None, placements=Non
     >>> torch.equal(sbp.testing.spmd(fn, (2, 2))[3], randn((10, 3), seed=7))
     True
     """
-    if torch.compiler.is_compiling() and mesh is not None:
+    if torch.compiler.is_compiling() and traced_here() and mesh is not None:
         return _eager_random(torch.randn, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
     return _random(torch.randn, global_shape, mesh, placements, seed, generator, dtype, requires_grad)
 
@@ -130,7 +131,7 @@ def _constant_factory(kind: str, global_shape, mesh, placements, dtype, requires
     """zeros / ones / empty / full. Inside compiled code (a mesh given): one opaque call that makes the local
     block (no collective, placements and mesh constants of the graph); a result that requires grad is a new
     leaf, which a graph cannot make: a graph break that makes it eagerly."""
-    if torch.compiler.is_compiling() and mesh is not None:
+    if torch.compiler.is_compiling() and traced_here() and mesh is not None:
         if requires_grad is not False:
             return _eager_constant(kind, global_shape, mesh, placements, dtype, requires_grad, value)
         _check_dtype(dtype)

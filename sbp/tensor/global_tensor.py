@@ -20,7 +20,7 @@ from ..runtime import agreement, pending, symbolic
 from ..runtime.agreement import is_enabled as debug_enabled
 from ..runtime.executor import cached_plan, redistribute_local
 from ..runtime.pending import PendingTensor
-from ..runtime.traced import cache_key, is_tracing
+from ..runtime.traced import cache_key, is_tracing, traced_here
 from ..values.errors import DTypeError, MeshError, PlacementError, SbpError, ShapeError
 from ..values.layout import block, local_slices
 from ..values.mesh import DeviceMesh, live_mesh
@@ -239,7 +239,7 @@ class GlobalTensor(torch.Tensor):
         >>> GlobalTensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,)).full()
         tensor([1., 1.])
         """
-        if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
+        if torch.compiler.is_compiling() and traced_here():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
             return _compiled_full(self)
         return autograd.full(self)
 
@@ -261,7 +261,7 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
-        if torch.compiler.is_compiling():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
+        if torch.compiler.is_compiling() and traced_here():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
             if isinstance(mesh, DeviceMesh) and mesh != self._mesh:
                 return _redistribute_across(self, placements, mesh)   # a graph break: runs eagerly
             return _compiled_redistribute(self, placements_text(placements),
@@ -883,7 +883,7 @@ class _LeafHook:
     def __call__(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:   # no gradient comes (a function stored it in .grad itself: `sbp.nn.fully_shard`)
             return None
-        if torch.compiler.is_compiling():   # compiled autograd: dynamo traces the hook
+        if torch.compiler.is_compiling() and traced_here():   # compiled autograd: dynamo traces the hook
             return _traced_leaf_layout(grad, self)
         return self.laid_out(grad)
 
@@ -944,7 +944,7 @@ def _static_parameter_shapes(t: GlobalTensor) -> None:
     >>> sbp.testing.spmd(fn, (2,))
     [([0, 1], [0, 1]), ([0, 1], [0, 1])]
     """
-    if not torch.compiler.is_compiling():   # (inside a graph mark_static would specialize instead)
+    if not (torch.compiler.is_compiling() and traced_here()):   # (inside a graph mark_static would specialize instead)
         torch._dynamo.mark_static(t)   # the wrapper and, as a tensor subclass, its local tensor
 
 
