@@ -182,7 +182,10 @@ def run_layout(args, shape: tuple[int, ...], rank: int, local_batch=None) -> dic
     data, vocab = encode()
     cfg = Config(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, block=args.block)
     ours, theirs = _sbp_model(cfg, mesh, two_d, local_batch), _torch_model(cfg, tmesh, two_d)
-    # --compile: the whole root compiled (each library's unit hooks run between graphs); the warm-up steps compile
+    # --compile: the whole root compiled (each library's unit hooks run between graphs); the warm-up steps compile.
+    # Each block of each model is a frame dynamo compiles once (its hooks are guarded by id): this process builds
+    # 8 models, past dynamo's default limit of 8 compiles per code object, after which it would run them eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     run_ours, run_theirs = ((torch.compile(m, backend=args.compile) for m in (ours, theirs)) if args.compile
                             else (ours, theirs))
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3, foreach=True)   # the same setting for both
