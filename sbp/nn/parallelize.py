@@ -82,7 +82,7 @@ class _Context:
         conversion, the style and what it reads off the module -- that dynamo guards like any constant:
         equivalent layers (the blocks of one model) share compiled code, a different model or style
         compiles its own."""
-        key = repr((kind, style, _signature(module), self.serial))
+        key = repr((kind, style, _signature(module)))   # within this context's table; `serial` picks the context
         self.opaque_fns.setdefault(key, fn)
         serial = self.serial
         return lambda *args: _call_opaque(serial, key, *args)
