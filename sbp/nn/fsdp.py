@@ -133,7 +133,7 @@ class Unit:
         self._gathered_bytes: Optional[int] = None
         # the stored parameters' version counters when the gather was issued: a gather issued before an
         # in-place change (optimizer step, load_state_dict) is stale and is dropped (`unshard`)
-        self.versions: tuple[int, ...] = ()
+        self.versions: tuple[tuple[int, int], ...] = ()
         # id(stored param) -> the gathered tensor forward bound: bound again for backward, where activation
         # checkpointing recomputes the forward (their storage is freed and refilled with the unit's)
         self.bound: Optional[dict[int, torch.Tensor]] = None
@@ -192,9 +192,10 @@ class Unit:
             matrix = GlobalTensor(side, self.mesh, g.stored, (g.rows, g.width))
             self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True, snapshot=False))
 
-    def current_versions(self) -> tuple[int, ...]:
-        """The stored parameters' version counters (in-place changes bump them)."""
-        return tuple(s.param._version for s in self.slots)
+    def current_versions(self) -> tuple[tuple[int, int], ...]:
+        """The stored parameters' version counters and their local tensors' (in-place changes bump them: the
+        optimizer's through the parameter, `sbp.load`'s, ``p.data``'s and ``p.to_local()``'s through the local)."""
+        return tuple((s.param._version, s.param._local._version) for s in self.slots)
 
     def unshard(self, phase: str) -> None:
         """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
@@ -646,6 +647,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     if not isinstance(reshard_after_forward, bool):
         raise SbpError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): needs True or False (resharding "
                        f"to a smaller group after forward, FSDP2's int form, is not supported)")
+    if local_batch is not None and not isinstance(local_batch, bool):
+        raise SbpError(f"fully_shard(local_batch={local_batch!r}): needs None (verify on the first forward), True or "
+                       f"False")
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise SbpError(f"fully_shard({what}={dtype!r}): needs a floating point torch.dtype or None")
@@ -1066,9 +1070,8 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if isinstance(t, GlobalTensor) or t.ndim == 0:
             return t
         pls = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(mesh.ndim))
-        if t.requires_grad:   # differentiable: this rank's slice as its share
-            piece = t[local_slices(tuple(t.shape), mesh.shape, pls, mesh.coord)]
-            return from_local(piece, mesh, pls, global_shape=tuple(t.shape))
+        if t.requires_grad:   # differentiable: the full value, whose gradient is the full one on every rank
+            return from_local(t, mesh, (Broadcast(),) * mesh.ndim).redistribute(pls)
         return distribute(t, mesh, pls)
 
     return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -166,13 +167,14 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
         raise SbpError(f"parallelize needs an nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
         raise SbpError(f"parallelize needs a bound sbp.DeviceMesh (sbp.init_mesh or sbp.testing.spmd), got {mesh!r}")
-    if isinstance(plan, str) and plan == "auto":
+    auto = isinstance(plan, str) and plan == "auto"
+    if auto:
         plan = auto_plan(module)
     if not isinstance(plan, Mapping):
         raise SbpError(f"plan must map module paths to styles, got {type(plan).__name__} {plan!r} (valid: a dict, "
                        f"or 'auto' for a transformers model's own plan)")
     ctx = _Context(mesh, mesh.axis(tp_axis))
-    matched, params = _match(module, plan)
+    matched, params = _match(module, plan, optional=auto)
     converted: dict[int, tuple[nn.Parameter, tuple[Placement, ...], str]] = {}
     for path, (owner, name, tp) in params.items():
         pls = tuple(tp if a == ctx.tp_axis else Broadcast() for a in range(mesh.ndim))
@@ -290,17 +292,21 @@ class _MatmulMode:
 
 # ---- matching --------------------------------------------------------------------------------------
 
-def _match(module: nn.Module, plan: Mapping[str, "str | Style"]
+def _match(module: nn.Module, plan: Mapping[str, "str | Style"], optional: bool = False
            ) -> tuple[dict[str, tuple[Style, nn.Module]], dict[str, tuple[nn.Module, str, Placement]]]:
     """({module path: (style, module)}, {parameter path: (owner, name, tp placement)}) for the plan entries.
 
     A pattern is matched against module paths first; one matching no module is matched against parameter
-    paths (a parameter entry). Every pattern must match something.
+    paths (a parameter entry). Every pattern must match something -- unless `optional` (a transformers
+    model's own plan, `"auto"`: it lists alternatives, e.g. DeepSeek-V3's ``q_proj`` and ``q_b_proj``, or a
+    dense MLP no layer of a sparse config has): the entries matching nothing are skipped with one warning,
+    as transformers does, and at least one must match.
     """
     modules = dict(module.named_modules())
     out: dict[str, tuple[Style, nn.Module]] = {}
     params: dict[str, tuple[nn.Module, str, Placement]] = {}
     by: dict[str, str] = {}
+    unmatched = []
     for pattern, value in plan.items():
         if not isinstance(pattern, str):
             raise SbpError(f"plan keys must be module paths (str), got {pattern!r}")
@@ -314,17 +320,31 @@ def _match(module: nn.Module, plan: Mapping[str, "str | Style"]
                     hits.append(path)
             if hits:
                 continue
+        if not hits and optional:
+            unmatched.append(pattern)
+            continue
         if not hits:
-            sample = ", ".join(repr(p) for p in list(modules)[1:9])
             raise SbpError(f"plan entry {pattern!r} matches no module of {type(module).__name__} "
-                           f"(module paths look like: {sample}{', ...' if len(modules) > 9 else ''})")
+                           f"(module paths look like: {_sample_paths(modules)})")
         for path in hits:
             if path in out:
                 raise SbpError(f"module {path!r} is matched by plan entries {by[path]!r} and {pattern!r}; "
                                f"each module may have one style")
             style.check_module(path, modules[path])
             out[path], by[path] = (style, modules[path]), pattern
+    if unmatched and not out and not params:
+        raise SbpError(f"parallelize(..., 'auto'): no entry of {type(module).__name__}'s tensor-parallel plan matches "
+                       f"a module (entries: {unmatched[:6]}{' ...' if len(unmatched) > 6 else ''}; module paths look "
+                       f"like: {_sample_paths(modules)})")
+    if unmatched:
+        warnings.warn(f"parallelize(..., 'auto'): {len(unmatched)} entries of {type(module).__name__}'s "
+                      f"tensor-parallel plan match no module and were not applied (as transformers skips them): "
+                      f"{unmatched}", UserWarning, stacklevel=3)
     return out, params
+
+
+def _sample_paths(modules: dict[str, nn.Module]) -> str:
+    return ", ".join(repr(p) for p in list(modules)[1:9]) + (", ..." if len(modules) > 9 else "")
 
 
 def _param_entry(style: Style, name: str, ndim: int) -> Placement:

@@ -164,6 +164,8 @@ class Embedding(Style):
 @dataclass(frozen=True, slots=True)
 class SequenceParallel(Style):
     """Sequence-parallel region (layer norm, dropout): activations `S(1)` (the sequence dim), parameters `B`.
+    Any module: a model's own norm class (``LlamaRMSNorm``) too, as DTensor's and transformers' style take it;
+    its ops run on global tensors, so a module that is not per token is still exact (it communicates).
 
     Element-wise and last-dim ops need no communication on `S(1)`; the neighbouring `Colwise` gathers
     its input (all_gather instead of nothing) and the `Rowwise` before scatters its output
@@ -178,7 +180,7 @@ class SequenceParallel(Style):
     output_placement: PlacementLike = None  # type: ignore[assignment]  # None: same as input_placement
 
     kind: ClassVar[str] = "sequence"
-    modules: ClassVar[tuple[type, ...]] = (nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.Identity)
+    modules: ClassVar[tuple[type, ...]] = (nn.Module,)
 
     def __post_init__(self) -> None:
         if self.output_placement is None:

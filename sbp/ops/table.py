@@ -124,7 +124,7 @@ TABLE: dict[Any, Rule] = {
     aten.swapaxes_.default: views.INPLACE_VIEW,
     aten.detach_.default: views.INPLACE_VIEW,
     # identity-like, casts, factories from a tensor, fills and copies
-    aten.detach.default: pointwise.IDENTITY,
+    aten.detach.default: pointwise.DETACH,
     aten.alias.default: pointwise.IDENTITY,
     aten.clone.default: pointwise.IDENTITY,
     aten.lift_fresh.default: pointwise.IDENTITY,

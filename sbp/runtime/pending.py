@@ -7,10 +7,10 @@ thread per rank that takes submitted work first in, first out. Why one ordered q
 every member of a group to make the same calls in the same order; SPMD code submits the same work in the
 same order on every rank, and one FIFO keeps that order whatever the main thread does meanwhile.
 
-Ordering with synchronous collectives: the executor drains the rank's queue (`drain`) before it runs a plan
-on the calling thread, so a collective never overtakes async work submitted before it (work submitted
-from the queue's own thread does not drain, or it would wait for itself). Collectives made directly on a
-binding (``mesh.binding.all_gather(...)``) bypass the executor: wait for async work first (`wait_all`).
+Ordering with synchronous collectives: every collective called on a binding from another thread than the
+queue's worker (the executor running a plan, a row move, a check, ``mesh.binding.all_gather(...)``) first
+drains the rank's queue (`drain`), so it never overtakes async work submitted before it (work submitted
+from the queue's own thread does not drain, or it would wait for itself).
 
 The worker runs with the caller's `contextvars` (``sbp.debug()``, ``sbp.strict()``) as they were at
 submission. On CUDA the work runs on a side stream that first waits for the caller's current stream (an
@@ -216,6 +216,14 @@ class PendingTensor(torch.Tensor):
         if self._value is not None:
             return True
         return self._parent[0].done() if self._parent is not None else self._future.done()
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        """The value as (nested) Python numbers (waits), as a plain tensor's ``tolist``."""
+        return self.wait().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        """The value as a NumPy array (waits)."""
+        return self.wait().numpy(force=force)
 
     def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
         """The value's storage (waits): aliasing checks compare the value's memory."""

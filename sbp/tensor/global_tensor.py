@@ -344,7 +344,8 @@ class GlobalTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         # the mesh is a value bound to process groups: share it, copy only the data
-        out = GlobalTensor(copy.deepcopy(self._local.detach(), memo), self._mesh, self._placements,
+        # a pending result (async_op=True) is waited for: its value is what gets copied
+        out = GlobalTensor(copy.deepcopy(pending.ready(self._local).detach(), memo), self._mesh, self._placements,
                            tuple(self.shape))
         if self.requires_grad:
             out.requires_grad_(True)
@@ -367,8 +368,9 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [((S(0),), True, [0.0, 1.0]), ((S(0),), True, [2.0, 3.0])]
         """
-        return rebuild_global_tensor, (self._local.detach(), self._mesh, self._placements, tuple(self.shape),
-                                       self.requires_grad, bool(getattr(self, "_is_param", False)))
+        return rebuild_global_tensor, (pending.ready(self._local).detach(), self._mesh, self._placements,
+                                       tuple(self.shape), self.requires_grad, bool(getattr(self, "_is_param", False)),
+                                       self._mesh.coord)
 
     def __tensor_flatten__(self):
         # the global shape with symbolic sizes as None: the metadata is pickled into torch.compile's caches,
@@ -475,9 +477,12 @@ def _never_compiled(code) -> None:
 
 
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
-                          global_shape: tuple[int, ...], requires_grad: bool, is_param: bool) -> torch.Tensor:
+                          global_shape: tuple[int, ...], requires_grad: bool, is_param: bool,
+                          coord: Optional[tuple[int, ...]] = None) -> torch.Tensor:
     """A pickled global tensor again (what `GlobalTensor.__reduce_ex__` stores): an `nn.Parameter` when it
-    was one. The mesh arrives bound (`sbp.values.mesh.live_mesh`); the local must match its layout.
+    was one. The mesh arrives bound (`sbp.values.mesh.live_mesh`); the local must match its layout, and
+    `coord` (the saving rank's; None in pickles made before it was stored) must hold the same block: equal
+    to this rank's on every axis where the tensor is not Broadcast.
 
     >>> import sbp
     >>> rebuild_global_tensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,), False, False)
@@ -490,6 +495,12 @@ def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tup
                              f"{_fmt(tuple(placements))} holds a local of shape {tuple(local.shape)} on rank "
                              f"{mesh.rank} (coord {mesh.coord}), whose block is {want}: was the file saved by "
                              f"another rank? (torch.save files hold one rank's shards; sbp.save/sbp.load reshard)")
+        if coord is not None and any(c != m and not isinstance(p, Broadcast)
+                                     for c, m, p in zip(coord, mesh.coord, placements)):
+            raise ShapeError(f"a pickled global tensor with placements {_fmt(tuple(placements))} was saved at coord "
+                             f"{tuple(coord)} of mesh {mesh.shape} and is loaded on rank {mesh.rank} at coord "
+                             f"{mesh.coord}: it holds another rank's block (torch.save files hold one rank's "
+                             f"shards: load each rank's own file; sbp.save/sbp.load reshard)")
     out = GlobalTensor(local, mesh, tuple(placements), tuple(global_shape))
     if is_param:
         return torch.nn.Parameter(out, requires_grad=requires_grad)
@@ -945,6 +956,9 @@ def _static_parameter_shapes(t: GlobalTensor) -> None:
     [([0, 1], [0, 1]), ([0, 1], [0, 1])]
     """
     if not (torch.compiler.is_compiling() and traced_here()):   # (inside a graph mark_static would specialize instead)
+        local = t.__dict__["_local"]
+        if not isinstance(local, PendingTensor):   # a view of its own (same storage and version counter): the
+            t.__dict__["_local"] = local.view_as(local)   # tensor it was made from shares the local otherwise
         torch._dynamo.mark_static(t)   # the wrapper and, as a tensor subclass, its local tensor
 
 

@@ -143,20 +143,41 @@ def test_model_and_optimizer_state_dicts_round_trip(backend, tmp_path):
     assert results == [(True, True, True)] * 2
 
 
-def _wrong_rank_file(mesh, path):
-    x = sbp.distribute(values((5, 2)), mesh, "S(0)")
-    torch.save(x, os.path.join(path, f"rank{mesh.rank}.pt"))
-    x.full()   # a collective: both files are written past this point
+def _wrong_rank_file(mesh, path, rows: int, placements: str):
+    x = sbp.distribute(values((rows, 2)), mesh, placements)
+    torch.save(x, os.path.join(path, f"{rows}{placements}-rank{mesh.rank}.pt"))
+    sbp.distribute(values((2,)), mesh, "S(0)").full()   # a collective: both files are written past this point
     try:
-        torch.load(os.path.join(path, f"rank{1 - mesh.rank}.pt"))   # 3 rows saved by rank 0, 2 by rank 1
+        y = torch.load(os.path.join(path, f"{rows}{placements}-rank{1 - mesh.rank}.pt"))
     except ShapeError as e:
         return str(e)
-    return None
+    return torch.equal(y.full(), values((rows, 2)))
 
 
-def test_loading_another_ranks_file_is_refused(tmp_path):
-    msgs = sbp.testing.spmd(functools.partial(_wrong_rank_file, path=str(tmp_path)), (2,))
-    assert all(m is not None and "sbp.save/sbp.load reshard" in m for m in msgs), msgs
+@pytest.mark.parametrize("rows, placements", [(5, "S(0)"), (4, "S(0)"), (4, "P"), (4, "B")],
+                         ids=["uneven", "even", "partial", "broadcast"])
+def test_loading_another_ranks_file_is_refused(tmp_path, rows: int, placements: str):
+    # uneven: 3 rows saved by rank 0, 2 by rank 1; even and Partial: the same shapes, another rank's values
+    # (the pickle holds the saving rank's coord); Broadcast: every rank holds the same, loading is fine
+    got = sbp.testing.spmd(functools.partial(_wrong_rank_file, path=str(tmp_path), rows=rows,
+                                             placements=placements), (2,))
+    if placements == "B":
+        assert got == [True, True]
+    else:
+        assert all(isinstance(m, str) and "sbp.save/sbp.load reshard" in m for m in got), got
+
+
+def _pending(mesh):
+    x = sbp.distribute(values((8,)), mesh, "S(0)")
+    copied = copy.deepcopy(x.redistribute("B", async_op=True))   # not waited for: the copy waits
+    loaded = round_trip(x.redistribute("B", async_op=True), weights_only=True)
+    return copied.placements, copied.to_local(), loaded.placements, loaded.to_local()
+
+
+def test_a_pending_async_result_copies_and_pickles_its_value():
+    for copied_pls, copied, loaded_pls, loaded in sbp.testing.spmd(_pending, (2,)):
+        assert copied_pls == loaded_pls == (sbp.B,)
+        assert torch.equal(copied, values((8,))) and torch.equal(loaded, values((8,)))
 
 
 @pytest.mark.slow

@@ -801,6 +801,8 @@ def _bad(mesh, case: str):
         copy.deepcopy(net)   # the unit's hooks and gathers would be shared with the original
     elif case == "reshard_int":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reshard_after_forward=2)   # FSDP2's int form
+    elif case == "local_batch_str":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch="False")   # truthy: would skip the check
 
 
 @pytest.mark.parametrize("case, message", [
@@ -809,6 +811,7 @@ def _bad(mesh, case: str):
     ("shared", "is shared with unit"),
     ("local_tp", "local_batch=True. computes on plain tensors"),
     ("reshard_int", "reshard_after_forward=2.: needs True or False"),
+    ("local_batch_str", "local_batch='False'.: needs None"),
     ("deepcopy", "copy.deepcopy of a fully_shard module is not supported"),
 ])
 def test_bad_input(case: str, message: str) -> None:

@@ -166,7 +166,7 @@ def test_training_pattern_matches_one_process(kind: str) -> None:
             assert torch.allclose(got[2][name].to(value.dtype), value, atol=1e-10, rtol=0), name
 
 
-def _evaluate_after_load(mesh):
+def _evaluate_after_load(mesh, how: str, path: str):
     m = _make("checkpointed")
     for i in (1, 2):
         sbp.nn.fully_shard(m[i], mesh, "dp")
@@ -177,17 +177,56 @@ def _evaluate_after_load(mesh):
         with torch.no_grad():
             for p in other.parameters():
                 p.mul_(-0.5)
-        m.load_state_dict(other.state_dict())
+        if how == "load_state_dict":
+            m.load_state_dict(other.state_dict())
+        elif how == "sbp.load":   # writes into the stored parameters' local tensors
+            sbp.load(path, m.state_dict())
+        else:                     # "to_local": in place on p.to_local()
+            for p, q in zip(m.parameters(), other.parameters()):
+                p.to_local().copy_(sbp.distribute(q.detach(), mesh, p.placements).to_local())
         after = _full(m(X)).clone()
     return before, after, other(X).detach()
 
 
-def test_evaluation_after_load_state_dict_sees_the_new_parameters() -> None:
+def _save_halved(mesh, path: str) -> None:
+    other = _make("checkpointed")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-0.5)
+    sbp.save({k: sbp.distribute(v, mesh, "S(0)" if v.ndim else "B") for k, v in other.state_dict().items()}, path)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "sbp.load", "to_local"])
+def test_evaluation_after_an_in_place_load_sees_the_new_parameters(how: str, tmp_path) -> None:
     # the root stays gathered after a forward without backward; its gather was reused after the in-place load
+    # (sbp.load into m.state_dict() and p.to_local() write the local tensor: the parameter's own version counter
+    # stays; a state dict's detached values share the parameters' local tensors)
     ref = _make("checkpointed")(X).detach()
-    for before, after, expected in sbp.testing.spmd(_evaluate_after_load, (2,), names=("dp",)):
+    if how == "sbp.load":
+        sbp.testing.spmd(functools.partial(_save_halved, path=str(tmp_path)), (2,), names=("dp",))
+    for before, after, expected in sbp.testing.spmd(functools.partial(_evaluate_after_load, how=how,
+                                                                      path=str(tmp_path)), (2,), names=("dp",)):
         assert torch.allclose(before, ref, atol=1e-12, rtol=0)
         assert torch.allclose(after, expected, atol=1e-12, rtol=0)
+
+
+def _input_grad(mesh):
+    m = _make("checkpointed")
+    for i in (1, 2):
+        sbp.nn.fully_shard(m[i], mesh, "dp")
+    sbp.nn.fully_shard(m, mesh, "dp")
+    x = X.clone().requires_grad_()
+    m(x).full().pow(2).sum().backward()
+    return x.grad
+
+
+def test_a_plain_input_requiring_grad_gets_the_full_gradient_on_every_rank() -> None:
+    # a plain tensor entering the root is the full batch on every rank: its .grad is the full gradient there
+    # (it used to be this rank's rows only, zeros elsewhere: a plain module in front drifted apart per rank)
+    x = X.clone().requires_grad_()
+    _make("checkpointed")(x).pow(2).sum().backward()
+    for grad in sbp.testing.spmd(_input_grad, (2,), names=("dp",)):
+        assert torch.allclose(grad, x.grad, atol=1e-12, rtol=0)
 
 
 @pytest.mark.gloo

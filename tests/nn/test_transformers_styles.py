@@ -60,6 +60,17 @@ class Mla(nn.Module):
         return self.o(torch.cat([self.kv_b(passed), rope], dim=-1))
 
 
+class ModelRMSNorm(nn.Module):
+    """A model's own RMS norm class, as transformers' models write it (``LlamaRMSNorm``): not an nn.RMSNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 def _linear() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 12))
 
@@ -80,8 +91,9 @@ CASES = {
                           {"0.weight": S(0)}, B),
     "embedding_colwise": (lambda: nn.Sequential(nn.Embedding(13, 6)), {"0": "embedding_colwise"}, "ids",
                           {"0.weight": S(1)}, B),
-    "sequence_parallel": (lambda: nn.Sequential(nn.LayerNorm(8)), {"0": "sequence_parallel"}, "x3",
-                          {"0.weight": B, "0.bias": B}, S(1)),
+    "sequence_parallel": (lambda: nn.Sequential(nn.LayerNorm(8), ModelRMSNorm(8)),
+                          {"0": "sequence_parallel", "1": "sequence_parallel"}, "x3",
+                          {"0.weight": B, "0.bias": B, "1.weight": B}, S(1)),
     "replicate": (_linear, {"0": "replicate"}, "x", {"0.weight": B, "0.bias": B}, B),
     "replicated_with_grad_allreduce": (
         lambda: nn.Sequential(nn.Linear(8, 12), HeadNorm(), nn.Linear(12, 8)),
@@ -198,18 +210,50 @@ def test_auto_merges_class_and_config_plans_under_the_base_prefix():
             return self.lm_head(self.model.down(F.relu(self.model.up(x))))
 
     assert auto_plan(Lm()) == {"lm_head": "colwise_gather_output", "model.up": "colwise", "model.down": "rowwise"}
+    for up, down, out, diff in _auto_runs(Lm, lambda m: m.model):
+        assert (up, down, out) == ((S(0),), (S(1),), (B,)) and diff < TOL
+
+
+def _auto_runs(make: type, base) -> list[tuple]:
+    """(placements of base(model).up's and .down's weights, of the output; the largest difference from the
+    single-device output) per rank of `make()` under parallelize(..., "auto"), 2 ranks."""
     torch.manual_seed(0)
-    single = Lm().double()
+    single = make().double()
     x = _input("x")
     y_ref = single(x)
 
     def fn(mesh):
         model = sbp.nn.parallelize(copy.deepcopy(single), mesh, "auto")
         y = model(x.detach())
-        return (model.model.up.weight.placements, model.model.down.weight.placements, y.placements,
+        return (base(model).up.weight.placements, base(model).down.weight.placements, y.placements,
                 (y.full() - y_ref).abs().max().item())
-    for up, down, out, diff in sbp.testing.spmd(fn, (2,)):
+    return sbp.testing.spmd(fn, (2,))
+
+
+def test_auto_skips_plan_entries_matching_nothing_with_a_warning():
+    # transformers' plans list alternatives (DeepSeek-V3: q_proj and q_b_proj, one per config) and dense
+    # layers a sparse config lacks (Qwen3-MoE's mlp.gate_proj): "auto" applies the rest, as transformers does
+    class Lm(nn.Module):
+        _tp_plan = {"up": "colwise", "down": "rowwise", "q_b_proj": "colwise", "layers.*.mlp.gate_proj": "colwise"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.down(F.relu(self.up(x)))
+
+    with pytest.warns(UserWarning, match=r"2 entries of Lm's tensor-parallel plan match no module and were not "
+                                         r"applied .*'q_b_proj', 'layers.\*.mlp.gate_proj'"):   # from the rank threads
+        results = _auto_runs(Lm, lambda m: m)
+    for up, down, out, diff in results:
         assert (up, down, out) == ((S(0),), (S(1),), (B,)) and diff < TOL
+    # a plan given as a dict still must match everywhere; "auto" with nothing matching is an error too
+    with pytest.raises(sbp.SbpError, match=r"plan entry 'q_b_proj' matches no module of Lm"):
+        sbp.testing.spmd(lambda mesh: sbp.nn.parallelize(Lm(), mesh, dict(Lm._tp_plan)), (2,))
+    Lm._tp_plan = {"q_b_proj": "colwise"}
+    with pytest.raises(sbp.SbpError, match=r"no entry of Lm's tensor-parallel plan matches a module"):
+        sbp.testing.spmd(lambda mesh: sbp.nn.parallelize(Lm(), mesh, "auto"), (2,))
 
 
 @pytest.mark.slow   # a fresh interpreter importing torch

@@ -119,6 +119,25 @@ def test_writes_into_the_source_after_the_call_do_not_reach_the_result(backend) 
         assert per_rank == [True, True, True]
 
 
+def _direct_after_queued(mesh):
+    """Rank 0's queue is held for a moment; every rank queues an async move, then calls a collective directly
+    on the binding (as a row move, a check or a cross-mesh exchange does): it must wait for the queued move."""
+    if mesh.rank == 0:
+        release = threading.Event()
+        threading.Timer(0.3, release.set).start()
+        pending.submit(mesh.binding, lambda: (release.wait(30), torch.zeros(0))[1], (0,), torch.float32,
+                       torch.device("cpu"))
+    y = sbp.distribute(torch.arange(4.), mesh, "S(0)").redistribute("B", async_op=True)
+    total = mesh.binding.all_reduce(torch.ones(1), (0,), "sum")   # rank 0 made it first: a mismatch (or a hang)
+    return total.item(), y.full().tolist()
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_direct_collectives_wait_for_queued_ones(backend) -> None:
+    for total, y in sbp.testing.spmd(_direct_after_queued, (2,), backend=backend, timeout=30):
+        assert total == 2.0 and y == [0.0, 1.0, 2.0, 3.0]
+
+
 def _gloo_all(mesh):
     return _layouts_equal(mesh), _backward(mesh, True)[:2] == _backward(mesh, False)[:2]
 

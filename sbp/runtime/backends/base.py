@@ -11,6 +11,7 @@ import torch
 
 from ...values.errors import CommError
 from ...values.mesh import LIVE_MESHES, DeviceMesh
+from .. import pending
 from ..communicator import (
     CallRecord,
     ChunkList,
@@ -91,6 +92,7 @@ class BoundComm:
                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every member's `t` in member order (shapes must be equal). With `out` (contiguous, n x `t.numel()`
         elements) the pieces are gathered into it, back to back, and the list holds views of it."""
+        self._in_order()
         members = self.members(axes)
         n = len(members)
         t = t.contiguous()
@@ -111,6 +113,7 @@ class BoundComm:
     def reduce_scatter(self, chunks: ChunkList, axes: tuple[int, ...], op: str, *,
                        numels: Sequence[int] | None = None) -> torch.Tensor:
         """The `op`-reduction over members of the chunk meant for this rank."""
+        self._in_order()
         members = self.members(axes)
         inp = stacked(chunks, len(members))
         self._check(f"reduce_scatter({op})", axes, inp)
@@ -132,6 +135,7 @@ class BoundComm:
         >>> sbp.testing.spmd(fn, (2,))
         [[2.0, 4.0, 6.0], [8.0, 10.0]]
         """
+        self._in_order()
         members = self.members(axes)
         n, index = len(members), members.index(self.rank)
         numels = tuple(int(k) for k in numels)
@@ -150,6 +154,7 @@ class BoundComm:
     def all_reduce(self, t: torch.Tensor, axes: tuple[int, ...], op: str, *, inplace: bool = False) -> torch.Tensor:
         """The `op`-reduction of every member's `t`, contiguous; a new tensor unless `inplace`, which lets
         the backend reduce into `t` itself (the caller owns it)."""
+        self._in_order()
         members = self.members(axes)
         self._check(f"all_reduce({op})", axes, t)
         if not t.is_contiguous():
@@ -164,6 +169,7 @@ class BoundComm:
     def all_to_all(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
                    axes: tuple[int, ...]) -> list[torch.Tensor]:
         """`send[i]` goes to member i; returns what each member sent here, shaped by `recv_shapes`."""
+        self._in_order()
         members = self.members(axes)
         check_recv_shapes(send, recv_shapes, len(members))
         recv_shapes = [tuple(s) for s in recv_shapes]
@@ -180,6 +186,7 @@ class BoundComm:
         what member i sends here lands in the i-th run of `out_splits[i]` elements of `out` (both flat
         and contiguous; this rank's own run is copied locally). `meanwhile`: local work that touches
         neither buffer, run while the call is in flight where the backend can. Returns `out`."""
+        self._in_order()
         members = self.members(axes)
         n = len(members)
         if (len(in_splits) != n or len(out_splits) != n or sum(in_splits) != inp.numel()
@@ -217,6 +224,7 @@ class BoundComm:
         >>> sbp.testing.spmd(fn, (2,))
         [[1.0, 1.0], [0.0, 0.0]]
         """
+        self._in_order()
         members = self.members(axes)
         n, index = len(members), members.index(self.rank)
         for what, pairs in (("send to", sends), ("receive from", recvs)):
@@ -246,6 +254,7 @@ class BoundComm:
         `send[peer]` are the pieces for world rank `peer`; `recv_shapes[peer]` the shapes expected from it.
         Returns the received pieces per peer, in the same order. Used by cross-mesh redistribution.
         """
+        self._in_order()
         numel = lambda shape: int(torch.Size(shape).numel())
         sent = sum(t.numel() for pieces in send.values() for t in pieces)
         wanted = {peer: [tuple(s) for s in shapes] for peer, shapes in recv_shapes.items()}
@@ -255,6 +264,12 @@ class BoundComm:
         size = dtype.itemsize
         self.counters.record(CallRecord("exchange", (), sent * size, received * size, sent * size, received * size))
         return got
+
+    def _in_order(self) -> None:
+        """Collectives keep the order of submission on every rank: one called directly (not from the rank's
+        queue worker) first waits for the async work queued before it (`sbp.runtime.pending`); else a rank
+        whose queue still runs a gather would make this call first, another rank second."""
+        pending.drain(self)
 
     def _check(self, what: str, axes: tuple[int, ...], t: torch.Tensor) -> None:
         """Refuse a tensor a backend cannot take (the dist backend: one on another device than the mesh's).
