@@ -19,6 +19,7 @@ import functools
 import hashlib
 import math
 import pathlib
+from typing import Optional
 
 import torch
 from torch._guards import TracingContext
@@ -256,21 +257,37 @@ def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=())
     return got[:lay.numels[lay.index]].view(lay.shape + elem)
 
 
-def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
-                order: tuple[int, ...], elem: tuple = ()) -> list[tuple[object, torch.Tensor]]:
+def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str, order: tuple[int, ...],
+                me: int, elem: tuple = ()) -> tuple[list[tuple[object, torch.Tensor]], Optional[torch.Tensor]]:
     """One exact all_to_all_single: the blocks of `send` ((member, block) pairs) cut from `source` (which
-    holds `held`), per-peer sizes in group-rank order; returns (block, received piece) in `recv` order."""
+    holds `held`), per-peer sizes in group-rank order; returns (block, received piece) in `recv` order, and
+    `one`: None, or where this member (`me`) receives nothing, a 0-d tensor holding 1 that came through the
+    call (it sends itself one row of ones), by which the caller multiplies its result.
+
+    Why `one`: a member that only sends would not use the call's result, and AOTAutograd's partitioner
+    drops a functional collective whose result is unused (treats it as pure) or moves it into the backward
+    graph -- on that member only: the ranks' graphs would then hold different collectives (a mismatch, a
+    hang, or pieces paired with another call). Multiplying by a value that arrived through the call keeps it
+    in place on every member, exactly (x * 1 == x, signed zeros, infinities and NaNs included)."""
     outbox: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for peer, b in send:
         outbox[peer].append(source[relative(b, held)].reshape((-1,) + elem))
+    row = math.prod(elem)
+    tie = not recv and row > 0
+    if tie:
+        outbox[me].append(source.new_ones((1,) + elem))
     in_sizes = [sum(p.shape[0] for p in outbox[m]) for m in order]
     out_sizes_m = [0] * n
     for peer, b in recv:
         out_sizes_m[peer] += block_numel(b)
+    if tie:
+        out_sizes_m[me] += 1
     out_sizes = [out_sizes_m[m] for m in order]
     parts = [p for m in order for p in outbox[m]]
     inp = torch.cat(parts) if parts else source.new_empty((0,) + elem)
     got = _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
+    if tie:
+        return [], got.reshape(-1)[0]
     starts, at = {}, 0
     for g, m in enumerate(order):
         starts[m] = at
@@ -280,7 +297,7 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str,
         k = block_numel(b)
         out.append((b, got[starts[peer]:starts[peer] + k].view(block_shape(b) + elem)))
         starts[peer] += k
-    return out
+    return out, None
 
 
 def all_to_all_rows(inp: torch.Tensor, out_sizes: list, in_sizes: list, name: str) -> torch.Tensor:
@@ -300,9 +317,10 @@ def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> to
     if ex.max_recv_elems == 0:  # nothing moves anywhere in the group: no call
         return out
     name, n, order = group_name(comm, step.axes)
-    for b, piece in _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order, elem):
+    pieces, one = _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order, me, elem)
+    for b, piece in pieces:
         out[relative(b, want)] = piece
-    return out
+    return out if one is None else out * one
 
 
 def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:
@@ -313,15 +331,23 @@ def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem=()
     op = _op(step)
     name, n, order = group_name(comm, step.axes)
     arrived: dict = {}
+    ones = []
     if any(ex.recv1):
-        for b, piece in _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order, elem):
+        pieces, one = _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order, me, elem)
+        ones.append(one)
+        for b, piece in pieces:
             arrived.setdefault(b, []).append(piece)
     for b, holds in ex.owned[me]:
         parts = ([local[relative(b, have)]] if holds else []) + arrived.get(b, [])
         out[relative(b, want)] = functools.reduce(_REDUCE[op], parts)
     if any(ex.recv2):
-        for b, piece in _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order, elem):
+        pieces, one = _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order, me, elem)
+        ones.append(one)
+        for b, piece in pieces:
             out[relative(b, want)] = piece
+    for one in ones:
+        if one is not None:
+            out = out * one
     return out
 
 

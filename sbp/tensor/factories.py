@@ -136,6 +136,8 @@ def _constant_factory(kind: str, global_shape, mesh, placements, dtype, requires
             return _eager_constant(kind, global_shape, mesh, placements, dtype, requires_grad, value)
         _check_dtype(dtype)
         shape = (global_shape,) if isinstance(global_shape, int) else tuple(global_shape)
+        if placements is not None and isinstance(mesh, DeviceMesh):   # checked where dynamo traces: sbp's error
+            normalize(placements, len(shape), mesh.ndim, cache=False)   # reaches the user, not the opaque call's
         return _compiled_constant(kind, shape, mesh_description(mesh),
                                   "" if placements is None else placements_text(placements),
                                   "" if dtype is None else str(dtype).removeprefix("torch."), value)

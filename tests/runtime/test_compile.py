@@ -378,6 +378,7 @@ BAD_IN_GRAPH = [  # (name, call, sbp error class, fragment of its message)
      "global_shape (8,) has 1 dims"),
     ("from-local-shape", lambda t, m: sbp.from_local(t, m, "S(0)", global_shape=(10, 3)), "ShapeError",
      "local shape (4, 3) does not fit global shape (10, 3) with placements (S(0),)"),
+    ("full-dim", lambda t, m: sbp.full((4, 3), 1.0, m, "S(3)"), "PlacementError", "S(3) is out of range"),
 ]
 
 
@@ -630,3 +631,27 @@ def test_slice_then_reshape_compiles_as_eager() -> None:
     for per_rank in spmd(run_slice_then_reshape, (2,)):
         assert per_rank == dict.fromkeys(("B", "S(0)", "S(1)", "S(2)"), True), per_rank
 
+
+
+def run_transfer_with_gradients(mesh, shape, src, dst):
+    """(values equal eager, gradient equal eager, collectives in the forward graph) on this rank: a compiled
+    exact transfer whose input requires grad, through AOTAutograd's default partitioner."""
+    value, grad = _global_value(shape), _global_value(shape) * 10 + 1
+    recorder = GraphRecorder()
+    torch._dynamo.reset()
+    x = sbp.distribute(value, mesh, src).requires_grad_()
+    y = torch.compile(lambda a: a.redistribute(dst), backend=recorder.backend, fullgraph=True)(x)
+    y.backward(sbp.distribute(grad, mesh, dst))
+    return (torch.equal(y.full(), value), torch.equal(x.grad.full(), grad),
+            dict(recorder.collectives(0)))
+
+
+def test_a_transfer_to_ranks_that_only_send_keeps_its_collective_on_every_rank() -> None:
+    # fails without sbp.runtime.traced._all_to_all's `one`: a rank that receives nothing did not use the
+    # call's result, the partitioner dropped it from that rank's forward graph (or moved it to the backward)
+    # and the ranks' all_to_alls paired up wrongly: garbage values on (4,), a gloo size mismatch on (2, 2)
+    for mesh_shape, shape, src, dst in (((4,), (4, 1), "S(0)", "S(1)"), ((2, 2), (6, 5), "S(0), S(1)", "S(1), S(0)")):
+        for rank, (values, grads, forward) in enumerate(spmd(functools.partial(
+                run_transfer_with_gradients, shape=shape, src=src, dst=dst), mesh_shape)):
+            assert values and grads, (mesh_shape, rank)
+            assert forward.get("all_to_all_single") == 1, (mesh_shape, rank, forward)
