@@ -35,7 +35,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -914,42 +914,15 @@ def _verify_local(unit: Unit, out: Any) -> None:
     """`local_batch=None`, the first forward on the batch: run the unit's forward again on this rank's plain
     shares (no gradients; buffers restored after) and compare with the global run bitwise; every rank's
     verdict is agreed (one all_reduce on the mesh). "local" from the next forward on where all ranks match,
-    "global" for good otherwise (an op mixing samples, a random op, a shape used as a number...).
-
-    Where they differ, the global forward runs once more, eagerly, and the local run is compared with that:
-    a global run that was compiled is not bitwise the eager one (its graph is decomposed and fused
-    differently), and it is the computation that is judged, not the compiler (one more all_reduce)."""
+    "global" for good otherwise (an op mixing samples, a random op, a shape used as a number...)."""
     args, kwargs = unit.probe
     unit.probe = None
-    with _buffers_restored(unit):
-        mine = _local_run(unit, args, kwargs)
-        cannot = float(unit.mesh.size() + 1)   # a failed local run's vote: more than every rank's "differ"
-        differ = _ranks_voting(unit, cannot if mine is None else float(not _same_as_local(unit, out, mine)))
-        if 0 < differ < cannot:   # every rank ran locally, some differ: every rank runs the global forward again
-            differ = _ranks_voting(unit, float(not _same_as_local(unit, _eager_global_run(unit, args, kwargs), mine)))
-    unit.auto = "local" if differ == 0 else "global"
-    unit.schedule.log.append(("verify_local", unit.name, unit.auto))
-
-
-@contextlib.contextmanager
-def _buffers_restored(unit: Unit) -> Iterator[None]:
-    """The check's runs get clones of the unit's buffers: the originals are never written."""
-    swapped = []   # (module, name, original)
+    swapped = []   # (module, name, original): the local run gets clones, the originals are never written
     for mod in unit.module.modules():
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 swapped.append((mod, name, b))
                 mod._buffers[name] = b.detach().clone()
-    try:
-        yield
-    finally:
-        for mod, name, b in swapped:
-            mod._buffers[name] = b
-
-
-def _local_run(unit: Unit, args: tuple, kwargs: dict) -> Any:
-    """The unit's forward on this rank's plain shares, or None where it fails or lets a Broadcast value meet
-    the tp pieces (a local run that fails cannot stand in for the global one)."""
     try:
         with torch.no_grad():
             largs, lkwargs = _local_inputs(unit, args, kwargs)
@@ -957,25 +930,19 @@ def _local_run(unit: Unit, args: tuple, kwargs: dict) -> Any:
             tracker = _split_tracker(unit, largs, lkwargs)
             with tracker if tracker is not None else contextlib.nullcontext():
                 mine = unit.module.forward(*largs, **lkwargs)
-        return mine if tracker is None or tracker.bad is None else None
-    except Exception:
-        return None
-
-
-def _eager_global_run(unit: Unit, args: tuple, kwargs: dict) -> Any:
-    """The unit's forward on the global inputs again, eagerly (every rank runs it: it may hold collectives)."""
-    with torch.no_grad():
-        _bind(unit, False)
-        return unit.module.forward(*args, **kwargs)
-
-
-def _ranks_voting(unit: Unit, vote: float) -> float:
-    """The sum of every rank's `vote` on the unit's mesh (one all_reduce): all ranks get the same verdict."""
+            ok = _same_as_local(unit, out, mine) and (tracker is None or tracker.bad is None)
+    except Exception:   # a local run that fails cannot stand in for the global one: keep computing globally
+        ok = False
+    finally:
+        for mod, name, b in swapped:
+            mod._buffers[name] = b
     comm = unit.mesh.binding
-    flag = torch.tensor([vote], dtype=torch.float64, device=comm_device_of(unit.mesh))
+    flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=comm_device_of(unit.mesh))
     axes = tuple(range(unit.mesh.ndim))
-    total = pending.submit(comm, lambda: comm.all_reduce(flag, axes, "sum"), (1,), flag.dtype, flag.device)
-    return float(pending.ready(total).item())
+    verdict = pending.submit(comm, lambda: comm.all_reduce(flag, axes, "sum"), (1,), flag.dtype, flag.device)
+    ok = bool(pending.ready(verdict).item() == 0)
+    unit.auto = "local" if ok else "global"
+    unit.schedule.log.append(("verify_local", unit.name, unit.auto))
 
 
 def _split_tracker(unit: Unit, args: tuple, kwargs: dict) -> Optional[tp_local.SplitTracker]:

@@ -496,8 +496,11 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
             return None
         if args and isinstance(args[0], torch.Tensor) and _computes_locally(mod):   # a fully_shard unit's local shares
             x = _local_rowwise_input(args[0], style, mod, ctx)
-            saved.append((None, mod._parameters["bias"], None))
-            mod._parameters["bias"] = None   # added after the reduction, as the global layer adds it
+            bias = mod._parameters["bias"]
+            saved.append((None, bias, None))
+            if bias is not None:   # added to the partial sums as `P(sum)`, as the global layer's addmm does
+                mod._parameters["bias"] = tp_local.move(bias, ctx.mesh, ctx.tp_axis, tuple(bias.shape), Broadcast(),
+                                                        Partial())
             return (x,) + tuple(args[1:])
         if not args or not isinstance(args[0], torch.Tensor) or not isinstance(mod._parameters["weight"], GlobalTensor):
             return None
@@ -505,7 +508,7 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
             prepare = compiled_prepare
         else:
             weight = mod._parameters["weight"]
-            if weight.placements != w_pls:   # laid out otherwise: the matmul's own rule
+            if not weight.is_leaf or weight.placements != w_pls:   # e.g. fully_shard's: it manages the weight
                 return global_pre(mod, args)
             prepare = lambda x, w: _rowwise_operands(x, w, style, mod, ctx)  # noqa: E731
         x, x_local, w_local = prepare(args[0], mod._parameters["weight"])
@@ -520,13 +523,11 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
         if not saved:
             return global_post(mod, args, out) if isinstance(out, GlobalTensor) else None
         weight, bias, x = saved.pop()
-        if weight is None:   # computed on plain local tensors: reduce the partial sums on tp, then the bias
+        if weight is None:   # computed on plain local tensors: reduce the partial sums on tp
             mod._parameters["bias"] = bias
             if not isinstance(out, torch.Tensor):
                 return None
-            out = tp_local.move(out, ctx.mesh, ctx.tp_axis, tuple(out.shape), Partial(), Broadcast())
-            return out if bias is None else out + (bias if bias.dtype == out.dtype or not torch.is_autocast_enabled(
-                out.device.type) else bias.to(out.dtype))
+            return tp_local.move(out, ctx.mesh, ctx.tp_axis, tuple(out.shape), Partial(), Broadcast())
         mod._parameters["weight"] = weight
         mod._parameters["bias"] = bias
         if not isinstance(out, torch.Tensor):   # the forward raised (always_call) or returned something else
