@@ -351,6 +351,8 @@ class GlobalTensor(torch.Tensor):
             out.requires_grad_(True)
         if getattr(self, "_is_param", False):
             out._is_param = True
+        elif self.grad is not None:   # as torch copies a plain tensor's .grad (an nn.Parameter's copy has none)
+            out.grad = copy.deepcopy(self.grad, memo)
         memo[id(self)] = out
         return out
 

@@ -174,6 +174,22 @@ def _pending(mesh):
     return copied.placements, copied.to_local(), loaded.placements, loaded.to_local()
 
 
+def _deepcopy_grads(mesh):
+    x = sbp.distribute(values((4, 2)), mesh, "S(0)").requires_grad_()
+    p = nn.Parameter(sbp.distribute(values((4, 2)), mesh, "S(0)"))
+    (x * 2).sum().backward()
+    (p * 2).sum().backward()
+    cx, cp = copy.deepcopy(x), copy.deepcopy(p)
+    return cx.grad.placements, cx.grad.full(), cp.grad
+
+
+def test_deepcopy_keeps_a_global_leafs_grad_as_torch_does():
+    # torch copies a plain tensor's .grad, not an nn.Parameter's
+    for placements, grad, param_grad in sbp.testing.spmd(_deepcopy_grads, (2,)):
+        assert placements == (sbp.S(0),) and torch.equal(grad, torch.full((4, 2), 2.0, dtype=torch.float64))
+        assert param_grad is None
+
+
 def test_a_pending_async_result_copies_and_pickles_its_value():
     for copied_pls, copied, loaded_pls, loaded in sbp.testing.spmd(_pending, (2,)):
         assert copied_pls == loaded_pls == (sbp.B,)
