@@ -194,7 +194,8 @@ class Unit:
 
     def current_versions(self) -> tuple[tuple[int, int], ...]:
         """The stored parameters' version counters and their local tensors' (in-place changes bump them: the
-        optimizer's through the parameter, `sbp.load`'s, ``p.data``'s and ``p.to_local()``'s through the local)."""
+        optimizer's through the parameter, `sbp.load`'s and ``p.to_local()``'s through the local; writes through
+        ``p.data`` bump neither, as autograd does not see them either)."""
         return tuple((s.param._version, s.param._local._version) for s in self.slots)
 
     def unshard(self, phase: str) -> None:

@@ -247,9 +247,9 @@ def _identity_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 
 IDENTITY = Rule(_identity_sigs, doc="any placement kept (S, B, P)")
 # `x.detach()` (also `x.data`, `state_dict()`'s values): the result's local is x's local itself, not an ATen
-# detach of it -- run below autograd, that would be a new tensor with a version counter of its own, and an
-# in-place write through the result (`sbp.load` into a state dict, `p.data.copy_`) would not count as a
-# change of x (fully_shard's gathered copies go stale by x's counters). In-place views replace a wrapper's
+# detach of it -- run below autograd, that would be a new tensor with a version counter of its own, and a
+# write into the result's local (`sbp.load` into a state dict's values) would not count as a change of x
+# (fully_shard's gathered copies go stale by x's counters). In-place views replace a wrapper's
 # local instead of changing it (`sbp.ops.views.inplace_view`), so sharing it is safe.
 DETACH = Rule(_identity_sigs, run=lambda call: call.args[0],
               doc="any placement kept (S, B, P); the local tensor shared with the input's")
