@@ -72,8 +72,6 @@ def execute(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, elem: tuple = ())
     ctx = _context(plan, mesh, local, elem)
     if ctx is None:
         return local
-    if not ctx.tracing and any(step.kind != "local" for step in plan.steps):
-        pending.drain(ctx.comm)    # collectives keep the order of submission: async work first
     expected = block_shape(ctx.block(plan.src))
     if tuple(local.shape[:local.dim() - len(elem)]) != expected or local.dim() != len(expected) + len(elem):
         raise ShapeError(f"rank {ctx.comm.rank} at coord {ctx.coord}: local shape {tuple(local.shape)} does not "

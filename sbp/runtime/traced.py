@@ -272,16 +272,14 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str, order
     outbox: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for peer, b in send:
         outbox[peer].append(source[relative(b, held)].reshape((-1,) + elem))
-    row = math.prod(elem)
-    tie = not recv and row > 0
-    if tie:
-        outbox[me].append(source.new_ones((1,) + elem))
-    in_sizes = [sum(p.shape[0] for p in outbox[m]) for m in order]
     out_sizes_m = [0] * n
     for peer, b in recv:
         out_sizes_m[peer] += block_numel(b)
-    if tie:
+    tie = not recv and math.prod(elem) > 0
+    if tie:   # one row to itself, both ways
+        outbox[me].append(source.new_ones((1,) + elem))
         out_sizes_m[me] += 1
+    in_sizes = [sum(p.shape[0] for p in outbox[m]) for m in order]
     out_sizes = [out_sizes_m[m] for m in order]
     parts = [p for m in order for p in outbox[m]]
     inp = torch.cat(parts) if parts else source.new_empty((0,) + elem)
@@ -320,6 +318,11 @@ def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> to
     pieces, one = _all_to_all(local, have, ex.send[me], ex.recv[me], n, name, order, me, elem)
     for b, piece in pieces:
         out[relative(b, want)] = piece
+    return _tied(out, one)
+
+
+def _tied(out: torch.Tensor, one: Optional[torch.Tensor]) -> torch.Tensor:
+    """`out`, made to depend on an all_to_all's `one` where this rank received nothing (see `_all_to_all`)."""
     return out if one is None else out * one
 
 
@@ -331,23 +334,20 @@ def _reduce_transfer(step, local, global_shape, mesh_shape, coord, comm, elem=()
     op = _op(step)
     name, n, order = group_name(comm, step.axes)
     arrived: dict = {}
-    ones = []
+    one = None
     if any(ex.recv1):
         pieces, one = _all_to_all(local, have, ex.send1[me], ex.recv1[me], n, name, order, me, elem)
-        ones.append(one)
         for b, piece in pieces:
             arrived.setdefault(b, []).append(piece)
     for b, holds in ex.owned[me]:
         parts = ([local[relative(b, have)]] if holds else []) + arrived.get(b, [])
         out[relative(b, want)] = functools.reduce(_REDUCE[op], parts)
+    out = _tied(out, one)
     if any(ex.recv2):
         pieces, one = _all_to_all(out, want, ex.send2[me], ex.recv2[me], n, name, order, me, elem)
-        ones.append(one)
         for b, piece in pieces:
             out[relative(b, want)] = piece
-    for one in ones:
-        if one is not None:
-            out = out * one
+        out = _tied(out, one)
     return out
 
 
