@@ -154,13 +154,14 @@ def _wrong_rank_file(mesh, path, rows: int, placements: str):
     return torch.equal(y.full(), values((rows, 2)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows, placements", [(5, "S(0)"), (4, "S(0)"), (4, "P"), (4, "B")],
                          ids=["uneven", "even", "partial", "broadcast"])
-def test_loading_another_ranks_file_is_refused(tmp_path, rows: int, placements: str):
+def test_loading_another_ranks_file_is_refused(tmp_path, rows: int, placements: str, backend):
     # uneven: 3 rows saved by rank 0, 2 by rank 1; even and Partial: the same shapes, another rank's values
     # (the pickle holds the saving rank's coord); Broadcast: every rank holds the same, loading is fine
     got = sbp.testing.spmd(functools.partial(_wrong_rank_file, path=str(tmp_path), rows=rows,
-                                             placements=placements), (2,))
+                                             placements=placements), (2,), backend=backend)
     if placements == "B":
         assert got == [True, True]
     else:
@@ -183,15 +184,17 @@ def _deepcopy_grads(mesh):
     return cx.grad.placements, cx.grad.full(), cp.grad
 
 
-def test_deepcopy_keeps_a_global_leafs_grad_as_torch_does():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepcopy_keeps_a_global_leafs_grad_as_torch_does(backend):
     # torch copies a plain tensor's .grad, not an nn.Parameter's
-    for placements, grad, param_grad in sbp.testing.spmd(_deepcopy_grads, (2,)):
+    for placements, grad, param_grad in sbp.testing.spmd(_deepcopy_grads, (2,), backend=backend):
         assert placements == (sbp.S(0),) and torch.equal(grad, torch.full((4, 2), 2.0, dtype=torch.float64))
         assert param_grad is None
 
 
-def test_a_pending_async_result_copies_and_pickles_its_value():
-    for copied_pls, copied, loaded_pls, loaded in sbp.testing.spmd(_pending, (2,)):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pending_async_result_copies_and_pickles_its_value(backend):
+    for copied_pls, copied, loaded_pls, loaded in sbp.testing.spmd(_pending, (2,), backend=backend):
         assert copied_pls == loaded_pls == (sbp.B,)
         assert torch.equal(copied, values((8,))) and torch.equal(loaded, values((8,)))
 

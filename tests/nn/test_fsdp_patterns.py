@@ -196,16 +196,18 @@ def _save_halved(mesh, path: str) -> None:
     sbp.save({k: sbp.distribute(v, mesh, "S(0)" if v.ndim else "B") for k, v in other.state_dict().items()}, path)
 
 
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
 @pytest.mark.parametrize("how", ["load_state_dict", "sbp.load", "to_local"])
-def test_evaluation_after_an_in_place_load_sees_the_new_parameters(how: str, tmp_path) -> None:
+def test_evaluation_after_an_in_place_load_sees_the_new_parameters(how: str, tmp_path, backend: str) -> None:
     # the root stays gathered after a forward without backward; its gather was reused after the in-place load
     # (sbp.load into m.state_dict() and p.to_local() write the local tensor: the parameter's own version counter
     # stays; a state dict's detached values share the parameters' local tensors)
     ref = _make("checkpointed")(X).detach()
     if how == "sbp.load":
-        sbp.testing.spmd(functools.partial(_save_halved, path=str(tmp_path)), (2,), names=("dp",))
+        sbp.testing.spmd(functools.partial(_save_halved, path=str(tmp_path)), (2,), names=("dp",), backend=backend)
     for before, after, expected in sbp.testing.spmd(functools.partial(_evaluate_after_load, how=how,
-                                                                      path=str(tmp_path)), (2,), names=("dp",)):
+                                                                      path=str(tmp_path)), (2,), names=("dp",),
+                                                    backend=backend):
         assert torch.allclose(before, ref, atol=1e-12, rtol=0)
         assert torch.allclose(after, expected, atol=1e-12, rtol=0)
 
@@ -220,12 +222,13 @@ def _input_grad(mesh):
     return x.grad
 
 
-def test_a_plain_input_requiring_grad_gets_the_full_gradient_on_every_rank() -> None:
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_a_plain_input_requiring_grad_gets_the_full_gradient_on_every_rank(backend: str) -> None:
     # a plain tensor entering the root is the full batch on every rank: its .grad is the full gradient there
     # (it used to be this rank's rows only, zeros elsewhere: a plain module in front drifted apart per rank)
     x = X.clone().requires_grad_()
     _make("checkpointed")(x).pow(2).sum().backward()
-    for grad in sbp.testing.spmd(_input_grad, (2,), names=("dp",)):
+    for grad in sbp.testing.spmd(_input_grad, (2,), names=("dp",), backend=backend):
         assert torch.allclose(grad, x.grad, atol=1e-12, rtol=0)
 
 
