@@ -19,13 +19,16 @@ import functools
 import hashlib
 import math
 import pathlib
+import weakref
 from typing import Optional
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..planning.exchange import exchange, reduce_exchange
 from ..values.errors import MeshError, PlanError
@@ -188,7 +191,41 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    _keep_forward_collectives_forward()
     return _FUNCOL.wait_tensor(t)
+
+
+_PINNED: "weakref.WeakSet[torch.fx.Graph]" = weakref.WeakSet()
+_RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _keep_forward_collectives_forward() -> None:
+    """While AOTAutograd traces a backward (its joint graph's second half): mark the forward's functional
+    collectives as forward-only, once per graph, so that no backward graph holds a copy of them.
+
+    Why: the partitioner builds the backward graph from every node it can compute out of the values saved
+    for it, then drops the unused ones -- but ``wait_tensor`` counts as a side effect, so a forward chain
+    ``collective -> wait_tensor`` whose input the backward can compute (say the backward saves `x` and the
+    forward all-gathered a function of `x`) stays in the backward graph, run again and unused. Which values
+    are saved depends on their sizes (the min-cut partitioner of ``aot_eager`` / ``inductor``), and with
+    uneven shards sizes differ by rank: the ranks' backward graphs then held different collectives and hung
+    (``x.logsumexp(0)``, x (7, 6) split over 4 ranks). A node tagged ``must_be_in_forward`` is never copied
+    into the backward graph; its result, when the backward needs it, is saved (the partitioner already saves
+    collectives' results rather than recompute them). Collectives that activation checkpointing asks to
+    recompute keep their tag. The forward's tags are final once its trace ends (AOTAutograd writes them
+    then), so the backward's first collective is the place to change them."""
+    if fx_traceback.current_meta.get("partitioner_tag") != "is_backward":
+        return
+    mode = get_proxy_mode()
+    if mode is None or mode.tracer.graph in _PINNED:
+        return
+    _PINNED.add(mode.tracer.graph)
+    for node in mode.tracer.graph.nodes:
+        if (node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"
+                and getattr(node.target, "namespace", None) == "_c10d_functional"
+                and node.target is not _FUNCOL.wait_tensor.default
+                and node.meta.get("recompute") not in _RECOMPUTED):
+            node.meta["partitioner_tag"] = "must_be_in_forward"
 
 
 def _op(step: Step) -> str:

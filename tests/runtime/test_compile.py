@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
 import sbp
@@ -38,9 +38,9 @@ PAIRS_2D = [("S(0), S(1)", "S(1), S(0)"), ("S(0), S(0)", "S(1), S(1)"), ("S(0), 
 class GraphRecorder:
     """An aot_eager-like backend that keeps the forward and backward graphs it is handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, **partitioner) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
-        self.backend = aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep)
+        self.backend = aot_autograd(fw_compiler=self._keep, bw_compiler=self._keep, **partitioner)
 
     def _keep(self, gm: torch.fx.GraphModule, _inputs):
         self.graphs.append(gm)
@@ -655,3 +655,37 @@ def test_a_transfer_to_ranks_that_only_send_keeps_its_collective_on_every_rank()
                 run_transfer_with_gradients, shape=shape, src=src, dst=dst), mesh_shape)):
             assert values and grads, (mesh_shape, rank)
             assert forward.get("all_to_all_single") == 1, (mesh_shape, rank, forward)
+
+
+def run_uneven_backward_min_cut(mesh):
+    """(collectives of the forward and the backward graph, gradient equal eager) on this rank: a compiled
+    ``x.logsumexp(0)`` of an unevenly split x through the min-cut partitioner (``aot_eager``'s and
+    ``inductor``'s), and the same under activation checkpointing."""
+    value = _global_value((7, 6)) * 0.37
+    grad = sbp.distribute(torch.linspace(0.5, 2.0, 6, dtype=torch.float64), mesh, "B")
+    out = []
+    for fn in (lambda a: a.logsumexp(0),
+               lambda a: torch.utils.checkpoint.checkpoint(lambda b: b.logsumexp(0).sin(), a, use_reentrant=False)):
+        x = sbp.distribute(value, mesh, "S(0)").requires_grad_()
+        fn(x).backward(grad)
+        want = x.grad.full()
+        torch._dynamo.reset()
+        recorder = GraphRecorder(partition_fn=min_cut_rematerialization_partition)
+        x = sbp.distribute(value, mesh, "S(0)").requires_grad_()
+        torch.compile(fn, backend=recorder.backend, fullgraph=True)(x).backward(grad)
+        out.append((dict(recorder.collectives(0)), dict(recorder.collectives(1)),
+                    torch.allclose(x.grad.full(), want, rtol=0, atol=1e-12)))
+    return out
+
+
+def test_uneven_backward_graphs_hold_the_same_collectives_on_every_rank() -> None:
+    # fails without sbp.runtime.traced._keep_forward_collectives_forward: the rank holding 1 of the 7 rows saved
+    # exp(x - lse) for the backward, the others x and the gathered lse, and their backward graphs re-ran the
+    # forward's all_to_all and all_gather (kept alive by wait_tensor, unused): the ranks' collectives differed
+    # and the backward hung. Under activation checkpointing the backward re-runs them on purpose (on every rank)
+    forward = {"all_to_all_single": 1, "all_gather_into_tensor": 1, "wait_tensor": 2}
+    backward = ({"all_gather_into_tensor": 1, "wait_tensor": 1},
+                {"all_to_all_single": 1, "all_gather_into_tensor": 2, "wait_tensor": 3})
+    for rank, per_rank in enumerate(spmd(run_uneven_backward_min_cut, (4,))):
+        for case, want in enumerate(backward):
+            assert per_rank[case] == (forward, want, True), (rank, case, per_rank[case])
