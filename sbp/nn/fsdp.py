@@ -51,6 +51,7 @@ from ..values.layout import local_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
 from . import tp_local
+from .rebuild import refuse
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _UNITS: "weakref.WeakKeyDictionary[nn.Module, Unit]" = weakref.WeakKeyDictionary()   # module -> its unit
@@ -671,7 +672,10 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
                            f"{[u.name for u in inner]} and parameters {tp} (valid: a block on a data-parallel mesh)")
         unit.local_batch = True
     _UNITS[module] = unit
-    module._sbp_fully_sharded = _NoCopy()   # copy.deepcopy of the module (or a parent) refuses clearly
+    refuse(module, "copy.deepcopy or torch.save of a fully_shard module is not supported (its units hold gathers, "
+                   "hooks and a schedule bound to the original), as with FSDP2: deep-copy the model before "
+                   "fully_shard; move weights with state_dict() / load_state_dict() (per-rank files) or "
+                   "sbp.save / sbp.load, which reshard")
     for path, m in module.named_modules():   # names for the log: paths under the outermost unit
         if m in _UNITS:
             _UNITS[m].name = path or "<root>"
@@ -868,16 +872,6 @@ def _install_hooks(unit: Unit) -> None:
 _EAGER_HOOKS = ("sbp.nn.fully_shard: a unit's hooks run eagerly between graphs (they gather and free parameters "
                 "and keep the unit's state): a fully-sharded module compiles with a graph break at each unit "
                 "boundary; for one graph per block, compile each block with fullgraph=True before fully_shard")
-
-
-class _NoCopy:
-    """Held by each fully-sharded module: deep-copying it raises, as FSDP2 does. A copy would share the units'
-    hooks, gathers and schedule with the original (their collectives would interleave on the mesh)."""
-
-    def __deepcopy__(self, memo: dict) -> "_NoCopy":
-        raise SbpError("copy.deepcopy of a fully_shard module is not supported (its units hold gathers, hooks and a "
-                       "schedule bound to the original): deep-copy the model before fully_shard, or move weights "
-                       "with state_dict() / load_state_dict() (or sbp.save / sbp.load)")
 
 
 def _bind(unit: Unit, local: bool) -> None:

@@ -49,6 +49,7 @@ from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from . import packed, tp_local
 from .buckets import bucket_gradients
 from .hf import auto_plan, style_for
+from .rebuild import record
 from .styles import AllReduce, Colwise, Embedding, Packed, Rowwise, Style
 
 
@@ -189,22 +190,43 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
                                                       converted)
                 continue
             sub._parameters[name] = _shard(param, mesh, pls, f"{path}.{name}".lstrip("."), converted)
-        if isinstance(style, Packed):
-            tp_local.STYLES[sub] = style
-            packed.install(sub, style, ctx, _from_full)
-        else:
-            _hook(sub, style, ctx)
     replicated = tuple(Broadcast() for _ in range(mesh.ndim))
     for owner_path, owner in module.named_modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
+    _hook_model(module, ctx, {path: style for path, (style, _) in matched.items()}, dp_bucket_bytes)
+    return module
+
+
+def _hook_model(module: nn.Module, ctx: _Context, styles: dict[str, Style], dp_bucket_bytes: Optional[int]) -> None:
+    """Install the hooks of a model whose parameters are laid out (by `parallelize`, or loaded / copied
+    already laid out): `styles` by module path. Recorded for plain torch.save / deepcopy (`sbp.nn.rebuild`)."""
+    record(module, lambda: _install_hooks(module, ctx, styles, dp_bucket_bytes),
+           (_rehook, (ctx.mesh, ctx.tp_axis, styles, dp_bucket_bytes)))
+
+
+def _rehook(module: nn.Module, mesh: DeviceMesh, tp_axis: int, styles: dict[str, Style],
+            dp_bucket_bytes: Optional[int]) -> None:
+    """The hooks of a parallelized model again, on a loaded or copied tree (`sbp.nn.rebuild`)."""
+    _hook_model(module, _Context(mesh, tp_axis), styles, dp_bucket_bytes)
+
+
+def _install_hooks(module: nn.Module, ctx: _Context, styles: dict[str, Style], dp_bucket_bytes: Optional[int]) -> None:
+    matched = {path: module.get_submodule(path) for path in styles}
+    for path, style in styles.items():
+        sub = matched[path]
+        if isinstance(style, Packed):
+            tp_local.STYLES[sub] = style
+            packed.install(sub, style, ctx, _from_full)
+        else:
+            _hook(sub, style, ctx)
     for owner_path, owner in module.named_modules():   # lookups in a Broadcast table run on the local table
         if owner_path not in matched and type(owner) is nn.Embedding and _replicable(owner):
             _hook_replicated_embedding(owner, ctx)
     if dp_bucket_bytes is not None and ctx.dp_axes:   # one all_reduce per bucket of dp gradients (sbp.nn.buckets)
-        bucket_gradients(module, mesh, ctx.dp_axes, dp_bucket_bytes)
+        bucket_gradients(module, ctx.mesh, ctx.dp_axes, dp_bucket_bytes)
     module.register_forward_pre_hook(ctx.forget, prepend=True)   # before any conversion of this pass
     matmuls = _MatmulMode()   # batched matmuls keep a split batch dim (heads): sbp.ops.matmul.SplitBatchMatmul
     module.register_forward_pre_hook(matmuls.enter, prepend=True)
@@ -218,7 +240,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
     leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
     module.register_forward_pre_hook(leaves.enter, prepend=True)
     module.register_forward_hook(leaves.exit, always_call=True)
-    return module
 
 
 class _CompiledLeaves:

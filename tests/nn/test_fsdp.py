@@ -795,7 +795,7 @@ def _bad(mesh, case: str):
     ("local_tp", "local_batch=True. computes on plain tensors"),
     ("reshard_int", "reshard_after_forward=2.: needs True or False"),
     ("local_batch_str", "local_batch='False'.: needs None"),
-    ("deepcopy", "copy.deepcopy of a fully_shard module is not supported"),
+    ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
 ])
 def test_bad_input(case: str, message: str) -> None:
     with pytest.raises(sbp.SbpError, match=message) as info:
