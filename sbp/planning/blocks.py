@@ -30,6 +30,49 @@ _SMALL_JOIN = 64
 combination of entries up once (`Blocks._shared_rows`)."""
 
 
+class PairArrays:
+    """Per group of a large table (row-major over its digits), its `_best` pairs when there are at most two:
+    the (length, overlap) arrays of the first and of the second pair (the first again where a group has one).
+    The array form of `Blocks._table_groups`'s dict, which `Blocks._max_lack_arrays` reads without building the
+    dict (for tensors far smaller than the mesh its groups are as many as the ranks)."""
+
+    __slots__ = ("n1", "o1", "n2", "o2")
+
+    def __init__(self, n1: np.ndarray, o1: np.ndarray, n2: np.ndarray, o2: np.ndarray) -> None:
+        self.n1, self.o1, self.n2, self.o2 = n1, o1, n2, o2
+
+    @classmethod
+    def of(cls, g: np.ndarray, n: np.ndarray, held: np.ndarray, groups: int) -> "Optional[PairArrays]":
+        """From each group's pairs, sorted by group, longer first and less held first, one pair per (group,
+        length): keep those less held than every longer one in the group (`_best`). None where a group keeps
+        more than two, or the sums below could overflow.
+
+        >>> p = PairArrays.of(np.array([0, 0, 0, 1]), np.array([3, 2, 1, 5]), np.array([2, 1, 1, 0]), 2)
+        >>> [x.tolist() for x in (p.n1, p.o1, p.n2, p.o2)]
+        [[3, 5], [2, 0], [2, 5], [1, 0]]
+        """
+        big = int(held.max()) + 1 if held.size else 1
+        if groups * big >= 1 << 62:
+            return None
+        shifted = held - g * big   # a running minimum that restarts at each group (later groups lie below)
+        low = np.minimum.accumulate(shifted)
+        start = np.concatenate(([True], g[1:] != g[:-1]))
+        keep = start | (shifted < np.concatenate(([0], low[:-1])))
+        g, n, held = g[keep], n[keep], held[keep]
+        counts = np.bincount(g, minlength=groups)
+        if counts.max(initial=0) > 2 or counts.min(initial=1) < 1:
+            return None
+        first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+        second = np.where(counts == 2, first + 1, first)
+        return cls(n[first], held[first], n[second], held[second])
+
+    def options(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The (lengths, overlaps) arrays to choose between per group: one choice where no group has two pairs."""
+        if np.array_equal(self.n1, self.n2) and np.array_equal(self.o1, self.o2):
+            return [(self.n1, self.o1)]
+        return [(self.n1, self.o1), (self.n2, self.o2)]
+
+
 class Blocks:
     """The blocks of one (global_shape, mesh_shape) in any state, cached per state, per layout (states
     that differ only in Broadcast/Partial axes share their blocks) and per pair of layouts.
@@ -283,11 +326,14 @@ class Blocks:
     def _max_lack(self, have: tuple, want: tuple, weight: int, free: tuple[int, ...] = ()) -> int:
         """The most ``weight * N - O`` over coords, N a target block's size and O what is held of it: by
         one rank, or with `free` axes, by the ranks that differ from it only there (`_table`)."""
-        shared, per_dim, values = self._joined_tables(have, want, free, _best)
-        if math.prod(len(self._digit_list(a, values)) for a in shared) > LARGE_TABLE:
+        shared, per_dim, values = self._joined_tables(have, want, free, _best, arrays=True)
+        in_arrays = any(isinstance(table, PairArrays) for _, table in per_dim)
+        if in_arrays or math.prod(len(self._digit_list(a, values)) for a in shared) > LARGE_TABLE:
             out = self._max_lack_arrays(shared, per_dim, weight, values)
             if out is not None:
                 return out
+        if in_arrays:
+            shared, per_dim, values = self._joined_tables(have, want, free, _best)
         return self._join_best(self._shared_rows(shared, per_dim, values=values), weight)
 
     def _digit_list(self, a: int, values: Optional[dict]) -> Sequence[int]:
@@ -352,12 +398,17 @@ class Blocks:
         options = []   # per dim: two (lengths, overlaps) arrays over the shared digits, broadcastable
         for pos, best in per_dim:
             grid = [sizes[i] for i in pos]
+            shape = [sizes[i] if i in pos else 1 for i in range(len(shared))]
+            if isinstance(best, PairArrays):   # (its groups run over every digit, row-major in shared order)
+                if values is not None and any(a in values for a in shared):
+                    return None
+                options.append([(n.reshape(shape), o.reshape(shape)) for n, o in best.options()])
+                continue
             if len(best) != math.prod(grid) or any(len(v) > 2 for v in best.values()):
                 return None
             keys = np.array(list(best), dtype=np.int64).reshape(len(best), len(pos))
             places = tuple(np.searchsorted(lists[i], keys[:, m]) for m, i in enumerate(pos))   # digits' places
             index = np.ravel_multi_index(places, grid) if pos else np.zeros(len(best), dtype=np.int64)
-            shape = [sizes[i] if i in pos else 1 for i in range(len(shared))]
             dim = []
             for c in range(1 + any(len(v) == 2 for v in best.values())):
                 n, o = np.empty(len(best), dtype=np.int64), np.empty(len(best), dtype=np.int64)
@@ -384,10 +435,11 @@ class Blocks:
                 out = max(out, value(tuple(n for n, _ in pairs), tuple(o for _, o in pairs)))
         return out
 
-    def _joined_tables(self, have: tuple, want: tuple, free: tuple[int, ...], keep) -> tuple:
+    def _joined_tables(self, have: tuple, want: tuple, free: tuple[int, ...], keep, arrays: bool = False) -> tuple:
         """Per dim, its `_table` grouped by the digits of the axes it shares with other dims, each group
         reduced by `keep`; the shared axes; and the digits each axis takes (`_digit_values`: None for all).
-        Dims that share no axis are chosen freely."""
+        Dims that share no axis are chosen freely. With `arrays` (and `keep` `_best`), a large table's groups
+        may come as `PairArrays` (for `_max_lack_arrays`) instead of a dict."""
         dims = [tuple(sorted((set(p) | set(q)) - set(free))) for p, q in zip(have, want)]
         shared = shared_axes(dims)
         values = self._digit_values([(have[d], want[d], tuple(a for a in have[d] if a in free), d)
@@ -398,7 +450,10 @@ class Blocks:
             free_d = tuple(a for a in have[d] if a in free)
             groups = self._even_groups(d, have[d], want[d], free_d, tuple(axes[i] for i in where), values)
             if groups is None and math.prod(self.mesh_shape[a] for a in axes) > LARGE_TABLE:
-                groups = self._table_groups(d, have[d], want[d], free_d, axes, where, keep is _best)
+                groups = None if not (arrays and keep is _best) else \
+                    self._table_groups(d, have[d], want[d], free_d, axes, where, True, arrays=True)
+                if groups is None:
+                    groups = self._table_groups(d, have[d], want[d], free_d, axes, where, keep is _best)
                 per_dim.append(([shared.index(axes[i]) for i in where], groups))
                 continue
             if groups is None:
@@ -435,14 +490,15 @@ class Blocks:
         return fields.compared_digits(relations, self.mesh_shape, axes)
 
     def _table_groups(self, d: int, have: tuple[int, ...], want: tuple[int, ...], free: tuple[int, ...],
-                      axes: tuple[int, ...], where: list[int], best: bool) -> dict:
+                      axes: tuple[int, ...], where: list[int], best: bool, arrays: bool = False):
         """`_table`'s (target length, overlap) pairs grouped by the digits at positions `where` of `axes`, each
         group reduced to `_best` (`best`) or to its distinct pairs in order: the same as grouping `_table`, computed
-        on arrays for large tables (one entry per digit combination of `axes`, as many as the ranks they span)."""
-        key = ("groups", d, have, want, free, tuple(where), best)
-        out = self._memo.get(key)
-        if out is not None:
-            return out
+        on arrays for large tables (one entry per digit combination of `axes`, as many as the ranks they span).
+        With `arrays` (and `best`): the groups as `PairArrays`, in row-major order of their digits; None where a
+        group keeps more than two pairs."""
+        key = ("groups", d, have, want, free, tuple(where), best, arrays)
+        if key in self._memo:
+            return self._memo[key]
         mesh = self.mesh_shape
         hlo, hhi = self._spans_array(d, have)
         wlo, whi = self._spans_array(d, want)
@@ -475,6 +531,10 @@ class Blocks:
         g, n, held = g[order], n[order], held[order]
         step = (g[1:] != g[:-1]) | (n[1:] != n[:-1])
         first = np.concatenate(([True], step if best else step | (held[1:] != held[:-1])))
+        if arrays:
+            out = PairArrays.of(g[first], n[first], held[first], math.prod(sizes[k] for k in where))
+            self._memo[key] = out
+            return out
         out = {}
         order = order[first]
         keys = zip(*(np.broadcast_to(kept[k], sizes).ravel()[order].tolist() for k in where)) if where else \

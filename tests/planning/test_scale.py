@@ -481,3 +481,32 @@ def test_tables_over_compared_digits_equal_the_full_tables(monkeypatch):
     assert sum(shrunk) > 150   # (joins over a few digits per axis)
     monkeypatch.setattr(fields, "compared_digits", lambda *args: None)
     assert prices() == few
+
+
+def test_lack_of_tensors_far_smaller_than_the_mesh_equals_brute_force(monkeypatch):
+    # meshes of 1,024 to 4,096 ranks and dims of a few elements (most blocks empty): the per-dim tables hold
+    # one group per rank and are joined as arrays (`PairArrays`), checked here per coord
+    from sbp.planning import blocks
+    made = []
+    original = blocks.PairArrays.of
+    monkeypatch.setattr(blocks.PairArrays, "of", classmethod(lambda cls, *a: made.append(1) or original(*a)))
+    S, B = sbp.S, sbp.B
+    # (where what a rank holds decides the answer: found by zeroing the arrays' overlaps)
+    cases = [((3,), (16, 16, 16), (S(0), B, S(0)), (S(0), S(0), S(0)), 1),
+             ((7,), (8, 16, 8), (S(0), B, S(0)), (S(0), S(0), S(0)), 2),
+             ((7,), (16, 16, 16), (S(0), B, S(0)), (S(0), S(0), S(0)), 3)]
+    rng = random.Random(44)
+    for _ in range(16):
+        mesh = rng.choice([(8, 16, 8), (16, 16, 16), (64, 64), (4, 4, 8, 8)])
+        nd = rng.choice([1, 2, 3])
+        shape = tuple(rng.choice([1, 3, 5, 7, 13, 100]) for _ in range(nd))
+        one = [sbp.S(d) for d in range(nd)] * 3 + [sbp.B]   # mostly splits: tables over many axes
+        cases.append((shape, mesh, *(tuple(rng.choice(one) for _ in mesh) for _ in range(2)), rng.choice([1, 2, 3])))
+    for shape, mesh, s, t, w in cases:
+        want = 0
+        for coord in itertools.product(*map(range, mesh)):
+            have, need = block(shape, mesh, s, coord), block(shape, mesh, t, coord)
+            both = intersect(have, need)
+            want = max(want, w * block_numel(need) - (block_numel(both) if both else 0))
+        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == want, (shape, mesh, s, t, w)
+    assert made   # the array join ran
