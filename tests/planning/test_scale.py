@@ -139,7 +139,7 @@ def test_weighted_lack_equals_per_coord_brute_force():
         shape, mesh, one = _random_case(rng, partial=False)
         s, t = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
         w = rng.choice([2, 3, 4])
-        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == _weighted_brute(shape, mesh, s, t, w), (shape, mesh, s, t, w)
+        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == _weighted_brute(shape, mesh, s, t, w), (shape, s, t, w)
 
 
 def _unheld_per_group(shape, mesh, s, t, free):
@@ -508,5 +508,5 @@ def test_lack_of_tensors_far_smaller_than_the_mesh_equals_brute_force(monkeypatc
         one = [sbp.S(d) for d in range(nd)] * 3 + [sbp.B]   # mostly splits: tables over many axes
         cases.append((shape, mesh, *(tuple(rng.choice(one) for _ in mesh) for _ in range(2)), rng.choice([1, 2, 3])))
     for shape, mesh, s, t, w in cases:
-        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == _weighted_brute(shape, mesh, s, t, w), (shape, mesh, s, t, w)
+        assert Costing(shape, mesh, 4).lack(s, t, weight=w) == _weighted_brute(shape, mesh, s, t, w), (shape, s, t, w)
     assert made   # the array join ran
