@@ -19,7 +19,10 @@ What it does, in order:
    plan leaves out (Broadcast, e.g. a position table) looks plain indices up in its local table, so its
    gradient is whole on every rank, never split by rows and gathered back. Inside a `fully_shard` unit that
    computes on plain local shares (its gathered parameters bound as plain tensors), a colwise / rowwise layer
-   computes on its local pieces instead, the hooks making the tp collectives (`sbp.nn.tp_local`).
+   computes on its local pieces instead, the hooks making the tp collectives (`sbp.nn.tp_local`);
+4. keep on the root a recipe for those hooks (mesh, styles by path, options): plain `torch.save` /
+   `torch.load` and `copy.deepcopy` of the model store it instead of the hooks (closures) and install fresh
+   hooks on the new modules (`sbp.nn.rebuild`).
 
 All communication is what the placements imply; nothing here calls a collective by hand.
 """
