@@ -199,21 +199,27 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
-    _hook_model(module, ctx, {path: style for path, (style, _) in matched.items()}, dp_bucket_bytes)
+    for style, sub in matched.values():   # (kept with the module: it travels when the model is saved or copied)
+        sub.__dict__[_STYLE] = style
+    _hook_model(module, ctx, dp_bucket_bytes)
     return module
 
 
-def _hook_model(module: nn.Module, ctx: _Context, styles: dict[str, Style], dp_bucket_bytes: Optional[int]) -> None:
+_STYLE = "_sbp_style"
+
+
+def _hook_model(module: nn.Module, ctx: _Context, dp_bucket_bytes: Optional[int]) -> None:
     """Install the hooks of a model whose parameters are laid out (by `parallelize`, or loaded / copied
-    already laid out): `styles` by module path. Recorded for plain torch.save / deepcopy (`sbp.nn.rebuild`)."""
+    already laid out), each planned module's style kept on it. Recorded for plain torch.save / deepcopy
+    (`sbp.nn.rebuild`): the recipe is `_rehook` with the mesh and options."""
+    styles = {path: sub.__dict__[_STYLE] for path, sub in module.named_modules() if _STYLE in sub.__dict__}
     record(module, lambda: _install_hooks(module, ctx, styles, dp_bucket_bytes),
-           (_rehook, (ctx.mesh, ctx.tp_axis, styles, dp_bucket_bytes)))
+           (_rehook, (ctx.mesh, ctx.tp_axis, dp_bucket_bytes)))
 
 
-def _rehook(module: nn.Module, mesh: DeviceMesh, tp_axis: int, styles: dict[str, Style],
-            dp_bucket_bytes: Optional[int]) -> None:
+def _rehook(module: nn.Module, mesh: DeviceMesh, tp_axis: int, dp_bucket_bytes: Optional[int]) -> None:
     """The hooks of a parallelized model again, on a loaded or copied tree (`sbp.nn.rebuild`)."""
-    _hook_model(module, _Context(mesh, tp_axis), styles, dp_bucket_bytes)
+    _hook_model(module, _Context(mesh, tp_axis), dp_bucket_bytes)
 
 
 def _install_hooks(module: nn.Module, ctx: _Context, styles: dict[str, Style], dp_bucket_bytes: Optional[int]) -> None:

@@ -1,17 +1,22 @@
 """Parallelized models under plain `torch.save` / `torch.load` and `copy.deepcopy`.
 
-`sbp.nn.parallelize` hooks the model's modules with closures (and binds a `forward` to a rowwise linear);
-pickle cannot store closures ("Can't pickle local object"), and `copy.deepcopy` shares them: the copy's
-hooks would still read the original's modules and conversion state. So the hooks never travel. `record`
-notes which hooks an installation added and keeps a recipe -- a module-level function and plain arguments
-(mesh, styles by module path, options) -- on the root module. Pickling or deep-copying that root then stores a
-copy of the module tree without those hooks plus the recipe, and rebuilding it runs the recipe on the loaded
-(or copied) tree: fresh hooks bound to the new modules. Parameters travel as global tensors do (local tensor,
-layout, mesh description), already laid out, so nothing is sharded again. Hooks the user registered stay
-(pickled as torch would; a closure of theirs fails as it does in plain torch).
+`sbp.nn.parallelize` hooks the model's modules with closures (and binds a `forward` to a rowwise linear).
+pickle cannot store closures ("Can't pickle local object"), and `copy.deepcopy` would share them: the copy's
+hooks would still read the original's modules and conversion state. So sbp's hooks never travel:
 
-Only the root carries the recipe: saving a submodule of a parallelized model on its own pickles its hooks
-as they are (and fails on the closures), as plain torch would.
+- `record` notes which hooks an installation added to each module, and keeps a recipe on the root module:
+  a module-level function and plain arguments (mesh, options) that install them on a loaded or copied tree;
+- the classes of those modules get a reduction (`copyreg`, which pickle and `copy.deepcopy` consult first):
+  a hooked module is stored as its state less sbp's hooks, everything else as before (user hooks included:
+  they pickle as torch would, and a closure of the user's fails as it does in plain torch);
+- the root is rebuilt through `_new_root`: once its state is set (its submodules are complete by then), the
+  recipe runs on it, so the new modules get fresh hooks. Parameters travel as global tensors do (local
+  tensor, layout, mesh description), already laid out: nothing is sharded again.
+
+Modules are found wherever the tree holds them (plain lists of layers, wrappers added after `parallelize`,
+references back to the root), as pickle finds them. A hooked submodule saved or copied without its root
+comes back without sbp's hooks: its global parameters compute the same values (ops on global tensors follow
+their rules), in the placements those rules pick. `copy.copy` (shallow) shares everything, as torch's does.
 
 >>> import copy, io, torch, sbp, sbp.testing
 >>> def fn(mesh):
@@ -28,11 +33,15 @@ as they are (and fails on the closures), as plain torch would.
 """
 from __future__ import annotations
 
+import copy
 import copyreg
+import functools
+import sys
 import weakref
 from typing import Any, Callable
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..values.errors import SbpError
 
@@ -40,6 +49,7 @@ from ..values.errors import SbpError
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 _RECIPE = "_sbp_rebuild"
+_SHALLOW = copy.copy.__code__
 
 # module -> (ids of the hooks sbp installed on it, whether sbp bound a `forward` to it)
 _OWN: "weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], bool]]" = weakref.WeakKeyDictionary()
@@ -66,6 +76,7 @@ def record(root: nn.Module, install: Callable[[], None], recipe: tuple[Callable,
         if added or bound:
             old_ids, old_bound = _OWN.get(m, (frozenset(), False))
             _OWN[m] = (old_ids | added, old_bound or bound)
+            _register(type(m))
     _keep(root, recipe)
 
 
@@ -86,7 +97,10 @@ def refuse(module: nn.Module, message: str) -> None:
 
 def _keep(module: nn.Module, recipe: "tuple[Callable, tuple] | str") -> None:
     module.__dict__[_RECIPE] = recipe
-    cls = type(module)
+    _register(type(module))
+
+
+def _register(cls: type) -> None:
     if cls not in _REGISTERED:   # pickle and copy.deepcopy consult copyreg's table before a class's own reduce
         copyreg.pickle(cls, _reduce)
         _REGISTERED.add(cls)
@@ -97,40 +111,52 @@ def _hook_ids(module: nn.Module) -> set[int]:
 
 
 def _reduce(module: nn.Module) -> Any:
-    """copyreg's reduction for the classes of recorded roots: the tree without sbp's hooks, and the recipe;
-    any other module of those classes reduces as it always does."""
+    """copyreg's reduction for the classes `record` saw: a hooked module as its state less sbp's hooks, a
+    recorded root rebuilt through `_new_root`; any other instance of those classes as always."""
     recipe = module.__dict__.get(_RECIPE)
-    if recipe is None:
-        return module.__reduce_ex__(4)
     if isinstance(recipe, str):
         raise SbpError(recipe)
-    return _rebuilt, (_without_hooks(module, {}), recipe)
-
-
-def _rebuilt(module: nn.Module, recipe: tuple[Callable, tuple]) -> nn.Module:
-    """A loaded (or copied) tree with sbp's hooks installed again by `recipe`."""
-    function, args = recipe
-    function(module, *args)
-    return module
-
-
-def _without_hooks(module: nn.Module, done: dict[int, nn.Module]) -> nn.Module:
-    """A shallow copy of `module`'s tree (shared submodules stay shared) holding the same parameters,
-    buffers and attributes, less the hooks and bound ``forward`` sbp installed and the recipe."""
-    if id(module) in done:
-        return done[id(module)]
+    if (recipe is None and module not in _OWN) or sys._getframe(1).f_code is _SHALLOW:
+        return module.__reduce_ex__(4)   # (copy.copy: a shallow copy shares the hooks, as in torch)
     state = dict(module.__dict__)
-    if isinstance(state.pop(_RECIPE, None), str):
-        raise SbpError(module.__dict__[_RECIPE])
+    state.pop(_RECIPE, None)
     ids, bound = _OWN.get(module, (frozenset(), False))
     for name in _HOOK_DICTS:
         if name in state and ids:
             state[name] = type(state[name])((k, v) for k, v in state[name].items() if k not in ids)
     if bound:
         state.pop("forward", None)
-    out = module.__class__.__new__(module.__class__)
-    done[id(module)] = out
-    state["_modules"] = {name: None if sub is None else _without_hooks(sub, done)
-                         for name, sub in module.__dict__["_modules"].items()}
-    out.__dict__.update(state)
-    return out
+    if recipe is None:
+        return copyreg.__newobj__, (type(module),), state
+    return _new_root, (type(module), recipe), state
+
+
+def _new_root(cls: type, recipe: tuple[Callable, tuple]) -> nn.Module:
+    """An empty root whose state, once set (by unpickling or deepcopy, after its submodules are complete),
+    runs `recipe` on it (`_set_state`)."""
+    module = cls.__new__(cls)
+    module.__dict__["__setstate__"] = functools.partial(_set_state, module, recipe)
+    return module
+
+
+def _set_state(module: nn.Module, recipe: tuple[Callable, tuple], state: dict) -> None:
+    del module.__dict__["__setstate__"]
+    type(module).__setstate__(module, state)
+    for m in module.modules():   # hooks loaded from another process may hold ids this one hands out again
+        _renumber_hooks(m)
+    function, args = recipe
+    function(module, *args)
+
+
+def _renumber_hooks(module: nn.Module) -> None:
+    """Give the forward hooks `module` holds fresh ids (the same id in every dict that names one)."""
+    fresh: dict[int, int] = {}
+    for name in _HOOK_DICTS:
+        hooks = module.__dict__.get(name)
+        if not hooks:
+            continue
+        for k in list(hooks):
+            if k not in fresh:
+                fresh[k] = RemovableHandle.next_id
+                RemovableHandle.next_id += 1
+        module.__dict__[name] = type(hooks)((fresh[k], v) for k, v in hooks.items())

@@ -370,9 +370,10 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [((S(0),), True, [0.0, 1.0]), ((S(0),), True, [2.0, 3.0])]
         """
-        return rebuild_global_tensor, (pending.ready(self._local).detach(), self._mesh, self._placements,
-                                       tuple(self.shape), self.requires_grad, bool(getattr(self, "_is_param", False)),
-                                       self._mesh.coord)
+        args = (pending.ready(self._local).detach(), self._mesh, self._placements, tuple(self.shape),
+                self.requires_grad, bool(getattr(self, "_is_param", False)), self._mesh.coord)
+        attrs = {k: v for k, v in self.__dict__.items() if k not in _OWN_ATTRS and not k.startswith("_sbp")}
+        return rebuild_global_tensor, args + (attrs,) if attrs else args   # (attributes set on it, as torch keeps)
 
     def __tensor_flatten__(self):
         # the global shape with symbolic sizes as None: the metadata is pickled into torch.compile's caches,
@@ -478,13 +479,20 @@ def _never_compiled(code) -> None:
         return
 
 
+# a global tensor's own entries in its __dict__ (and torch.compile's marks on parameters, which sbp sets again
+# when a parameter is made; sbp.nn's marks start with "_sbp"): a pickle carries every other attribute
+_OWN_ATTRS = frozenset(("_local", "_mesh", "_placements", "_key", "_notes", "_is_param", "_dynamo_static_indices",
+                        "_has_dynamo_dim_marking"))
+
+
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
                           global_shape: tuple[int, ...], requires_grad: bool, is_param: bool,
-                          coord: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+                          coord: Optional[tuple[int, ...]] = None, attrs: Optional[dict] = None) -> torch.Tensor:
     """A pickled global tensor again (what `GlobalTensor.__reduce_ex__` stores): an `nn.Parameter` when it
-    was one. The mesh arrives bound (`sbp.values.mesh.live_mesh`); the local must match its layout, and
-    `coord` (the saving rank's; None in pickles made before it was stored) must hold the same block: equal
-    to this rank's on every axis where the tensor is not Broadcast.
+    was one, with the attributes set on it (`attrs`, e.g. ``p._no_weight_decay = True``). The mesh arrives
+    bound (`sbp.values.mesh.live_mesh`); the local must match its layout, and `coord` (the saving rank's;
+    None in pickles made before it was stored) must hold the same block: equal to this rank's on every axis
+    where the tensor is not Broadcast.
 
     >>> import sbp
     >>> rebuild_global_tensor(torch.ones(2), sbp.DeviceMesh((1,)), (sbp.B,), (2,), False, False)
@@ -505,8 +513,12 @@ def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tup
                              f"shards: load each rank's own file; sbp.save/sbp.load reshard)")
     out = GlobalTensor(local, mesh, tuple(placements), tuple(global_shape))
     if is_param:
-        return torch.nn.Parameter(out, requires_grad=requires_grad)
-    return out.requires_grad_(True) if requires_grad else out
+        out = torch.nn.Parameter(out, requires_grad=requires_grad)
+    elif requires_grad:
+        out.requires_grad_(True)
+    if attrs:
+        out.__dict__.update(attrs)
+    return out
 
 
 def register_safe_globals() -> None:
