@@ -20,9 +20,9 @@ What it does, in order:
    gradient is whole on every rank, never split by rows and gathered back. Inside a `fully_shard` unit that
    computes on plain local shares (its gathered parameters bound as plain tensors), a colwise / rowwise layer
    computes on its local pieces instead, the hooks making the tp collectives (`sbp.nn.tp_local`);
-4. keep on the root a recipe for those hooks (mesh, styles by path, options): plain `torch.save` /
-   `torch.load` and `copy.deepcopy` of the model store it instead of the hooks (closures) and install fresh
-   hooks on the new modules (`sbp.nn.rebuild`).
+4. keep each planned module's style on it and a recipe for the hooks on the root (mesh, options): plain
+   `torch.save` / `torch.load` and `copy.deepcopy` of the model store these instead of the hooks (closures)
+   and install fresh hooks on the new modules (`sbp.nn.rebuild`).
 
 All communication is what the placements imply; nothing here calls a collective by hand.
 """
@@ -199,21 +199,18 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
             if not isinstance(param, GlobalTensor):
                 owner._parameters[name] = _shard(param, mesh, replicated, f"{owner_path}.{name}".lstrip("."),
                                                  converted)
-    for style, sub in matched.values():   # (kept with the module: it travels when the model is saved or copied)
-        sub.__dict__[_STYLE] = style
+    for style, sub in matched.values():
+        sub.__dict__[tp_local.STYLE] = style
     _hook_model(module, ctx, dp_bucket_bytes)
     return module
-
-
-_STYLE = "_sbp_style"
 
 
 def _hook_model(module: nn.Module, ctx: _Context, dp_bucket_bytes: Optional[int]) -> None:
     """Install the hooks of a model whose parameters are laid out (by `parallelize`, or loaded / copied
     already laid out), each planned module's style kept on it. Recorded for plain torch.save / deepcopy
     (`sbp.nn.rebuild`): the recipe is `_rehook` with the mesh and options."""
-    styles = {path: sub.__dict__[_STYLE] for path, sub in module.named_modules() if _STYLE in sub.__dict__}
-    record(module, lambda: _install_hooks(module, ctx, styles, dp_bucket_bytes),
+    planned = {path: sub for path, sub in module.named_modules() if tp_local.STYLE in sub.__dict__}
+    record(module, lambda: _install_hooks(module, ctx, planned, dp_bucket_bytes),
            (_rehook, (ctx.mesh, ctx.tp_axis, dp_bucket_bytes)))
 
 
@@ -222,17 +219,16 @@ def _rehook(module: nn.Module, mesh: DeviceMesh, tp_axis: int, dp_bucket_bytes: 
     _hook_model(module, _Context(mesh, tp_axis), dp_bucket_bytes)
 
 
-def _install_hooks(module: nn.Module, ctx: _Context, styles: dict[str, Style], dp_bucket_bytes: Optional[int]) -> None:
-    matched = {path: module.get_submodule(path) for path in styles}
-    for path, style in styles.items():
-        sub = matched[path]
+def _install_hooks(module: nn.Module, ctx: _Context, planned: dict[str, nn.Module],
+                   dp_bucket_bytes: Optional[int]) -> None:
+    for sub in planned.values():
+        style = sub.__dict__[tp_local.STYLE]
         if isinstance(style, Packed):
-            tp_local.STYLES[sub] = style
             packed.install(sub, style, ctx, _from_full)
         else:
             _hook(sub, style, ctx)
     for owner_path, owner in module.named_modules():   # lookups in a Broadcast table run on the local table
-        if owner_path not in matched and type(owner) is nn.Embedding and _replicable(owner):
+        if owner_path not in planned and type(owner) is nn.Embedding and _replicable(owner):
             _hook_replicated_embedding(owner, ctx)
     if dp_bucket_bytes is not None and ctx.dp_axes:   # one all_reduce per bucket of dp gradients (sbp.nn.buckets)
         bucket_gradients(module, ctx.mesh, ctx.dp_axes, dp_bucket_bytes)
@@ -244,7 +240,7 @@ def _install_hooks(module: nn.Module, ctx: _Context, styles: dict[str, Style], d
         if sub is not module:
             sub.register_forward_pre_hook(matmuls.enter_eager, prepend=True)
             sub.register_forward_hook(matmuls.exit_eager, always_call=True)
-    if ctx.dp_axes and "" not in matched:
+    if ctx.dp_axes and "" not in planned:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
     leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
     module.register_forward_pre_hook(leaves.enter, prepend=True)
@@ -433,7 +429,6 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], na
 # ---- hooks -----------------------------------------------------------------------------------------
 
 def _hook(module: nn.Module, style: Style, ctx: _Context) -> None:
-    tp_local.STYLES[module] = style
     if isinstance(style, Rowwise) and isinstance(module, nn.Linear):
         _hook_rowwise(module, style, ctx)
         return

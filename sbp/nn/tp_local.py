@@ -19,7 +19,6 @@ which plain tensors cannot say.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -166,9 +165,10 @@ class SplitTracker(TorchFunctionMode):
         return out
 
 
-# module -> the style `parallelize` gave it: a fully_shard unit computes on local shares only where every
-# styled module in it is a Colwise or Rowwise layer (`local_styles`)
-STYLES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# the module attribute holding the style `parallelize` gave it (it travels when the model is saved or copied):
+# a fully_shard unit computes on local shares only where every styled module in it is a Colwise or Rowwise
+# layer (`local_styles`)
+STYLE = "_sbp_style"
 
 
 def local_styles(modules) -> bool:
@@ -178,7 +178,7 @@ def local_styles(modules) -> bool:
     >>> local_styles([torch.nn.Linear(2, 2)])     # not styled: its parameters' placements say what it is
     True
     """
-    return all(type(STYLES[m]) in (Colwise, Rowwise) for m in modules if m in STYLES)
+    return all(type(m.__dict__[STYLE]) in (Colwise, Rowwise) for m in modules if STYLE in m.__dict__)
 
 
 def split_params(compute: tuple[Placement, ...]) -> bool:
