@@ -726,6 +726,8 @@ class Blocks:
         (32, 32)
         """
         have_layout, want_layout = self.layout_key(s), self.layout_key(t)
+        if any(a in free for chain in want_layout for a in chain if self.mesh_shape[a] > 1):
+            raise ValueError(f"group_lack: free axes {free} must not split a dim of the target {t}")
         key = ("group_lack", have_layout, want_layout, free)
         out = self._memo.get(key)
         if out is None:
