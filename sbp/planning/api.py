@@ -37,7 +37,8 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
     minimises the busiest rank's modeled time instead, bytes breaking ties (`Plan.time_us`). Pure and
     cached: every rank computes the same plan without talking. With `dst_mesh` (another `DeviceMesh`:
     other ranks and/or shape) it returns `sbp.plan_cross_mesh`'s `CrossMeshPlan` for moving from
-    `mesh_shape` (then a `DeviceMesh`, or a shape over ranks 0..n-1).
+    `mesh_shape` (then a `DeviceMesh`, or a shape over ranks 0..n-1), priced in bytes: `topology` and
+    `latency_bytes` are then refused.
 
     >>> import sbp
     >>> p = sbp.plan((1024, 1024), (2, 2), "S(0), S(1)", "S(1), S(0)")
@@ -48,12 +49,15 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
       bytes/rank=192 (lower bound 192)  collectives=1  peak=576
       1. axes[0] reduce_scatter(sum)  (P(sum),) -> (S(0),) dims=0  bytes=192 peak=576
     """
+    if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
+        raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
     if dst_mesh is not None:
+        if topology is not None or latency_bytes:
+            raise PlanError("a cross-mesh plan (dst_mesh=) is priced in bytes only: topology= and latency_bytes= "
+                            "apply to plans on one mesh")
         src_mesh = mesh_shape if isinstance(mesh_shape, DeviceMesh) else DeviceMesh(as_mesh_shape(mesh_shape))
         return plan_cross_mesh(global_shape, src_mesh, src, dst_mesh, dst, itemsize)
     shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
-    if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
-        raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
     if topology is not None:
         if not isinstance(topology, Topology):
             raise PlanError(f"topology must be an sbp.Topology (or None), got {type(topology).__name__}: "

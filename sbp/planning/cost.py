@@ -582,14 +582,15 @@ class Costing(Blocks):
         """Message rounds of a step on the busiest rank, for the alpha term of the time model: ``n - 1``
         for ring all_gather / reduce_scatter and for all_to_all over `n` members, ``2 (n - 1)`` for
         all_reduce; a transfer receives from at most as many peers as source tiles its target block
-        meets (its own left out), a reduce_transfer that plus ``q - 1`` contributions per slab.
+        meets (its own left out where every rank holds some of its target), a reduce_transfer that plus
+        ``q - 1`` contributions per slab; one at least for a step that moves bytes.
 
         >>> from sbp import S, B
         >>> c = Costing((8, 8), (2, 4), 4)
         >>> c.rounds(c.step("all_gather", (1,), (B, S(0)), (B, B), dims=(0,)))
         3
-        >>> c.rounds(c.step("transfer", (0, 1), (S(0), S(1)), (S(1), S(0))))   # 2 column tiles: 1 peer
-        1
+        >>> c.rounds(c.step("transfer", (0, 1), (S(0), S(1)), (S(1), S(0))))   # rank (0, 2) holds none of its block
+        2
         """
         if step.kind == "local" or (step.bytes == 0 and step.kind in ("transfer", "reduce_transfer")):
             return 0
@@ -598,12 +599,22 @@ class Costing(Blocks):
             case "all_reduce":
                 return 2 * (n - 1)
             case "transfer":
-                return min(n - 1, max(1, self._tiles_met(step.src, step.dst) - 1))
+                return min(n - 1, max(1, self._peers(step.src, step.dst)))
             case "reduce_transfer":
                 q = self.group_size(tuple(a for a in step.axes if isinstance(step.src[a], Partial)))
-                return min(n - 1, q - 1 + max(0, self._tiles_met(step.src, step.dst) - 1))
+                return min(n - 1, max(1, q - 1 + self._peers(step.src, step.dst)))
             case _:
                 return n - 1
+
+    def _peers(self, s: State, t: State) -> int:
+        """The most peers a rank fetches pieces of its `t` block from: the source tiles that block meets
+        (`_tiles_met`), less its own where every rank provably holds some of its own (nonempty) target block:
+        when the most any rank lacks is below the smallest nonempty target block."""
+        met = self._tiles_met(s, t)
+        smallest = 1
+        for d, chain in enumerate(self.layout_key(t)):
+            smallest *= min((hi - lo for lo, hi in self._spans(d, chain) if hi > lo), default=0)
+        return met - 1 if self.lack(s, t) < smallest else met
 
     def _tiles_met(self, s: State, t: State) -> int:
         """The most source tiles of `s` one target block of `t` meets: per dim, the most distinct

@@ -69,10 +69,11 @@ class Move:
 class _Origin:
     """The state moves start from, with what every generator reads of it (computed once per state)."""
 
-    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits", "direct_fills")
+    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits", "direct_fills", "mesh")
 
-    def __init__(self, ndim: int, s: State, dst: State, direct_fills: bool = False) -> None:
-        self.s, self.dst, self.ndim, self.direct_fills = s, dst, ndim, direct_fills
+    def __init__(self, ndim: int, s: State, dst: State, direct_fills: bool = False,
+                 mesh: tuple[int, ...] = ()) -> None:
+        self.s, self.dst, self.ndim, self.direct_fills, self.mesh = s, dst, ndim, direct_fills, mesh
         self.splitters: list[list[int]] = [[] for _ in range(ndim)]  # per dim, its splitters in axis order
         # per dim, its last splitter (-1: none): a new split of d on axis a nests inside when a > last[d]
         self.last = [-1] * ndim
@@ -101,16 +102,20 @@ def _all_gathers(o: _Origin, out: list[Candidate]) -> None:
 
 def _reduction_groups(o: _Origin) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Same-op Partial axes that may reduce together (`_subsets`). The logical value nests in axis
-    order, so an axis is reduced only when every Partial axis after it has the same op (inner first)."""
+    order, so an axis is reduced only when every Partial axis after it has the same op (inner first);
+    an axis of one member holds one contribution, already the reduced value: it neither waits for nor
+    holds back the others."""
     if not o.by_op:
         return
+    mesh = o.mesh
     for op in REDUCE_OPS:
         pax = o.by_op.get(op)
         if pax is None:
             continue
-        others = max((a for x, axes in o.by_op.items() if x != op for a in axes), default=-1)
+        others = max((a for x, axes in o.by_op.items() if x != op for a in axes if not mesh or mesh[a] > 1),
+                     default=-1)
         for axes in _subsets(tuple(pax)):
-            if others < axes[0]:
+            if others < next((a for a in axes if not mesh or mesh[a] > 1), others + 1):
                 yield op, axes
 
 
@@ -279,7 +284,7 @@ def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool =
     >>> [c[0] for c in candidates(Costing((8, 8), (2,), 4), (S(0),), (B,), point_to_point=True)]
     ['transfer']
     """
-    o = _Origin(costing.ndim, s, dst, direct_fills)
+    o = _Origin(costing.ndim, s, dst, direct_fills, costing.mesh_shape)
     out: list[Candidate] = []
     for scope, gens, per_kinds in _POINT_TO_POINT if point_to_point else _RING_AND_LOCAL:
         match scope:

@@ -142,9 +142,10 @@ def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int 
     try:
         with open(text, encoding="utf-8") as f:
             data = f.read()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason}"
         raise SbpError(f"--topology {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a readable "
-                       f"JSON file ({e.strerror})") from None
+                       f"JSON file ({why})") from None
     return Topology.from_json(data)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .errors import PlanError
+from .mesh import DeviceMesh
 
 # name -> (intra-host alpha µs, beta GB/s, inter-host alpha µs, beta GB/s); sources in docs/scale.md
 PRESETS: dict[str, tuple[float, float, float, float]] = {
@@ -36,6 +37,11 @@ PRESETS: dict[str, tuple[float, float, float, float]] = {
     "dgx-a100": (0.6, 300.0, 2.7, 25.0),
 }
 """Hardware presets: intra-host (alpha µs, beta GB/s) then inter-host (alpha µs, beta GB/s)."""
+
+MAX_LATENCY_US = 1e12
+"""The largest latency a topology takes (µs; about 11 days), so that modeled times stay finite numbers."""
+MIN_BANDWIDTH_GBPS = 1e-9
+"""The smallest bandwidth a topology takes (GB/s: one byte per second), for the same reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +80,12 @@ class Topology:
         if len(alpha) != len(beta):
             raise PlanError(f"a topology needs one latency and one bandwidth per mesh axis; got {len(alpha)} "
                             f"latency_us {alpha} and {len(beta)} bandwidth_gbps {beta}")
-        if any(a < 0 for a in alpha):
-            raise PlanError(f"topology latency_us must be finite and >= 0 (µs per message round), got {alpha}")
-        if any(b <= 0 for b in beta):
-            raise PlanError(f"topology bandwidth_gbps must be finite and > 0 (GB/s), got {beta}")
+        if any(not 0 <= a <= MAX_LATENCY_US for a in alpha):
+            raise PlanError(f"topology latency_us must be finite, >= 0 and <= {MAX_LATENCY_US:g} (µs per message "
+                            f"round), got {alpha}")
+        if any(b < MIN_BANDWIDTH_GBPS for b in beta):
+            raise PlanError(f"topology bandwidth_gbps must be finite and > 0 (GB/s; at least {MIN_BANDWIDTH_GBPS:g}), "
+                            f"got {beta}")
         spans = (False,) * len(alpha) if self.spans_hosts is None else self.spans_hosts
         try:
             spans = tuple(spans)
@@ -91,9 +99,9 @@ class Topology:
             given = getattr(self, field)
             if given is not None:  # optional per-axis latencies: one number >= 0 per axis
                 values = _numbers(given, field)
-                if len(values) != len(alpha) or any(v < 0 for v in values):
-                    raise PlanError(f"topology {field} must be one finite number >= 0 per mesh axis "
-                                    f"({len(alpha)}; {unit}) or None, got {values}")
+                if len(values) != len(alpha) or any(not 0 <= v <= MAX_LATENCY_US for v in values):
+                    raise PlanError(f"topology {field} must be one finite number >= 0 and <= {MAX_LATENCY_US:g} "
+                                    f"per mesh axis ({len(alpha)}; {unit}) or None, got {values}")
                 object.__setattr__(self, field, values)
         object.__setattr__(self, "latency_us", alpha)
         object.__setattr__(self, "bandwidth_gbps", beta)
@@ -137,8 +145,13 @@ class Topology:
             inner *= n
             spans.append(inner > devices_per_host and n > 1)
         spans.reverse()
-        alpha = tuple(float(inter[0] if s else intra[0]) for s in spans)
-        beta = tuple(float(inter[1] if s else intra[1]) for s in spans)
+        links = {}
+        for what, link in (("intra", intra), ("inter", inter)):
+            links[what] = _numbers(link, what, "a pair (latency µs, bandwidth GB/s)")
+            if len(links[what]) != 2:
+                raise PlanError(f"topology {what} must be a pair (latency µs, bandwidth GB/s), got {link!r}")
+        alpha = tuple(links["inter" if s else "intra"][0] for s in spans)
+        beta = tuple(links["inter" if s else "intra"][1] for s in spans)
         return cls(alpha, beta, tuple(spans), name)
 
     @classmethod
@@ -289,22 +302,28 @@ class Topology:
         """
         try:
             data = json.loads(text)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:   # (RecursionError: nested too deep)
             raise PlanError(f"a topology must be JSON text ({e}), got {str(text)[:200]!r}") from None
         return cls.from_dict(data)
 
 
-def _numbers(values: Any, what: str) -> tuple[float, ...]:
+def _numbers(values: Any, what: str, each: str = "one per mesh axis") -> tuple[float, ...]:
     try:
         out = tuple(values)
     except TypeError:
-        raise PlanError(f"topology {what} must be a sequence of numbers, one per mesh axis, got {values!r}") from None
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in out):
-        raise PlanError(f"topology {what} must be finite numbers, one per mesh axis, got {out}")
+        raise PlanError(f"topology {what} must be a sequence of numbers, {each}, got {values!r}") from None
+    try:
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in out):
+            raise OverflowError
+    except OverflowError:   # (also: an int too large for a float)
+        raise PlanError(f"topology {what} must be finite numbers, {each}, got "
+                        f"{str(out)[:200]}") from None
     return tuple(float(v) for v in out)
 
 
-def _shape(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+def _shape(mesh_shape: "DeviceMesh | Sequence[int]") -> tuple[int, ...]:
+    if isinstance(mesh_shape, DeviceMesh):
+        return mesh_shape.shape
     try:
         shape = tuple(mesh_shape)
     except TypeError:

@@ -268,7 +268,9 @@ def test_random_plans_reproduce_the_logical_tensor(case, seed):
 
 
 MIXED_SOURCE = [((7, 5), (2, 2), "P(sum),P(max)", "S(0),S(0)"), ((4,), (2, 2), "P(sum),P(max)", "B,B"),
-                ((3,), (2, 3), "P(min),P(sum)", "S(0),B"), ((5,), (2, 2), "P(max),P(sum)", "S(0),S(0)")]
+                ((3,), (2, 3), "P(min),P(sum)", "S(0),B"), ((5,), (2, 2), "P(max),P(sum)", "S(0),S(0)"),
+                ((24,), (1, 4), "P(min),P(max)", "B,P(max)"), ((7,), (1, 4), "P(max),P(sum)", "S(0),P(sum)"),
+                ((5, 3), (2, 1, 3), "P(sum),P(min),P(sum)", "B,B,S(1)")]
 
 
 @pytest.mark.parametrize("case", MIXED_SOURCE, ids=str)
@@ -426,6 +428,10 @@ def test_docs_examples_are_current_explain_output():
     ((4,), (1,), "P", "B", 0, 1),   # an all_reduce over a 1-rank group (no bytes)
     ((5, 7, 2, 7), (4, 1), "S(3),P", "B,S(1)", 1680, 2),
     ((6,), (1, 3), "P(max),B", "S(0),S(0)", 0, 1),
+    # an axis of one member neither waits for nor holds back a reduction of another op (one contribution)
+    ((24,), (1, 4), "P(min),P(max)", "B,P(max)", 0, 1),
+    ((24,), (1, 4), "P(max),P(sum)", "S(0),P(sum)", 0, 1),
+    ((24,), (4, 1), "P(sum),P(max)", "B,B", 144, 2),
 ])
 def test_lower_bound_with_partial_axes_of_size_one(shape, mesh, src, dst, bound, calls):
     """A Partial axis of size 1 has nothing to reduce: the bound is the move's (it was above the plan,

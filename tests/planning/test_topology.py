@@ -64,6 +64,7 @@ def test_presets_place_axes_on_hosts_and_round_trip(name):
     assert t.alpha_us == (inter_a, inter_a, intra_a) and t.beta_gbps == (inter_b, inter_b, intra_b)
     assert sbp.Topology.from_json(t.to_json()) == t and hash(sbp.Topology.from_dict(t.to_dict())) == hash(t)
     assert json.loads(t.to_json())["name"] == name
+    assert sbp.Topology.preset(name, sbp.DeviceMesh((4, 2, 8)), devices_per_host=8) == t   # a mesh, as plan takes
 
 
 def test_for_mesh_puts_inner_axes_inside_a_host():
@@ -113,6 +114,18 @@ def test_link_is_the_slowest_axis_of_the_step():
     (lambda: sbp.plan((8, 8), (2, 2), "S(0), B", "B, B", topology=sbp.Topology((1.0,), (1.0,))),
      ["describes 1 mesh axes", "(2, 2) has 2"]),
     (lambda: sbp.plan((8, 8), (2,), "S(0)", "B", topology={"axes": []}), ["sbp.Topology", "dict"]),
+    # values whose modeled times would overflow: refused up front, not an OverflowError while planning
+    (lambda: sbp.Topology((1e306,), (1.0,)), ["latency_us", "<= 1e+12", "1e+306"]),
+    (lambda: sbp.Topology((1.0,), (1e-320,)), ["bandwidth_gbps", "at least 1e-09"]),
+    (lambda: sbp.Topology((10 ** 400,), (1.0,)), ["latency_us", "finite numbers"]),
+    (lambda: sbp.Topology((1.0,), (1.0,), call_us=(1e306,)), ["call_us", "<= 1e+12"]),
+    (lambda: sbp.Topology.for_mesh((2, 8), 8, 5, (1.0, 2.0)), ["intra", "pair"]),
+    (lambda: sbp.Topology.for_mesh((2, 8), 8, (1.0, 2.0), (1.0,)), ["inter", "pair", "(1.0,)"]),
+    (lambda: sbp.Topology.for_mesh((2, 8), 8, ("1", "2"), (1.0, 2.0)), ["intra", "finite numbers"]),
+    (lambda: sbp.plan((8,), (2,), "S(0)", "B", topology=sbp.Topology((1.0,), (1.0,)),
+                      dst_mesh=sbp.DeviceMesh((2,), ranks=[2, 3])), ["cross-mesh", "topology="]),
+    (lambda: sbp.plan((8,), (2,), "S(0)", "B", latency_bytes=-5, dst_mesh=sbp.DeviceMesh((2,), ranks=[2, 3])),
+     ["latency_bytes", "-5"]),
 ])
 def test_bad_topologies_are_plan_errors_naming_the_values(make, words):
     with pytest.raises(sbp.PlanError) as e:
@@ -135,6 +148,37 @@ def test_step_times_follow_the_alpha_beta_formula():
     text = p.explain()
     assert f"time={step.time_ns / 1000:.3f}us" in text and "topology=custom" in text
     assert p.to_dict()["time_us"] == p.time_us and p.to_dict()["steps"][0]["time_us"] == step.time_ns / 1000
+
+
+def test_transfer_rounds_cover_the_peers_each_rank_receives_from():
+    # a transfer's rounds are at least the peers the busiest rank fetches from (the exact exchange, rank by
+    # rank): a rank whose own piece is not in its target block fetches every piece; a reduce_transfer that
+    # moves bytes takes a round even when its Partial axes have one member
+    from sbp.planning.exchange import exchange
+    from sbp.planning.moves import priced_moves
+    from sbp.values.placement import normalize
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(150):
+        mesh = rng.choice([(2, 2), (2, 4), (4, 2), (3, 3), (2, 2, 2), (2, 3)])
+        shape = tuple(rng.choice([1, 2, 3, 5, 8, 12, 16]) for _ in range(rng.choice([1, 2])))
+        one = [sbp.S(d) for d in range(len(shape))] + [sbp.B]
+        s, d = (normalize(tuple(rng.choice(one) for _ in mesh), len(shape), len(mesh)) for _ in range(2))
+        c = Costing(shape, mesh, 4)
+        for step in priced_moves(c, s, d):
+            if step.kind != "transfer" or step.bytes == 0:
+                continue
+            peers = max(len({peer for peer, _ in r})
+                        for coord in itertools.product(*map(range, mesh))
+                        for r in exchange(shape, mesh, step.src, step.dst, step.axes, coord).recv)
+            assert c.rounds(step) >= peers, (shape, mesh, step)
+            checked += 1
+    assert checked > 100
+    # rank (0, 1) holds [4, 8) and needs [8, 16): two peers, two rounds
+    [step] = sbp.plan((16,), (2, 2), "S(0), S(0)", "B, S(0)", topology=sbp.Topology((10, 10), (1, 1))).steps
+    assert (step.kind, step.time_ns) == ("transfer", 2 * 10_000 + step.bytes)
+    p = sbp.plan((1,), (1, 4), "P(min), S(0)", "B, B", topology=sbp.Topology((1, 1), (100, 100)))
+    assert 0 < p.lower_bound_time_us <= p.time_us
 
 
 def _time_of(steps, shape, mesh, topology) -> int:

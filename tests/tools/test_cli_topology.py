@@ -63,8 +63,16 @@ def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
     bad.write_text('{"axes": [{"latency_us": -1, "bandwidth_gbps": 1}, {"latency_us": 1, "bandwidth_gbps": 1}]}')
     three = tmp_path / "three.json"
     three.write_text(sbp.Topology((1.0,) * 3, (1.0,) * 3).to_json())
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{")
+    huge = tmp_path / "huge.json"   # an int no float holds, a latency whose times overflow
+    huge.write_text('{"axes": [{"latency_us": ' + "9" * 400 + ', "bandwidth_gbps": 1}, '
+                    '{"latency_us": 1e306, "bandwidth_gbps": 1}]}')
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
     for value, words in [("no-such-preset", "neither a preset"), (str(bad), "latency_us"),
-                         (str(three), "describes 3 mesh axes")]:
+                         (str(three), "describes 3 mesh axes"), (str(binary), "not UTF-8"),
+                         (str(huge), "finite numbers"), (str(deep), "JSON text")]:
         rc, out, err = run(ARGS + ["--topology", value], capsys)
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert "--topology" in err or "topology" in err
