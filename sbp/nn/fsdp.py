@@ -39,6 +39,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch._dynamo import compiled_autograd
+from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..runtime import pending
@@ -46,7 +48,7 @@ from ..runtime.pending import PendingTensor
 from ..tensor.autograd import from_local_autograd
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
-from ..values.errors import MeshError, SbpError
+from ..values.errors import MeshError, SbpError, ShapeError
 from ..values.layout import local_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
@@ -129,7 +131,7 @@ class Unit:
         self.computing_local = False   # the forward in progress runs on plain local tensors
         self.forward_local = False     # how the last forward with autograd ran (its recompute runs the same way)
         self.probe = False             # the forward in progress is compared against a local run
-        self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at its inputs
+        self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at the forward's inputs
         self.owners: dict[int, nn.Module] = {}
         self._gathered_bytes: Optional[int] = None
         # the stored parameters' version counters when the gather was issued: a gather issued before an
@@ -550,6 +552,7 @@ class Schedule:
         self.order: list[Unit] = []      # forward order of the step in progress
         self.log: list[tuple] = []
         self.peak_gathered = 0           # most bytes of gathered copies held (or on the way) at once, this step
+        self.finish_queued = False       # `finish_backward` is queued to run when the backward ends
 
     def note_memory(self) -> None:
         """Update `peak_gathered` with the gathered copies held or being gathered now."""
@@ -585,6 +588,9 @@ class Schedule:
             unit.reshard()
 
     def pre_backward(self, unit: Unit) -> None:
+        if not self.finish_queued and not compiled_autograd.in_compiled_autograd_region:
+            self.finish_queued = True
+            Variable._execution_engine.queue_callback(self.finish_backward)
         if unit.backward_started:   # another use of the unit in this backward, or a retained graph: gather again
             unit.unshard("backward")
             return
@@ -598,6 +604,19 @@ class Schedule:
         unit.unshard("backward")
         if unit.bound is not None:   # a recomputed forward (activation checkpointing) reads the gathered parameters
             _place(unit, unit.bound)
+
+    def finish_backward(self) -> None:
+        """When a backward ends: every unit holds its stored parameters again, its gathered copies freed. Units
+        whose gradients came back did so themselves (`_UnitGather.backward`); this covers the others: a unit
+        with no trainable parameter, one ``autograd.grad`` did not reach, a prefetch the backward never used."""
+        self.finish_queued = False
+        for u in self.units:
+            if u.state == "gathering":
+                u._wait_gather()
+            if u.state == "gathered" or any(_owner_of(u, owner_id)._parameters.get(name) is not s.param
+                                            for (owner_id, name), s in u.tied.items()):
+                u.reshard()
+                _place(u)
 
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
@@ -836,7 +855,9 @@ def _install_hooks(unit: Unit) -> None:
             else:
                 on_batch = unit.auto in ("unverified", "local") and _batch_only(unit, args, kwargs)
                 unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
-                unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" else None
+                # (checked in training mode only: a module may mix samples in training alone, batch statistics)
+                unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" and unit.module.training \
+                    else None
                 if torch.is_grad_enabled():
                     unit.forward_local = unit.computing_local
             if unit.computing_local:
@@ -862,6 +883,7 @@ def _install_hooks(unit: Unit) -> None:
 
     owners = {id(m): m for m in module.modules()}
     unit.owners = owners
+    module.register_load_state_dict_post_hook(lambda mod, incompatible: _take_assigned(unit))
     # under torch.compile the hooks run eagerly (graph breaks at unit boundaries): they keep state, issue
     # queued collectives and resize storages, none of which belongs in a graph; a unit's compute compiles
     module.register_forward_pre_hook(torch._dynamo.disable(pre, recursive=True, reason=_EAGER_HOOKS),
@@ -979,6 +1001,8 @@ def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`local_batch`: global inputs (the batch: `S(0)` on the axis and the replicate axes, `B` elsewhere)
     become this rank's share, a plain tensor; their global batch length is kept for the outputs."""
     batch = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
+    shares = math.prod(unit.mesh.shape[:unit.axis + 1])
+    unit.batch_lengths = {}   # (this forward's: a length seen in an earlier one says nothing of this one's outputs)
 
     def convert(t: Any) -> Any:
         if not isinstance(t, GlobalTensor):
@@ -987,7 +1011,8 @@ def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             raise SbpError(f"fully_shard(local_batch=True): unit {unit.name} takes inputs laid out as the batch, "
                            f"{batch} on mesh {unit.mesh.shape}; got placements {t.placements} on mesh "
                            f"{t.mesh.shape} (valid: the batch split on dim 0; or local_batch=False)")
-        unit.batch_lengths[t.to_local().shape[0]] = t.shape[0]
+        if t.shape[0] >= shares:   # (an empty share's 0 rows would match any rank's empty output: not a sign)
+            unit.batch_lengths[t.to_local().shape[0]] = t.shape[0]
         return t.to_local()
 
     return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
@@ -1002,11 +1027,37 @@ def _global_outputs(unit: Unit, out: Any) -> Any:
             return t
         n = unit.batch_lengths.get(t.shape[0])
         if n is None:   # not the batch length seen at the inputs: from_local infers (and checks) the global one
-            return from_local(t, unit.mesh, batch)
+            try:
+                return from_local(t, unit.mesh, batch)
+            except ShapeError as e:   # (every rank raises: the check compares all ranks' shapes)
+                raise ShapeError(f"fully_shard: unit {unit.name} computes on this rank's share of the batch "
+                                 f"(local_batch), but an output with {t.shape[0]} rows here is no balanced share "
+                                 f"of a batch on the other ranks ({e}); its rows depend on the batch's shape "
+                                 f"beyond its length: pass local_batch=False for this unit") from None
         # this rank's rows of a global batch of n, as at the inputs: the layout holds by construction
         return from_local_autograd(t, unit.mesh, batch, (n,) + tuple(t.shape[1:]))
 
     return tree_map(wrap, out)
+
+
+def _take_assigned(unit: Unit) -> None:
+    """After ``load_state_dict(..., assign=True)`` replaced parameters of the unit's modules: their values go into
+    the stored parameters (laid out as stored), which the modules hold again, as after a plain load."""
+    for (owner_id, name), s in unit.tied.items():
+        new = _owner_of(unit, owner_id)._parameters.get(name)
+        if new is None or new is s.param:
+            continue
+        if tuple(new.shape) != tuple(s.param.shape):
+            raise ShapeError(f"fully_shard: load_state_dict(assign=True) gave {name!r} of unit {unit.name} the shape "
+                             f"{tuple(new.shape)}; it holds {tuple(s.param.shape)}")
+        with torch.no_grad():
+            value = new.detach()
+            if isinstance(value, GlobalTensor):
+                value = redistribute_raw(value, s.stored) if value.placements != s.stored else value
+            else:
+                value = distribute(value, unit.mesh, s.stored)
+            s.param._local.copy_(value._local)   # (requires_grad stays the module's, as torch's assign keeps it)
+    _place(unit)
 
 
 def _owner_of(unit: Unit, owner_id: int) -> nn.Module:

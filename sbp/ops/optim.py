@@ -155,6 +155,9 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
     packet, copy_back = _base(func)
     if packet is None:   # no per-tensor op (e.g. _foreach_powsum): not known to be pointwise, so the fallback
         return NotImplemented
+    if func._schema.name.endswith("_"):   # in place on the first list: as torch's per-tensor kernels, bump
+        # the tensors' version counters (the whole list reaches here at once, past each tensor's own bump)
+        torch._C._increment_version([t for t in args[0] if isinstance(t, GlobalTensor)])
     if _lined_up(func, args):
         largs, lkwargs = _local_args(args, kwargs)
         out = func(*largs, **lkwargs)

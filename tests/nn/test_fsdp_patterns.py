@@ -86,7 +86,17 @@ class CheckpointedCalls(nn.Module):
         return self.head(x)
 
 
+class Centred(nn.Module):
+    """Subtracts the batch mean in training only: it mixes samples, but not in eval mode."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True) if self.training else x
+
+
 def _blocks(kind: str) -> nn.Module:
+    if kind == "eval_first":
+        return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), Centred(), nn.Tanh()),
+                             nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 1))
     if kind == "buffer":
         return nn.Sequential(Scaled(), Scaled(), nn.Linear(4, 1))
     if kind == "batch_norm":
@@ -119,16 +129,27 @@ def _loss(m: nn.Module, kind: str, step: int) -> torch.Tensor:
         return _full(m(X)).pow(2).sum() + _full(m(X2)).sin().sum()
     if kind == "skip":
         m.skip = 1 if step == 1 else None
+    if kind == "unfreeze":   # unit 1 frozen for two steps (its gathered copies must not stay), then trained
+        for p in m[1].parameters():
+            p.requires_grad_(step >= 2)
+    if kind == "eval_first" and step == 0:   # an evaluation before any training forward: the local check waits
+        m.eval()
+        with torch.no_grad():
+            m(X)
+        m.train()
     return _full(m(X)).pow(2).sum()
 
 
 def _train(m: nn.Module, kind: str, steps: int = 3):
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=kind == "foreach_eval")
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=kind != "skip")   # skip: zeroed grads, momentum keeps moving a skipped unit
         loss = _loss(m, kind, step)
         loss.backward()
+        if kind == "foreach_eval":   # evaluated between backward and step: the root keeps its gathered copies,
+            with torch.no_grad():    # which the foreach step's in-place update must make stale
+                m(X)
         opt.step()
         losses.append(loss.item())
     return (losses, {n.replace("_checkpoint_wrapped_module.", ""): _full(p).detach().clone()
@@ -150,12 +171,15 @@ def _sharded(kind: str, mesh):
 
 
 @pytest.mark.parametrize("kind", ["buffer", "batch_norm", "tied", "twice", "checkpointed", "checkpointed_calls",
-                                  "skip"])
+                                  "skip", "unfreeze", "foreach_eval", "eval_first"])
 def test_training_pattern_matches_one_process(kind: str) -> None:
     # each failed before: buffers/batch norm (in-place restore of a saved buffer), tied (untied: a second
     # stored parameter), twice (the unit's gathered storage freed after its first backward), checkpointed
     # (the recomputed forward read the stored shards), checkpointed_calls (the first step's recompute ran on local
-    # shares, the forward on global tensors), skip (a stale prefetched gather after the step)
+    # shares, the forward on global tensors), skip (a stale prefetched gather after the step), unfreeze (a unit with
+    # no trainable parameter kept its gathered copies after backward: unfrozen, it never trained), foreach_eval
+    # (a foreach optimizer step bumped no version counter: the root computed with stale copies), eval_first (the
+    # local check ran in eval mode and passed a unit that mixes samples in training)
     losses, params, buffers, count = _train(_make(kind), kind)
     for got in sbp.testing.spmd(functools.partial(_sharded, kind), (2,), names=("dp",)):
         assert got[3] == count   # tied parameters stay one parameter
@@ -179,6 +203,8 @@ def _evaluate_after_load(mesh, how: str, path: str):
                 p.mul_(-0.5)
         if how == "load_state_dict":
             m.load_state_dict(other.state_dict())
+        elif how == "assign":   # replaces the modules' parameters: their values go into the stored ones
+            m.load_state_dict(other.state_dict(), assign=True)
         elif how == "sbp.load":   # writes into the stored parameters' local tensors
             sbp.load(path, m.state_dict())
         else:                     # "to_local": in place on p.to_local()
@@ -197,7 +223,7 @@ def _save_halved(mesh, path: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
-@pytest.mark.parametrize("how", ["load_state_dict", "sbp.load", "to_local"])
+@pytest.mark.parametrize("how", ["load_state_dict", "assign", "sbp.load", "to_local"])
 def test_evaluation_after_an_in_place_load_sees_the_new_parameters(how: str, tmp_path, backend: str) -> None:
     # the root stays gathered after a forward without backward; its gather was reused after the in-place load
     # (sbp.load into m.state_dict() and p.to_local() write the local tensor: the parameter's own version counter
@@ -233,7 +259,7 @@ def test_a_plain_input_requiring_grad_gets_the_full_gradient_on_every_rank(backe
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("kind", ["tied", "checkpointed_calls", "skip"])
+@pytest.mark.parametrize("kind", ["tied", "checkpointed_calls", "skip", "unfreeze"])
 def test_training_pattern_matches_one_process_on_gloo(kind: str) -> None:
     # the same on gloo processes: parameters pickled to the workers, the verification's all_reduce, async gathers
     losses, params, _, count = _train(_make(kind), kind)
@@ -242,3 +268,46 @@ def test_training_pattern_matches_one_process_on_gloo(kind: str) -> None:
         assert got[0] == pytest.approx(losses, abs=1e-10, rel=0)
         for name, value in params.items():
             assert torch.allclose(got[1][name], value, atol=1e-10, rtol=0), name
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):   # (B, T, 3) -> (B * T, 3): rows that are the batch's only while T is 1
+        return torch.tanh(self.fc(x)).reshape(-1, 3)
+
+
+def _flattening(mesh, shapes):
+    with _BUILD:
+        torch.manual_seed(0)
+        m = nn.Sequential(Flat(), nn.Linear(3, 1)).double()
+    sbp.nn.fully_shard(m[0], mesh, "dp")
+    sbp.nn.fully_shard(m, mesh, "dp")
+    losses = []
+    for b, t in shapes:
+        x = torch.linspace(-1, 1, b * t * 3, dtype=torch.float64).reshape(b, t, 3)
+        try:
+            loss = _full(m(x)).pow(2).sum()
+        except sbp.ShapeError as e:
+            losses.append(str(e))
+            continue
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_local_unit_reads_only_this_forwards_batch_length():
+    # the local check passes on (7, 1); a later batch (4, 2) found the first step's local -> global batch length
+    # (4 -> 7) for its flattened rows: one rank skipped the collective the other made (a mismatch, a hang on
+    # gloo). An uneven (3, 3) batch flattens to rows no balanced layout holds: a clear error on every rank.
+    shapes = [(7, 1), (4, 2), (3, 3)]
+    with _BUILD:
+        torch.manual_seed(0)
+        ref = nn.Sequential(Flat(), nn.Linear(3, 1)).double()
+    want = [ref(torch.linspace(-1, 1, b * t * 3, dtype=torch.float64).reshape(b, t, 3)).pow(2).sum().item()
+            for b, t in shapes[:2]]
+    for got in sbp.testing.spmd(functools.partial(_flattening, shapes=shapes), (2,), names=("dp",)):
+        assert got[:2] == pytest.approx(want, abs=1e-12, rel=0)
+        assert "local_batch=False" in got[2] and "balanced" in got[2]
