@@ -619,7 +619,8 @@ class Schedule:
                 _place(u)
 
 
-def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *,
+                reshard_after_forward: Optional[bool] = True,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
                 local_batch: Optional[bool] = None) -> nn.Module:
     """Shard `module`'s parameters on `mesh`'s `axis` (FSDP); apply to each block first, then to the root.
@@ -665,9 +666,12 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     if module in _UNITS:
         raise SbpError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
                        f"(blocks first, then the root)")
+    if reshard_after_forward is None:   # FSDP2's default: resharded after forward but in the root, as True is here
+        reshard_after_forward = True
     if not isinstance(reshard_after_forward, bool):
-        raise SbpError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): needs True or False (resharding "
-                       f"to a smaller group after forward, FSDP2's int form, is not supported)")
+        raise SbpError(f"fully_shard(reshard_after_forward={reshard_after_forward!r}): needs True, False or None (as "
+                       f"True: the root keeps its copies); resharding to a smaller group after forward, FSDP2's int "
+                       f"form, is not supported")
     if local_batch is not None and not isinstance(local_batch, bool):
         raise SbpError(f"fully_shard(local_batch={local_batch!r}): needs None (verify on the first forward), True or "
                        f"False")

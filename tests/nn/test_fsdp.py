@@ -793,7 +793,7 @@ def _bad(mesh, case: str):
     ("axis", "the mesh has no axis 'fsdp'"),
     ("shared", "is shared with unit"),
     ("local_tp", "local_batch=True. computes on plain tensors"),
-    ("reshard_int", "reshard_after_forward=2.: needs True or False"),
+    ("reshard_int", "reshard_after_forward=2.: needs True, False or None"),
     ("local_batch_str", "local_batch='False'.: needs None"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
 ])

@@ -311,3 +311,18 @@ def test_a_local_unit_reads_only_this_forwards_batch_length():
     for got in sbp.testing.spmd(functools.partial(_flattening, shapes=shapes), (2,), names=("dp",)):
         assert got[:2] == pytest.approx(want, abs=1e-12, rel=0)
         assert "local_batch=False" in got[2] and "balanced" in got[2]
+
+
+def _sharded_fsdp2_default(mesh):
+    m = _make("buffer")
+    for i in (0, 1):
+        sbp.nn.fully_shard(m[i], mesh, "dp", reshard_after_forward=None)
+    sbp.nn.fully_shard(m, mesh, "dp", reshard_after_forward=None)
+    return sbp.nn.fsdp.unit_of(m[0]).reshard_after_forward, _train(m, "buffer")[0]
+
+
+def test_reshard_after_forward_none_is_fsdp2s_default():
+    # FSDP2's default (None): blocks reshard after forward, the root keeps its copies -- sbp's True
+    losses = _train(_make("buffer"), "buffer")[0]
+    for reshards, got in sbp.testing.spmd(_sharded_fsdp2_default, (2,), names=("dp",)):
+        assert reshards is True and got == pytest.approx(losses, abs=1e-10, rel=0)
