@@ -588,7 +588,9 @@ class Schedule:
             unit.reshard()
 
     def pre_backward(self, unit: Unit) -> None:
-        if not self.finish_queued and not compiled_autograd.in_compiled_autograd_region:
+        # (not after a create_graph backward: the graph it makes reads the gathered copies in the next backward)
+        if not self.finish_queued and not compiled_autograd.in_compiled_autograd_region and \
+                not torch.is_grad_enabled():
             self.finish_queued = True
             Variable._execution_engine.queue_callback(self.finish_backward)
         if unit.backward_started:   # another use of the unit in this backward, or a retained graph: gather again

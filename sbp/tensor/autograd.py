@@ -125,6 +125,8 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
+            return _FromLocal.apply(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape, ctx.grad_pls), None
         return gt.GlobalTensor(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape), None
 
 

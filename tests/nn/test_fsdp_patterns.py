@@ -137,6 +137,11 @@ def _loss(m: nn.Module, kind: str, step: int) -> torch.Tensor:
         with torch.no_grad():
             m(X)
         m.train()
+    if kind == "penalty":   # a gradient penalty: double backward through the units (local shares from step 1)
+        x = X.clone().requires_grad_()
+        y = _full(m(x))
+        gx, = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y.pow(2).sum() + _full(gx).pow(2).sum()
     return _full(m(X)).pow(2).sum()
 
 
@@ -171,7 +176,7 @@ def _sharded(kind: str, mesh):
 
 
 @pytest.mark.parametrize("kind", ["buffer", "batch_norm", "tied", "twice", "checkpointed", "checkpointed_calls",
-                                  "skip", "unfreeze", "foreach_eval", "eval_first"])
+                                  "skip", "unfreeze", "foreach_eval", "eval_first", "penalty"])
 def test_training_pattern_matches_one_process(kind: str) -> None:
     # each failed before: buffers/batch norm (in-place restore of a saved buffer), tied (untied: a second
     # stored parameter), twice (the unit's gathered storage freed after its first backward), checkpointed
@@ -179,7 +184,8 @@ def test_training_pattern_matches_one_process(kind: str) -> None:
     # shares, the forward on global tensors), skip (a stale prefetched gather after the step), unfreeze (a unit with
     # no trainable parameter kept its gathered copies after backward: unfrozen, it never trained), foreach_eval
     # (a foreach optimizer step bumped no version counter: the root computed with stale copies), eval_first (the
-    # local check ran in eval mode and passed a unit that mixes samples in training)
+    # local check ran in eval mode and passed a unit that mixes samples in training), penalty (on local shares the
+    # gradient's graph was cut at the unit's inputs: the penalty's gradient was dropped)
     losses, params, buffers, count = _train(_make(kind), kind)
     for got in sbp.testing.spmd(functools.partial(_sharded, kind), (2,), names=("dp",)):
         assert got[3] == count   # tied parameters stay one parameter
