@@ -853,6 +853,8 @@ def _install_hooks(unit: Unit) -> None:
             sched = unit.schedule
             if unit is sched.root:
                 args, kwargs = _root_inputs(unit, args, kwargs)
+            elif unit.param_dtype is not None:   # every unit's floating inputs, as FSDP2's cast_forward_inputs
+                args, kwargs = _cast_inputs(unit.param_dtype, args, kwargs)
             sched.pre_forward(unit)
             if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
                 # a forward recomputed in backward (activation checkpointing): the way the original ran, which
@@ -1094,6 +1096,13 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return distribute(t, mesh, pls)
 
     return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def _cast_inputs(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating tensors among a unit's inputs, in `dtype` (`param_dtype`)."""
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def unit_of(module: nn.Module) -> Unit:

@@ -332,3 +332,37 @@ def test_reshard_after_forward_none_is_fsdp2s_default():
     losses = _train(_make("buffer"), "buffer")[0]
     for reshards, got in sbp.testing.spmd(_sharded_fsdp2_default, (2,), names=("dp",)):
         assert reshards is True and got == pytest.approx(losses, abs=1e-10, rel=0)
+
+
+class Promoting(nn.Module):
+    """A float32 buffer in the root promotes the bfloat16 activation before the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.register_buffer("scale", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(self.inp(x) * self.scale)))
+
+
+def _bfloat16_units(mesh):
+    with _BUILD:
+        torch.manual_seed(0)
+        m = Promoting()
+    sbp.nn.fully_shard(m.block, mesh, "dp", param_dtype=torch.bfloat16)
+    sbp.nn.fully_shard(m, mesh, "dp", param_dtype=torch.bfloat16)
+    y = m(torch.linspace(-1, 1, 12).reshape(4, 3)).full()
+    y.float().pow(2).sum().backward()
+    return y.dtype, m.block.weight.grad.dtype, y.float()
+
+
+def test_param_dtype_casts_every_units_inputs():
+    # a float32 input reached the bfloat16 block (a DTypeError in its matmul); FSDP2 casts each unit's inputs
+    with _BUILD:
+        torch.manual_seed(0)
+        ref = Promoting()
+    want = ref(torch.linspace(-1, 1, 12).reshape(4, 3))
+    for dtype, grad_dtype, y in sbp.testing.spmd(_bfloat16_units, (2,), names=("dp",)):
+        assert (dtype, grad_dtype) == (torch.bfloat16, torch.float32)
+        assert torch.allclose(y, want, atol=3e-2, rtol=0)
