@@ -52,7 +52,7 @@ from ..values.errors import MeshError, SbpError, ShapeError
 from ..values.layout import local_shape, local_slices
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
-from . import tp_local
+from . import rebuild, tp_local
 from .rebuild import refuse
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
@@ -133,6 +133,7 @@ class Unit:
         self.probe = False             # the forward in progress is compared against a local run
         self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at the forward's inputs
         self.owners: dict[int, nn.Module] = {}
+        self.hook_ids: frozenset[int] = frozenset()   # the ids of the unit's own forward hooks (`_install_hooks`)
         self._gathered_bytes: Optional[int] = None
         # the stored parameters' version counters when the gather was issued: a gather issued before an
         # in-place change (optimizer step, load_state_dict) is stale and is dropped (`unshard`)
@@ -866,6 +867,8 @@ def _install_hooks(unit: Unit) -> None:
                 # (checked in training mode only: a module may mix samples in training alone, batch statistics)
                 unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" and unit.module.training \
                     else None
+                if unit.probe is not None and _foreign_hooks(unit):   # a user's hooks would see the check's rerun
+                    unit.probe, unit.auto = None, "global"            # and then plain local shares: stay global
                 if torch.is_grad_enabled():
                     unit.forward_local = unit.computing_local
             if unit.computing_local:
@@ -894,9 +897,11 @@ def _install_hooks(unit: Unit) -> None:
     module.register_load_state_dict_post_hook(lambda mod, incompatible: _take_assigned(unit))
     # under torch.compile the hooks run eagerly (graph breaks at unit boundaries): they keep state, issue
     # queued collectives and resize storages, none of which belongs in a graph; a unit's compute compiles
-    module.register_forward_pre_hook(torch._dynamo.disable(pre, recursive=True, reason=_EAGER_HOOKS),
-                                     with_kwargs=True)
-    module.register_forward_hook(torch._dynamo.disable(post, recursive=True, reason=_EAGER_HOOKS), with_kwargs=True)
+    handles = (module.register_forward_pre_hook(torch._dynamo.disable(pre, recursive=True, reason=_EAGER_HOOKS),
+                                                with_kwargs=True),
+               module.register_forward_hook(torch._dynamo.disable(post, recursive=True, reason=_EAGER_HOOKS),
+                                            with_kwargs=True))
+    unit.hook_ids = frozenset(h.id for h in handles)
 
 
 _EAGER_HOOKS = ("sbp.nn.fully_shard: a unit's hooks run eagerly between graphs (they gather and free parameters "
@@ -920,6 +925,13 @@ def _place(unit: Unit, by_param: Optional[dict[int, torch.Tensor]] = None) -> No
     parameters themselves (None)."""
     for (owner_id, name), s in unit.tied.items():
         _owner_of(unit, owner_id)._parameters[name] = s.param if by_param is None else by_param[id(s.param)]
+
+
+def _foreign_hooks(unit: Unit) -> bool:
+    """Whether a module of the unit has forward hooks that are neither sbp's nor this unit's, or torch has global
+    ones: hooks that may read or keep activations, which on local shares would be plain tensors of this rank."""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks) or any(
+        rebuild.foreign_hooks(m, unit.hook_ids if m is unit.module else ()) for m in unit.module.modules())
 
 
 def _batch_layout(unit: Unit) -> tuple[Placement, ...]:
@@ -951,11 +963,16 @@ def _verify_local(unit: Unit, out: Any) -> None:
     try:
         with torch.no_grad():
             largs, lkwargs = _local_inputs(unit, args, kwargs)
+            inputs = _tensors((largs, lkwargs))
+            versions = [t._version for t in inputs]
             _bind(unit, True)
             tracker = _split_tracker(unit, largs, lkwargs)
             with tracker if tracker is not None else contextlib.nullcontext():
                 mine = unit.module.forward(*largs, **lkwargs)
             ok = _same_as_local(unit, out, mine) and (tracker is None or tracker.bad is None)
+            # a unit writing into its input (``ReLU(inplace=True)`` first): autograd refuses that on the local
+            # share, a view made in sbp's to_local
+            ok = ok and versions == [t._version for t in inputs]
     except Exception:   # a local run that fails cannot stand in for the global one: keep computing globally
         ok = False
     finally:

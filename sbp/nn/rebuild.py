@@ -106,6 +106,19 @@ def _register(cls: type) -> None:
         _REGISTERED.add(cls)
 
 
+def foreign_hooks(module: nn.Module, own: "frozenset[int] | set[int]" = frozenset()) -> bool:
+    """Whether `module` has forward hooks (or pre-hooks) that neither sbp's `record` nor `own` (ids) account for:
+    a user's, which may read or keep what the module computes.
+
+    >>> import torch
+    >>> m = torch.nn.Linear(2, 2)
+    >>> record(m, lambda: m.register_forward_hook(lambda *a: None), (print, ()))
+    >>> foreign_hooks(m), foreign_hooks(m.register_forward_hook(lambda *a: None) and m)
+    (False, True)
+    """
+    return bool(_hook_ids(module) - _OWN.get(module, (frozenset(), False))[0] - set(own))
+
+
 def _hook_ids(module: nn.Module) -> set[int]:
     return {k for name in _HOOK_DICTS for k in module.__dict__.get(name, ())}
 

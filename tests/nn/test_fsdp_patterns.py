@@ -94,6 +94,9 @@ class Centred(nn.Module):
 
 
 def _blocks(kind: str) -> nn.Module:
+    if kind == "inplace_input":   # a block that writes into its input
+        return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6), nn.Tanh()),
+                             nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 1))
     if kind == "eval_first":
         return nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), Centred(), nn.Tanh()),
                              nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 1))
@@ -137,6 +140,12 @@ def _loss(m: nn.Module, kind: str, step: int) -> torch.Tensor:
         with torch.no_grad():
             m(X)
         m.train()
+    if kind == "hooked":   # a forward hook keeps a block's activation for the loss (a feature loss)
+        kept = []
+        handle = m[1][1].register_forward_hook(lambda mod, args, out: kept.append(out))
+        y = _full(m(X))
+        handle.remove()
+        return y.pow(2).sum() + _full(kept[-1]).pow(2).mean()
     if kind == "penalty":   # a gradient penalty: double backward through the units (local shares from step 1)
         x = X.clone().requires_grad_()
         y = _full(m(x))
@@ -176,7 +185,8 @@ def _sharded(kind: str, mesh):
 
 
 @pytest.mark.parametrize("kind", ["buffer", "batch_norm", "tied", "twice", "checkpointed", "checkpointed_calls",
-                                  "skip", "unfreeze", "foreach_eval", "eval_first", "penalty"])
+                                  "skip", "unfreeze", "foreach_eval", "eval_first", "penalty", "hooked",
+                                  "inplace_input"])
 def test_training_pattern_matches_one_process(kind: str) -> None:
     # each failed before: buffers/batch norm (in-place restore of a saved buffer), tied (untied: a second
     # stored parameter), twice (the unit's gathered storage freed after its first backward), checkpointed
@@ -185,7 +195,8 @@ def test_training_pattern_matches_one_process(kind: str) -> None:
     # no trainable parameter kept its gathered copies after backward: unfrozen, it never trained), foreach_eval
     # (a foreach optimizer step bumped no version counter: the root computed with stale copies), eval_first (the
     # local check ran in eval mode and passed a unit that mixes samples in training), penalty (on local shares the
-    # gradient's graph was cut at the unit's inputs: the penalty's gradient was dropped)
+    # gradient's graph was cut at the unit's inputs: the penalty's gradient was dropped), hooked (the hook saw the
+    # local check's rerun, then plain local shares), inplace_input (on local shares autograd refused the write)
     losses, params, buffers, count = _train(_make(kind), kind)
     for got in sbp.testing.spmd(functools.partial(_sharded, kind), (2,), names=("dp",)):
         assert got[3] == count   # tied parameters stay one parameter
