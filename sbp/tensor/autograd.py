@@ -104,7 +104,9 @@ class _Full(torch.autograd.Function):
             # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
             # runs here too (and this rank takes its part in the backward of a cross-mesh move)
             return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
-        return gt.redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+        out = gt.redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+        # already Broadcast: not x's own local tensor, which autograd would give this node as its grad_fn
+        return out.view_as(out) if out is x._local else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

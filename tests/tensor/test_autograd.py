@@ -255,3 +255,17 @@ def test_distribute_keeps_requires_grad_of_its_input():
         return a.requires_grad and a.is_leaf, b.requires_grad and b.is_leaf, c.requires_grad
 
     assert sbp.testing.spmd(fn, (2,)) == [(True, True, False)] * 2
+
+
+def _full_of_broadcast(mesh):
+    w = sbp.distribute(torch.arange(4.0), mesh, "B", requires_grad=True)
+    full = w.full()
+    full.sum().backward()
+    return w._local.grad_fn, w._local.requires_grad, full.grad_fn is not None, w.grad.to_local().tolist()
+
+
+def test_full_of_a_broadcast_tensor_leaves_its_local_alone():
+    # already Broadcast, full() returned the tensor's own local, which then carried full()'s grad_fn: a compiled
+    # step reading w.full() recompiled (its guard on w._local's requires_grad changed)
+    for grad_fn, requires_grad, tracked, grad in spmd(_full_of_broadcast, (2,)):
+        assert (grad_fn, requires_grad, tracked, grad) == (None, False, True, [1.0] * 4)
