@@ -554,6 +554,8 @@ class Schedule:
         self.log: list[tuple] = []
         self.peak_gathered = 0           # most bytes of gathered copies held (or on the way) at once, this step
         self.finish_queued = False       # `finish_backward` is queued to run when the backward ends
+        # whether this step prefetches the next unit's gather (a batch the dp size divides, see `_even_batch`)
+        self.prefetch = True
 
     def note_memory(self) -> None:
         """Update `peak_gathered` with the gathered copies held or being gathered now."""
@@ -577,7 +579,7 @@ class Schedule:
         self.order.append(unit)
         self.log.append(("forward_start", unit.name))
         unit.issue_gather("forward")
-        nxt = self.neighbour(unit, 1)
+        nxt = self.neighbour(unit, 1) if self.prefetch else None
         if nxt is not None:
             nxt.issue_gather("forward")   # prefetch: it runs while this unit computes
         self.note_memory()
@@ -601,7 +603,7 @@ class Schedule:
         self.log.append(("backward_start", unit.name))
         unit.issue_gather("backward")
         prev = self.order[-1] if unit is self.root and len(self.order) > 1 else self.neighbour(unit, -1)
-        if prev is not None and prev is not unit:
+        if prev is not None and prev is not unit and self.prefetch:
             prev.issue_gather("backward")   # prefetch in backward: the unit before runs next
         self.note_memory()
         unit.unshard("backward")
@@ -854,6 +856,7 @@ def _install_hooks(unit: Unit) -> None:
             sched = unit.schedule
             if unit is sched.root:
                 args, kwargs = _root_inputs(unit, args, kwargs)
+                sched.prefetch = _even_batch(unit, args, kwargs)
             elif unit.param_dtype is not None:   # every unit's floating inputs, as FSDP2's cast_forward_inputs
                 args, kwargs = _cast_inputs(unit.param_dtype, args, kwargs)
             sched.pre_forward(unit)
@@ -1093,6 +1096,15 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, out)
     return found
+
+
+def _even_batch(unit: Unit, args: tuple, kwargs: dict) -> bool:
+    """Whether the root's batch inputs split evenly over the dp shares. Otherwise a compiled graph may move rows
+    on the dp group (an uneven batch reshaped), and a prefetched gather on sbp's queue thread would reach that
+    group concurrently with it -- in an order that differs by rank (a hang): that step gathers each unit at
+    its own turn. (sbp's eager collectives wait for the queue first; a compiled graph's cannot.)"""
+    shares = math.prod(unit.mesh.shape[:unit.axis + 1])
+    return all(t.shape[0] % shares == 0 for t in _tensors((args, kwargs)) if t.ndim)
 
 
 def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -510,6 +510,34 @@ def test_compiled_root_trains_as_one_process() -> None:
     _check_training("hsdp", EVEN, backend="gloo", compiled="aot_eager")
 
 
+def _compiled_uneven_root(mesh):
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    with _BUILD:
+        torch.manual_seed(0)
+        net = net.double().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+        ref = copy.deepcopy(net)
+    for block in net:
+        sbp.nn.fully_shard(block, mesh, "dp")
+    model = torch.compile(sbp.nn.fully_shard(net, mesh, "dp"), backend="aot_eager")
+    x = torch.linspace(-1, 1, 3 * 5 * 8, dtype=torch.float64).reshape(3, 5, 8)   # 3 rows over 2: uneven
+    out = []
+    for _ in range(2):
+        model(x).full().pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        out.append(max((p.grad.full() - q.grad).abs().max().item() for p, q in zip(net.parameters(), ref.parameters())))
+        for p in list(net.parameters()) + list(ref.parameters()):
+            p.grad = None
+    return out
+
+
+@pytest.mark.gloo
+def test_compiled_root_with_an_uneven_batch_trains_as_one_process() -> None:
+    # the compiled graph moves rows on the dp group (an uneven batch reshaped); a gather prefetched on sbp's queue
+    # thread reached the same gloo group concurrently, in an order that differed by rank: the backward hung
+    for diffs in sbp.testing.spmd(_compiled_uneven_root, (2,), names=("dp",), backend="gloo", timeout=120):
+        assert max(diffs) < 1e-12
+
+
 def _fullgraph_root(mesh):
     net, x, _ = _model(EVEN)
     _shard(net, mesh, "fsdp")
