@@ -22,8 +22,10 @@ blocks it needs. A shared filesystem is assumed (every rank sees the directory).
 commit a save removes the other formats' commit files (`sbp.io.state.retire_others`): the newest save
 into a directory is what loads, whatever its format.
 Agreement: the all_gather of the files' hashes carries a digest of each rank's keys, layouts and JSON
-values (ranks that differ raise `RankMismatchError`, nothing is committed); a load makes every check
-before its first write and then all-reduces one failure flag, so all ranks raise together or none does.
+values (ranks that differ raise `RankMismatchError`, nothing is committed) and whether its write failed,
+and the closing all_reduce whether the commit failed: all ranks raise `CheckpointError` together. A load
+makes every check before its first write and then all-reduces one failure flag and a digest of the
+metadata each rank read, so all ranks raise together (a failure, or two saves read) or none does.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ import os
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
+from ..runtime import agreement
 from ..runtime.backends.base import comm_device
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import CheckpointError, SbpError
@@ -101,6 +105,7 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
         raise SbpError(f"save: mesh must be an sbp.DeviceMesh or None, got {type(mesh).__name__}")
     if format not in FORMATS:
         raise CheckpointError(f"save: format {format!r} is not known (valid: {', '.join(map(repr, FORMATS))})")
+    _check_one_process(state_dict, mesh)
     if format == "dcp":
         return dcp.save_dcp(state_dict, path, mesh=mesh)
     if format == "safetensors":
@@ -131,32 +136,67 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
         tensors[key] = entry
     # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
     data = f"gen-{agree_max(mesh, last_generation(path)) + 1:08d}"
-    try:
+    file = os.path.join(path, data, _file_name(me))
+    digest, error = None, None
+    try:   # a rank whose write fails still joins the gather, carrying the failure: every rank raises at once
         os.makedirs(os.path.join(path, data), exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"save: cannot create the checkpoint directory {path!r}: {e}") from e
-    digest = _write(shard, os.path.join(path, data, _file_name(me))) if shard else None
-    files, same = _gather_digests(digest, mesh, save_digest(found))
+        digest = _write(shard, file) if shard else None
+    except (OSError, RuntimeError) as e:   # torch.save's own writer reports a full disk as a RuntimeError
+        error = CheckpointError(f"save: cannot write {file!r}: {e} (the previous checkpoint in {path!r} is "
+                                f"unchanged)")
+    files, same, failed = _gather_digests(digest, mesh, save_digest(found), error is not None)
     if not same:    # every rank sees it in the same table: all raise, nothing is committed
         refuse_disagreement(mesh, found)
+    if error is not None:
+        raise error
+    if failed:
+        which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+        raise CheckpointError(f"save of {path!r} failed on {which}, which could not write its file to {data!r}; "
+                              f"nothing was committed (the previous checkpoint is unchanged)")
     if first:
         meta = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, "data": data, "files": files,
                 "tensors": tensors, "values": values}
-        _commit(path, meta)
-        retire_others(path, "sbp", data)   # other formats' commits, then earlier saves' data
-    if mesh is not None:  # nobody returns before metadata.json is there
-        host_barrier(mesh)
+        try:
+            _commit(path, meta)
+        except OSError as e:
+            error = CheckpointError(f"save: cannot commit {os.path.join(path, METADATA)!r}: {e} (the previous "
+                                    f"checkpoint is unchanged)")
+        else:
+            retire_others(path, "sbp", data)   # other formats' commits, then earlier saves' data
+    # nobody returns before metadata.json is there; the same all_reduce tells every rank if the commit failed
+    if mesh is not None and host_barrier(mesh, error is not None) and error is None:
+        raise CheckpointError(f"save of {path!r}: the commit of {METADATA} by the mesh's coord 0 failed; "
+                              f"the previous checkpoint is unchanged")
+    if error is not None:
+        raise error
+
+
+def _check_one_process(state_dict: dict, mesh: Optional[DeviceMesh]) -> None:
+    """A save without a mesh (no global tensor, no `mesh=`) writes as the only rank: refused in a job of
+    several processes, where every process would write and commit the checkpoint as rank 0."""
+    if mesh is not None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if common_mesh(leaves(state_dict), None) is None:
+        raise CheckpointError(f"save: the state_dict holds no global tensor and no mesh= was given, but this is "
+                              f"one of {dist.get_world_size()} processes (torch.distributed is initialised): each "
+                              f"would write the checkpoint as rank 0; pass mesh= (its coord 0 writes the plain "
+                              f"tensors)")
 
 
 def _commit(path: str, meta: dict) -> None:
     """The switch: the data directory is durable, then one atomic rename makes `meta` the checkpoint."""
     fsync_dir(os.path.join(path, meta["data"]))
     tmp = os.path.join(path, f".{METADATA}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, METADATA))
+    try:
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, METADATA))
+    except OSError:
+        if os.path.exists(tmp):   # not committed: the previous metadata.json stays
+            os.remove(tmp)
+        raise
     fsync_dir(path)
 
 
@@ -209,27 +249,34 @@ def _sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh],
-                    state: int) -> tuple[dict[str, dict], bool]:
-    """Every writer's file digest and size, for coord 0's metadata, and whether every rank's `state` (its
-    `save_digest`: keys, layouts, JSON values) is the same -- one all_gather of 6 int64 per rank."""
+def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh], state: int,
+                    failed: bool = False) -> tuple[dict[str, dict], bool, list[int]]:
+    """Every writer's file digest and size, for coord 0's metadata, whether every rank's `state` (its
+    `save_digest`: keys, layouts, JSON values) is the same, and the ranks that passed `failed` (their write
+    failed) -- one all_gather of 6 int64 per rank."""
     if mesh is None:
-        return ({} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}), True
+        files = {} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}
+        return files, True, [0] if failed else []
     row = torch.zeros(6, dtype=torch.int64, device="cpu")   # built on the host, then moved
     if digest is not None:
         row[:4] = torch.frombuffer(bytearray(bytes.fromhex(digest[0])), dtype=torch.int64)
         row[4] = digest[1] + 1  # 0 means "wrote no file"
+    if failed:
+        row[4] = -1             # -1: its write failed
     row[5] = state
     # the collective takes the row on the mesh's device (NCCL: CUDA tensors); the table comes back to the host
     rows = mesh.binding.all_gather(row.to(comm_device(mesh)), tuple(range(mesh.ndim)))
     out = {}
     states = set()
+    failures = []
     for rank, r in zip(mesh.ranks, rows):
         r = r.cpu()
         states.add(int(r[5]))
-        if int(r[4]):
+        if int(r[4]) < 0:
+            failures.append(rank)
+        elif int(r[4]):
             out[_file_name(rank)] = {"sha256": r[:4].contiguous().numpy().tobytes().hex(), "bytes": int(r[4]) - 1}
-    return out, len(states) == 1
+    return out, len(states) == 1, failures
 
 
 def checkpoint_format(path: str) -> str:
@@ -297,11 +344,11 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     found = leaves(state_dict)
     meshes = target_meshes(found)
     try:
-        writes = _prepare(path, found, strict)   # every check, this rank's files verified: nothing written yet
+        writes, read = _prepare(path, found, strict)   # every check, this rank's files verified: nothing written
         error = None
     except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
-        writes, error = [], e
-    agree_loaded(meshes, path, error)               # one all_reduce of one flag: all ranks raise, or none
+        writes, read, error = [], 0, e
+    agree_loaded(meshes, path, error, read)   # one all_reduce: all ranks raise (a failure, mixed saves) or none
     with torch.no_grad():
         for leaf, container, index, pieces in writes:
             if container is not None:
@@ -313,12 +360,12 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     return state_dict
 
 
-def _prepare(path: str, found: dict, strict: bool) -> list[tuple]:
+def _prepare(path: str, found: dict, strict: bool) -> tuple[list[tuple], int]:
     """Every check a load makes, before anything is written: the metadata, the keys, each tensor's global
     shape and dtype, and each file this rank reads (size, SHA-256, the blocks it must hold). Returns the
     writes: (leaf, None, None, [(slices of the local tensor, the piece that fills them)]) per tensor and
-    (None, container, index, value) per JSON value."""
-    meta = _read_metadata(path)
+    (None, container, index, value) per JSON value, and the digest of the metadata read (which save)."""
+    meta, read = _read_metadata(path)
     saved = set(meta["tensors"]) | set(meta["values"])
     missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
     if strict and (missing or extra):
@@ -340,7 +387,7 @@ def _prepare(path: str, found: dict, strict: bool) -> list[tuple]:
             writes.append((None, container, index, like(meta["values"][key], leaf)))
         elif key in meta["tensors"]:
             writes.append((leaf, None, None, _pieces(key, meta["tensors"][key], leaf, files)))
-    return writes
+    return writes, read
 
 
 def _check_tensor(key: str, entry: dict, target: Any) -> None:
@@ -393,11 +440,16 @@ class _Files:
                                   f"in 'files'; the metadata is altered")
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint file {file!r} is missing (it holds blocks of tensors {users})")
-        size = os.path.getsize(file)
+        try:   # the file may go between the checks: a concurrent save retires the data directory it read
+            size = os.path.getsize(file)
+            sha256 = _sha256(file) if size == expected["bytes"] else None
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint file {file!r} (it holds blocks of tensors {users}): {e}; "
+                                  f"if another save committed meanwhile, load again") from e
         if size != expected["bytes"]:
             raise CheckpointError(f"checkpoint file {file!r} has {size} bytes, metadata.json says {expected['bytes']}: "
                                   f"it is truncated or altered (it holds blocks of tensors {users})")
-        if _sha256(file) != expected["sha256"]:
+        if sha256 != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {file!r} does not match its SHA-256 in metadata.json: it is "
                                   f"corrupt or altered (it holds blocks of tensors {users})")
         try:
@@ -423,15 +475,19 @@ class _Files:
 
 # ---- metadata validation ---------------------------------------------------------------------------------
 
-def _read_metadata(path: str) -> dict:
+def _read_metadata(path: str) -> tuple[dict, int]:
+    """The checked metadata and the digest of its bytes (which save this rank read)."""
     file = os.path.join(path, METADATA)
     if not os.path.isfile(file):
         what = "is not a directory" if not os.path.isdir(path) else f"has no {METADATA}"
         raise CheckpointError(f"checkpoint {path!r} {what}; write one with sbp.save")
     try:
-        with open(file) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
+        with open(file, "rb") as f:
+            raw = f.read()
+        meta = json.loads(raw)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file!r}: {e}") from e
+    except (ValueError, RecursionError) as e:   # RecursionError: nesting deeper than the parser goes
         raise CheckpointError(f"{file!r} is not valid JSON ({e}); the checkpoint is corrupt") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{file!r} is not an sbp checkpoint (format {FORMAT!r} expected)")
@@ -450,7 +506,7 @@ def _read_metadata(path: str) -> dict:
         _check_file(file, name, entry)
     for key, entry in meta["tensors"].items():
         _check_entry(file, key, entry)
-    return meta
+    return meta, agreement.digest(hashlib.sha256(raw).hexdigest())
 
 
 def _check_file(file: str, name: str, entry: Any) -> None:

@@ -61,6 +61,7 @@ from .state import (
     common_mesh,
     dtype_name,
     fsync_dir,
+    has_tensor,
     host_copy,
     json_value,
     last_generation,
@@ -109,7 +110,7 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
     mirror = _mirror(state_dict, local_of)
     # the data go into a new directory beside the committed one (one all_reduce agrees on it and checks that
     # the ranks save the same keys, layouts and values); the coordinator's `.metadata` rename is the switch
-    data = f"gen-{agree_save(mesh, found, last_generation(path)) + 1:08d}"
+    data = f"gen-{agree_save(mesh, found, last_generation(path))[0] + 1:08d}"
     _run(dcp.save, mesh, mirror, storage_writer=_GenerationWriter(path, data), planner=_SavePlanner(chunks))
 
 
@@ -143,8 +144,9 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
         targets[id(local)] = (dtype_name(leaf.dtype), torch.Size(leaf.shape), want)
         return local
 
-    mirror = _mirror(state_dict, local_of, lists=True)
-    _run(dcp.load, mesh, mirror, storage_reader=_CheckedReader(path), planner=_LoadPlanner(targets, strict))
+    mirror = _mirror(state_dict, local_of)
+    reader = _CheckedReader(path)
+    _run(dcp.load, mesh, mirror, storage_reader=reader, planner=_LoadPlanner(targets, strict, reader))
     for leaf in unheld:
         target_block(leaf)
     back = leaves(mirror)
@@ -156,17 +158,17 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
 
 # ---- plumbing --------------------------------------------------------------------------------------------
 
-def _mirror(obj: Any, local_of, lists: bool = False) -> Any:
-    """The state dict as DCP sees it: the same nesting, each global tensor replaced by its local tensor;
-    with `lists`, tuples become lists (for loading: DCP sets the values it reads into their containers)."""
+def _mirror(obj: Any, local_of) -> Any:
+    """The state dict as DCP sees it: the same nesting, each global tensor replaced by its local tensor and
+    each tuple holding a tensor by a list -- DCP walks lists holding tensors (``t.0``, the keys `leaves`
+    gives) but pickles any tuple whole, tensors and all, and on loading it sets what it reads into their
+    containers. A tuple of values stays one value (an optimizer's ``betas``, as DTensor code saves it)."""
     if isinstance(obj, GlobalTensor):
         return local_of(obj)
     if isinstance(obj, dict):
-        return {k: _mirror(v, local_of, lists) for k, v in obj.items()}
-    if isinstance(obj, list) or (lists and isinstance(obj, tuple)):
-        return [_mirror(v, local_of, lists) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_mirror(v, local_of, lists) for v in obj)
+        return {k: _mirror(v, local_of) for k, v in obj.items()}
+    if isinstance(obj, list) or (isinstance(obj, tuple) and has_tensor(obj)):
+        return [_mirror(v, local_of) for v in obj]
     return obj
 
 
@@ -262,6 +264,18 @@ class _CheckedReader(dcp.FileSystemReader):
                                       f"byte {end}: it is truncated or altered")
         return super().prepare_local_plan(plan)
 
+    def saved_value(self, fqn: str) -> str:
+        """The repr of the value DCP saved as `fqn` (for a message), or what kept it from being read."""
+        info = self.storage_data.get(MetadataIndex(fqn))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return "stored in a form sbp does not decode"
+        try:
+            with open(os.path.join(self.path, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                return repr(torch.load(io.BytesIO(f.read(info.length)), weights_only=True))
+        except Exception as e:  # noqa: BLE001 - only the message's detail: the refusal stands either way
+            return f"unreadable: {type(e).__name__}"
+
 
 class _SavePlanner(DefaultSavePlanner):
     """DCP's default planner, with each sbp block written as one chunk by its writer (nothing by the rest)."""
@@ -295,11 +309,13 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading for each sbp target only the chunk of its block."""
+    """DCP's default planner, reading for each sbp target only the chunk of its block, after the checks the
+    sbp format makes (kinds, global shapes, dtypes: DCP itself would convert a plain tensor's dtype)."""
 
-    def __init__(self, targets: dict[int, tuple[str, torch.Size, Optional[Block]]], strict: bool) -> None:
+    def __init__(self, targets: dict[int, tuple[str, torch.Size, Optional[Block]]], strict: bool,
+                 reader: "_CheckedReader") -> None:
         super().__init__(allow_partial_load=not strict)
-        self._by_id, self._strict = targets, strict
+        self._by_id, self._strict, self._reader = targets, strict, reader
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -313,24 +329,32 @@ class _LoadPlanner(DefaultLoadPlanner):
             parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                     ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
             raise CheckpointError("the DCP checkpoint and the state_dict have different keys: " + "; ".join(parts))
+        for fqn, obj in self.state_dict.items():   # every check before any rank reads
+            if fqn in saved and isinstance(obj, torch.Tensor):
+                dtype, size, _ = self.targets.get(fqn, (dtype_name(obj.dtype), obj.shape, None))
+                self._check_tensor(fqn, saved[fqn], dtype, size)
+            elif isinstance(saved.get(fqn), TensorStorageMetadata):
+                raise CheckpointError(f"entry {fqn!r} is a tensor in the checkpoint but a {type(obj).__name__} in "
+                                      f"the state_dict")
         plain = {k: v for k, v in self.state_dict.items() if k not in self.targets and k in saved}
         requests = list(create_default_local_load_plan(plain, self.metadata, False).items)
-        for fqn, (dtype, size, b) in self.targets.items():
-            md = saved.get(fqn)
-            if md is None:
-                continue
-            if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointError(f"entry {fqn!r} is a value in the DCP checkpoint but a tensor in the state_dict")
-            if md.size != size:
-                raise CheckpointError(f"tensor {fqn!r}: global shape {tuple(md.size)} in the checkpoint, "
-                                      f"{tuple(size)} in the state_dict")
-            if dtype_name(md.properties.dtype) != dtype:
-                raise CheckpointError(f"tensor {fqn!r}: dtype {dtype_name(md.properties.dtype)} in the checkpoint, "
-                                      f"{dtype} in the state_dict")
-            if b is not None:
+        for fqn, (_, _, b) in self.targets.items():
+            if fqn in saved and b is not None:
                 chunk = ChunkStorageMetadata(offsets=torch.Size(lo for lo, _ in b), sizes=torch.Size(block_shape(b)))
-                requests += create_read_items_for_chunk_list(fqn, md, [chunk])
+                requests += create_read_items_for_chunk_list(fqn, saved[fqn], [chunk])
         return LoadPlan(requests)
+
+    def _check_tensor(self, fqn: str, md: Any, dtype: str, size: torch.Size) -> None:
+        """The saved entry `md` of a tensor target: a tensor of the target's global shape and dtype."""
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"entry {fqn!r} is a value in the checkpoint ({self._reader.saved_value(fqn)}) "
+                                  f"but a tensor in the state_dict")
+        if md.size != size:
+            raise CheckpointError(f"tensor {fqn!r}: global shape {tuple(md.size)} in the checkpoint, "
+                                  f"{tuple(size)} in the state_dict")
+        if dtype_name(md.properties.dtype) != dtype:
+            raise CheckpointError(f"tensor {fqn!r}: dtype {dtype_name(md.properties.dtype)} in the checkpoint, "
+                                  f"{dtype} in the state_dict")
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         if index.fqn in self.targets:

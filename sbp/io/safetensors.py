@@ -11,7 +11,9 @@ of its row-major data) and the data. Every rank computes the whole header from t
   at their byte offsets, one write per contiguous run; coord 0 renames the file into place once every
   rank is done -- one atomic rename, so a crash leaves the previous file whole. JSON values go into the
   header's ``__metadata__`` (``"sbp.values"``), next to ``"format": "pt"`` that transformers expects.
-- loading, each rank reads the header and then only the byte ranges of its target blocks.
+  The barriers carry failure flags: a rank that cannot write makes every rank raise at once.
+- loading, each rank opens each file once and reads through that descriptor the header and then only
+  the byte ranges of its target blocks (a save replacing the file meanwhile cannot shift them).
 
 The file is the plain safetensors format: `safetensors.torch.load_file` reads it, and a transformers
 model's state dict saved this way (with ``config.save_pretrained`` beside it) loads with
@@ -19,6 +21,7 @@ model's state dict saved this way (with ``config.save_pretrained`` beside it) lo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..runtime import agreement
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import CheckpointError
 from ..values.layout import Block, block, block_numel, block_shape
@@ -106,6 +110,7 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
     data += b" " * (-len(data) % 8)            # the data starts 8-byte aligned
     start = 8 + len(data)
     tmp = file + ".tmp"
+    error = None
     if first:
         try:
             os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
@@ -113,28 +118,57 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
                 f.write(struct.pack("<Q", len(data)) + data)
                 f.truncate(start + offset)
         except OSError as e:
-            raise CheckpointError(f"save: cannot write {tmp!r}: {e}") from e
-    if mesh is not None:                      # the file exists, sized, before anyone writes into it; the same
-        agree_save(mesh, found, 0)            # all_reduce checks the ranks save the same keys, layouts, values
+            error = CheckpointError(f"save: cannot write {tmp!r}: {e} (the previous {file!r} is unchanged)")
+    # the file exists, sized, before anyone writes into it; the same all_reduce checks that the ranks save the
+    # same keys, layouts and values, and tells every rank if coord 0 could not create the file
+    if agree_save(mesh, found, 0, error is not None)[1]:
+        _fail(file, tmp, first, error, "coord 0 could not create the file")
     if pieces:
-        fd = os.open(tmp, os.O_WRONLY)
         try:
-            for base, shape, itemsize, b, local in pieces:
-                raw = local.reshape(-1).view(torch.uint8).numpy()
-                for at, (lo, hi) in _runs(shape, b, itemsize):
-                    os.pwrite(fd, raw[lo:hi].tobytes(), start + base + at)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    if mesh is not None:
-        host_barrier(mesh)
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                for base, shape, itemsize, b, local in pieces:
+                    raw = local.reshape(-1).view(torch.uint8).numpy()
+                    for at, (lo, hi) in _runs(shape, b, itemsize):
+                        os.pwrite(fd, raw[lo:hi].tobytes(), start + base + at)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            error = CheckpointError(f"save: cannot write this rank's blocks into {tmp!r}: {e} (the previous "
+                                    f"{file!r} is unchanged)")
+    if _failed_anywhere(mesh, error):
+        _fail(file, tmp, first, error, "a rank could not write its blocks")
     if first:
-        os.replace(tmp, file)                 # the switch: the old file stays whole until here
-        fsync_dir(os.path.dirname(file) or ".")
-        if file != path:                      # saved into a directory: the newest save is what loads
-            retire_others(path, "safetensors")
-    if mesh is not None:
-        host_barrier(mesh)                    # nobody returns before the file is in place
+        try:
+            os.replace(tmp, file)             # the switch: the old file stays whole until here
+        except OSError as e:
+            error = CheckpointError(f"save: cannot commit {file!r}: {e} (the previous {file!r} is unchanged)")
+        else:
+            fsync_dir(os.path.dirname(file) or ".")
+            if file != path:                  # saved into a directory: the newest save is what loads
+                retire_others(path, "safetensors")
+    if _failed_anywhere(mesh, error):         # nobody returns before the file is in place
+        _fail(file, tmp, first, error, "coord 0 could not commit the file")
+
+
+def _failed_anywhere(mesh: Optional[DeviceMesh], error: Optional[CheckpointError]) -> bool:
+    """Whether a rank of `mesh` failed its step (`error`): a host barrier that also counts the failures."""
+    return error is not None if mesh is None else bool(host_barrier(mesh, error is not None))
+
+
+def _fail(file: str, tmp: str, first: bool, error: Optional[CheckpointError], what: str) -> None:
+    """Every rank has learnt that a step of the save failed: coord 0 removes the temporary file, then the
+    failing ranks raise their own error and the others one saying `what` failed."""
+    if first:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+    if error is not None:
+        raise error
+    raise CheckpointError(f"save of {file!r} failed: {what}; nothing was committed (the previous file is "
+                          f"unchanged)")
 
 
 def _runs(shape: tuple[int, ...], b: Block, itemsize: int):
@@ -196,14 +230,14 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
     """
     found = leaves(state_dict)
     meshes = target_meshes(found)
+    fds: dict[str, int] = {}   # each file opened once: a save that replaces it meanwhile cannot mix into the reads
     try:
-        entries, values = _check(path, found, strict)   # every check before the first write
-        error = None
-    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
-        entries, values, error = {}, {}, e
-    agree_loaded(meshes, path, error)                       # one all_reduce of one flag: all ranks raise, or none
-    fds: dict[str, int] = {}
-    try:
+        try:
+            entries, values, read = _check(path, found, strict, fds)   # every check before the first write
+            error = None
+        except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
+            entries, values, read, error = {}, {}, 0, e
+        agree_loaded(meshes, path, error, read)   # one all_reduce: all ranks raise (a failure, mixed saves) or none
         for key, (leaf, container, index) in found.items():
             if key in values:
                 container[index] = like(values[key], leaf)
@@ -215,9 +249,10 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
     return state_dict
 
 
-def _check(path: str, found: dict, strict: bool) -> tuple[dict[str, tuple], dict[str, Any]]:
-    """The headers of every file involved, checked against the state dict (keys, shapes, dtypes)."""
-    entries, values = _read_headers(path)
+def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[dict[str, tuple], dict[str, Any], int]:
+    """The headers of every file involved (opened into `fds`), checked against the state dict (keys, shapes,
+    dtypes), and the digest of what was read (`_read_headers`)."""
+    entries, values, read = _read_headers(path, fds)
     saved = set(entries) | set(values)
     missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
     if strict and (missing or extra):
@@ -241,7 +276,7 @@ def _check(path: str, found: dict, strict: bool) -> tuple[dict[str, tuple], dict
                                       f"state_dict")
             if leaf.dtype != dtype:
                 raise CheckpointError(f"tensor {key!r}: dtype {dtype} in {file!r}, {leaf.dtype} in the state_dict")
-    return entries, values
+    return entries, values, read
 
 
 def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:
@@ -249,8 +284,6 @@ def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:
     local, want = target_block(target)
     if local is None or block_numel(want) == 0:
         return
-    if file not in fds:
-        fds[file] = os.open(file, os.O_RDONLY)
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
     buf = bytearray(block_numel(want) * itemsize)
     view = memoryview(buf)
@@ -264,8 +297,10 @@ def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:
         local.copy_(piece)
 
 
-def _read_headers(path: str) -> tuple[dict[str, tuple], dict[str, Any]]:
-    """{key: (file, data start, dtype, shape, (begin, end))} and the JSON values, from every file involved."""
+def _read_headers(path: str, fds: dict[str, int]) -> tuple[dict[str, tuple], dict[str, Any], int]:
+    """{key: (file, data start, dtype, shape, (begin, end))}, the JSON values, and a digest of each file's
+    header and modification time (which save this rank read, for `agree_loaded`), from every file involved;
+    each is opened into `fds` {file: descriptor}, which the tensor reads use too."""
     if os.path.isfile(path):
         files = [path]
     elif os.path.isfile(os.path.join(path, FILE)):
@@ -276,40 +311,47 @@ def _read_headers(path: str) -> tuple[dict[str, tuple], dict[str, Any]]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             files = sorted({os.path.join(path, os.path.basename(name)) for name in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointError(f"{index!r} is not a safetensors index ({e}); the checkpoint is corrupt") from e
     entries: dict[str, tuple] = {}
     values: dict[str, Any] = {}
+    read = hashlib.sha256()
     for file in files:
-        start, header = _read_header(file)
+        try:
+            fds[file] = os.open(file, os.O_RDONLY)
+            stat = os.fstat(fds[file])
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file!r}: {e}") from e
+        start, header, raw = _read_header(file, fds[file], stat.st_size)
+        read.update(f"{file}\0{stat.st_mtime_ns}\0{stat.st_size}\0".encode() + raw)
         meta = header.pop("__metadata__", None) or {}
         if isinstance(meta, dict) and VALUES in meta:
             try:
                 values |= json.loads(meta[VALUES])
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, RecursionError) as e:   # RecursionError: nested too deep to parse
                 raise CheckpointError(f"{file!r}: __metadata__ {VALUES!r} is not JSON ({e})") from e
-        size = os.path.getsize(file) - start
         for key, e in header.items():
-            entries[key] = (file, start, *_check_entry(file, key, e, size))
-    return entries, values
+            entries[key] = (file, start, *_check_entry(file, key, e, stat.st_size - start))
+    return entries, values, agreement.digest(read.hexdigest())
 
 
-def _read_header(file: str) -> tuple[int, dict]:
+def _read_header(file: str, fd: int, size: int) -> tuple[int, dict, bytes]:
+    """(where the data starts, the header, its bytes) of the safetensors file open as `fd`, `size` bytes."""
     try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= os.path.getsize(file) - 8:
-                raise CheckpointError(f"{file!r} is not a safetensors file (header length {n}); it is corrupt or "
-                                      f"truncated")
-            header = json.loads(f.read(n))
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= size - 8:
+            raise CheckpointError(f"{file!r} is not a safetensors file (header length {n}); it is corrupt or "
+                                  f"truncated")
+        raw = os.pread(fd, n, 8)
+        header = json.loads(raw)
     except OSError as e:
         raise CheckpointError(f"cannot read {file!r}: {e}") from e
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:   # RecursionError: nested deeper than the parser goes
         raise CheckpointError(f"{file!r}: the safetensors header is not JSON ({e}); it is corrupt") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{file!r}: the safetensors header is not an object; it is corrupt")
-    return 8 + n, header
+    return 8 + n, header, raw
 
 
 def _check_entry(file: str, key: str, e: Any, size: int) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:

@@ -98,7 +98,8 @@ def common_mesh(found: dict[str, tuple[Any, Any, Any]], mesh: Optional[DeviceMes
 
 
 def json_value(key: str, leaf: Any) -> Any:
-    """`leaf` if JSON gives it back unchanged (tuples read back as lists), else a `CheckpointError`.
+    """`leaf` if JSON gives it back unchanged (tuples read back as lists), else a `CheckpointError` naming
+    the first part that would change and its type.
 
     >>> json_value("cfg", {1: "a"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -107,13 +108,41 @@ def json_value(key: str, leaf: Any) -> Any:
     """
     try:
         back = json.loads(json.dumps(leaf))
-    except (TypeError, ValueError):
-        raise CheckpointError(f"entry {key!r} is a {type(leaf).__name__}, which a checkpoint cannot hold "
-                              f"(valid: tensors, and JSON values: numbers, strings, lists, dicts)") from None
+    except (TypeError, ValueError, RecursionError):   # not JSON, circular, or nested too deep
+        if not isinstance(leaf, (dict, list, tuple)):
+            raise CheckpointError(f"entry {key!r} is a {type(leaf).__name__}, which a checkpoint cannot hold "
+                                  f"(valid: tensors, and {JSON_TYPES})") from None
+        raise CheckpointError(f"entry {key!r} cannot be held by a checkpoint: {_not_json(leaf)}") from None
     if not _same_json(leaf, back):
-        raise CheckpointError(f"entry {key!r} would not come back as it is from JSON ({leaf!r} reads back "
-                              f"as {back!r}): dict keys must be strings")
+        raise CheckpointError(f"entry {key!r} would not come back as it is from JSON ({leaf!r:.200} reads back "
+                              f"as {back!r:.200}): {_not_json(leaf)}")
     return leaf
+
+
+JSON_TYPES = "JSON values: None, bool, int, float, str, and lists and dicts of them with str keys"
+
+
+def _not_json(value: Any) -> str:
+    """Why JSON would not give `value` back as it is: its first part whose type is not JSON's own (a numpy
+    scalar or an IntEnum is written as a number and reads back as a plain int or float).
+
+    >>> _not_json([0.1, {"lr": 0.1, 3: "a"}])
+    'dict key 3 is a int: dict keys must be strings'
+    """
+    pending = [value]
+    while pending:
+        v = pending.pop()
+        if isinstance(v, (dict, list, tuple)):
+            if isinstance(v, dict):
+                bad = [k for k in v if type(k) is not str]
+                if bad:
+                    return f"dict key {bad[0]!r} is a {type(bad[0]).__name__}: dict keys must be strings"
+            pending.extend(reversed(list(v.values() if isinstance(v, dict) else v)))
+        elif v is not None and type(v) not in (bool, int, float, str):
+            kind = type(v).__qualname__ if type(v).__module__ == "builtins" else \
+                f"{type(v).__module__}.{type(v).__qualname__}"
+            return f"{v!r:.80} is a {kind}, not a JSON type (valid: {JSON_TYPES})"
+    return f"JSON cannot write it (valid: {JSON_TYPES})"
 
 
 def _same_json(value: Any, back: Any) -> bool:
@@ -216,19 +245,22 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True).contiguous() if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 
-def host_barrier(mesh: DeviceMesh) -> None:
+def host_barrier(mesh: DeviceMesh, failed: bool = False) -> int:
     """Return only once every rank of `mesh` has reached this call: an all_reduce on the mesh's device whose
-    result is read on the host (on NCCL a collective returns once queued; reading it waits for it).
+    result is read on the host (on NCCL a collective returns once queued; reading it waits for it). The same
+    all_reduce counts the ranks that pass `failed` (a save step that failed there): the count is returned,
+    so every rank can raise at once instead of waiting for a rank that will never come.
 
     >>> import sbp, sbp.testing
-    >>> sbp.testing.spmd(host_barrier, (2,))
-    [None, None]
+    >>> sbp.testing.spmd(lambda mesh: host_barrier(mesh, failed=mesh.rank == 1), (3,))
+    [1, 1, 1]
     """
     comm = mesh.binding
-    done = comm.all_reduce(torch.ones(1, device=comm_device(mesh)), tuple(range(mesh.ndim)), "sum")
-    if int(done.item()) != mesh.size():
-        raise CheckpointError(f"save: the closing barrier counted {int(done.item())} ranks, not the mesh's "
-                              f"{mesh.size()}")
+    row = torch.tensor([1, int(failed)], dtype=torch.int64, device=comm_device(mesh))
+    done, failures = comm.all_reduce(row, tuple(range(mesh.ndim)), "sum").tolist()
+    if done != mesh.size():
+        raise CheckpointError(f"save: the closing barrier counted {done} ranks, not the mesh's {mesh.size()}")
+    return failures
 
 
 def agree_max(mesh: Optional[DeviceMesh], n: int) -> int:
@@ -275,15 +307,16 @@ def refuse_disagreement(mesh: DeviceMesh, found: dict[str, tuple[Any, Any, Any]]
                             "and JSON values; SPMD)")   # pragma: no cover - agree named them and raised
 
 
-def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]], n: int) -> int:
-    """The largest `n` any rank of `mesh` passes (`n` itself without a mesh), in one all_reduce of 3 int64
-    that also checks that every rank saves the same keys, tensor layouts and JSON values: the ranks'
-    `save_digest` and its negation ride along, so the maximum gives its maximum and minimum. Where they
-    differ, every rank sees it and `refuse_disagreement` names the ranks.
+def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]], n: int,
+               failed: bool = False) -> tuple[int, bool]:
+    """(the largest `n` any rank of `mesh` passes, whether any rank passes `failed`) -- `(n, failed)` without
+    a mesh -- in one all_reduce of 4 int64 that also checks that every rank saves the same keys, tensor
+    layouts and JSON values: the ranks' `save_digest` and its negation ride along, so the maximum gives its
+    maximum and minimum. Where they differ, every rank sees it and `refuse_disagreement` names the ranks.
 
     >>> import sbp, sbp.testing
     >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": 1}), mesh.rank * 10), (3,))
-    [20, 20, 20]
+    [(20, False), (20, False), (20, False)]
     >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": mesh.rank}), 0), (2,))
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -291,13 +324,13 @@ def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]
     sbp.testing.spmd.SpmdError: ... disagree on JSON values ...: {'step': 0} on ranks [0]; {'step': 1} on ranks [1]
     """
     if mesh is None:
-        return n
+        return n, failed
     d = save_digest(found)
-    row = torch.tensor([n, d, -d], dtype=torch.int64, device=comm_device(mesh))
-    top, high, low = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
+    row = torch.tensor([n, d, -d, int(failed)], dtype=torch.int64, device=comm_device(mesh))
+    top, high, low, failures = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
     if high != -low:
         refuse_disagreement(mesh, found)
-    return top
+    return top, bool(failures)
 
 
 def target_meshes(found: dict[str, tuple[Any, Any, Any]]) -> list[DeviceMesh]:
@@ -314,12 +347,15 @@ def target_meshes(found: dict[str, tuple[Any, Any, Any]]) -> list[DeviceMesh]:
     return out
 
 
-def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, error: Optional[BaseException]) -> None:
+def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, error: Optional[BaseException],
+                 read: int = 0) -> None:
     """After a load's checks and before its first write: every rank learns whether any rank of its meshes
-    failed its checks (one all_reduce of one int64 per mesh) and then all raise together -- a failing
+    failed its checks (one all_reduce of 3 int64 per mesh) and then all raise together -- a failing
     rank its own error, the others a `CheckpointError` naming the failing ranks with the first one's
-    message (an all_gather of the messages, only then). Without a mesh (plain state dicts) a rank just
-    raises its own error.
+    message (an all_gather of the messages, only then). The same all_reduce compares `read`, a digest of
+    what each rank read (`digest` of the metadata's SHA-256): ranks that read different saves (another job
+    committed between their reads) all raise, so a load never mixes two saves. Without a mesh (plain
+    state dicts) a rank just raises its own error.
 
     >>> import sbp, sbp.testing
     >>> def fn(mesh):
@@ -332,10 +368,13 @@ def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, erro
     meshes = [] if meshes is None else [meshes] if isinstance(meshes, DeviceMesh) else meshes
     joined = [mesh for mesh in meshes if mesh.coord is not None]
     failing = []   # the meshes where some rank failed: every member of a mesh finds the same
+    mixed = False
     for mesh in joined:
-        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=comm_device(mesh))
-        if int(mesh.binding.all_reduce(flag, tuple(range(mesh.ndim)), "max").item()):
+        row = torch.tensor([int(error is not None), read, -read], dtype=torch.int64, device=comm_device(mesh))
+        failed, high, low = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
+        if failed:
             failing.append(mesh)
+        mixed = mixed or high != -low
     messages: dict[int, str] = {}
     text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
     for mesh in failing:
@@ -349,6 +388,9 @@ def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, erro
                 messages[rank] = message
     if error is not None:
         raise error
+    if mixed and not messages:
+        raise CheckpointError(f"load of {path!r}: the ranks read different saves (another save committed during "
+                              f"the load; no rank's state_dict was changed); load again once the save is done")
     if messages:
         failed = sorted(messages)
         which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"

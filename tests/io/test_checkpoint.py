@@ -6,10 +6,12 @@ In-process SPMD tier (threads backend), plus one save on gloo processes loaded b
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -221,6 +223,30 @@ def test_save_on_gloo_load_in_threads(tmp_path):
     assert all(torch.equal(t, value((10, 7))) for t in sbp.testing.spmd(load, (2, 2)))
 
 
+def _plain_save_in_a_job(mesh, path, fmt):
+    """Each of the job's processes saves the same plain state dict: without mesh= (refused), then with it."""
+    errors = []
+    try:
+        sbp.save({"w": torch.arange(4.0), "n": 3}, path, format=fmt)
+    except CheckpointError as e:
+        errors.append(str(e))
+    sbp.save({"w": torch.arange(4.0), "n": 3}, path, mesh=mesh, format=fmt)
+    sd = {"w": torch.zeros(4), "n": 0}
+    sbp.load(path, sd)
+    return errors, sd["w"].tolist(), sd["n"]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors", "dcp"])
+def test_a_plain_state_dict_saved_by_several_processes_needs_a_mesh(tmp_path, fmt):
+    got = sbp.testing.spmd(functools.partial(_plain_save_in_a_job, path=str(tmp_path), fmt=fmt), (4,),
+                           backend="gloo", timeout=60)
+    message = ("save: the state_dict holds no global tensor and no mesh= was given, but this is one of 4 processes "
+               "(torch.distributed is initialised): each would write the checkpoint as rank 0; pass mesh= (its "
+               "coord 0 writes the plain tensors)")
+    assert got == [([message], [0.0, 1.0, 2.0, 3.0], 3)] * 4
+
+
 # ---- damage and mismatches -------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -273,6 +299,21 @@ def test_missing_metadata(saved):
 def test_metadata_not_json(saved):
     (saved / "metadata.json").write_text('{"format": "sbp-checkpoint", ')
     assert "is not valid JSON" in load_error(saved)
+    (saved / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)   # deeper than json's recursion goes
+    assert "is not valid JSON (maximum recursion depth" in load_error(saved)
+
+
+def test_a_file_that_goes_during_its_checks(saved, monkeypatch):
+    """A concurrent save retires the data directory between a file's size check and its SHA-256 read."""
+    real = sbp.io.checkpoint._sha256
+
+    def retired_meanwhile(file):
+        os.remove(file)
+        return real(file)
+    monkeypatch.setattr(sbp.io.checkpoint, "_sha256", retired_meanwhile)
+    message = load_error(saved)
+    assert message.startswith("cannot read checkpoint file") and "No such file or directory" in message, message
+    assert message.endswith("if another save committed meanwhile, load again")
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -345,6 +386,27 @@ def test_tensor_where_a_value_was_saved(saved):
 def test_unsupported_value_on_save(tmp_path):
     with pytest.raises(CheckpointError, match="entry 'fn' is a function, which a checkpoint cannot hold"):
         sbp.save({"fn": lambda: 0}, tmp_path)
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.float64(0.25), "entry 'v' would not come back as it is from JSON (np.float64(0.25) reads back as 0.25): "
+                       "np.float64(0.25) is a numpy.float64, not a JSON type"),
+    (Mode.TRAIN, "entry 'v' would not come back as it is from JSON (<Mode.TRAIN: 1> reads back as 1): "
+                 "<Mode.TRAIN: 1> is a tests.io.test_checkpoint.Mode, not a JSON type"),
+    ({"k": [np.int64(3)]}, "entry 'v' cannot be held by a checkpoint: np.int64(3) is a numpy.int64, not a JSON type"),
+    ({"k": {2: "a"}}, "entry 'v' would not come back as it is from JSON ({'k': {2: 'a'}} reads back as "
+                      "{'k': {'2': 'a'}}): dict key 2 is a int: dict keys must be strings"),
+], ids=["numpy scalar", "IntEnum", "nested numpy", "int key"])
+def test_a_value_json_would_change_is_named_with_its_type(tmp_path, value, message):
+    with pytest.raises(CheckpointError) as info:
+        sbp.save({"w": torch.ones(2), "v": value}, tmp_path)
+    assert str(info.value).startswith(message), str(info.value)
+    assert str(info.value).endswith("(valid: JSON values: None, bool, int, float, str, and lists and dicts of them "
+                                    "with str keys)") or "dict keys must be strings" in message
 
 
 def test_json_values_come_back_as_they_were(tmp_path):

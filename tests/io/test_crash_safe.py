@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 import sbp
 import sbp.testing
 from sbp.io import checkpoint
+from sbp.io.state import host_barrier
 from sbp.values.errors import CheckpointError
 from tests.support import crash_trials
 
@@ -112,6 +114,43 @@ def test_a_data_field_that_is_not_a_generation_is_refused(tmp_path, data):
         load(tmp_path)
     assert isinstance(info.value.__cause__, CheckpointError)
     assert "not a data directory name like 'gen-00000001'" in str(info.value.__cause__)
+
+
+def test_a_load_during_another_jobs_save_never_mixes_the_two(tmp_path, monkeypatch):
+    """Rank 0 reads generation 1; another job then commits generation 2; rank 1 reads that. Each rank's own
+    checks pass: only the ranks' agreement on what they read can refuse the mix."""
+    path, other = tmp_path / "ckpt", tmp_path / "other"
+    save(path, 1)
+    save(other, 0)
+    save(other, 2)                       # gen-00000002 of step 2, ready to be committed into `path`
+    real, turn = checkpoint._prepare, threading.Event()
+
+    def in_turn(*args):
+        if threading.current_thread() is not first:
+            turn.wait()
+            return real(*args)
+        out = real(*args)
+        shutil.copytree(other / "gen-00000002", path / "gen-00000002")   # the other job's save and commit
+        os.replace(other / "metadata.json", path / "metadata.json")
+        turn.set()
+        return out
+    first = None
+
+    def _load_first(mesh):
+        nonlocal first
+        if mesh.rank == 0:
+            first = threading.current_thread()
+        host_barrier(mesh)
+        try:
+            return _load(mesh, str(path))
+        except CheckpointError as e:
+            return str(e)
+    monkeypatch.setattr(checkpoint, "_prepare", in_turn)
+    got = sbp.testing.spmd(_load_first, (2,))
+    assert got == [f"load of {str(path)!r}: the ranks read different saves (another save committed during the "
+                   f"load; no rank's state_dict was changed); load again once the save is done"] * 2
+    monkeypatch.undo()
+    assert load(path) == (2, [2.0])
 
 
 @pytest.mark.gloo

@@ -265,3 +265,42 @@ def test_plain_state_dict_in_one_process(tmp_path):
     state = {"w": torch.zeros(4), "cfg": {"lr": 0.0}}
     sbp.load(tmp_path, state)
     assert torch.equal(state["w"], torch.arange(4.)) and state["cfg"] == {"lr": 0.1}
+
+
+def _tuple_round_trip(mesh, path):
+    import torch.distributed.checkpoint as dcp
+
+    sbp.save({"t": (sbp.distribute(torch.arange(4.) + 1, mesh, "S(0)"), torch.tensor([7.]))}, path, format="dcp")
+    sd = {"t": (sbp.zeros((4,), mesh, "S(0)"), torch.zeros(1))}
+    sbp.load(path, sd)
+    plain = {"t": [torch.zeros(4), torch.zeros(1)]}   # DTensor code sees the tuple as a list: keys t.0, t.1
+    dcp.load(plain, checkpoint_id=path)
+    return sd["t"][0].full().tolist(), sd["t"][1].tolist(), [x.tolist() for x in plain["t"]]
+
+
+def test_a_tuple_of_tensors_round_trips_like_a_list(tmp_path):
+    got = spmd(functools.partial(_tuple_round_trip, path=str(tmp_path)), (2,))
+    assert got == [([1.0, 2.0, 3.0, 4.0], [7.0], [[1.0, 2.0, 3.0, 4.0], [7.0]])] * 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # one process is the intent
+@pytest.mark.parametrize("saved, target, message", [
+    ({"w": torch.arange(4.)}, {"w": torch.zeros(4, dtype=torch.int64)},
+     "tensor 'w': dtype float32 in the checkpoint, int64 in the state_dict"),
+    ({"w": torch.arange(4.)}, {"w": torch.zeros(2, 2)},
+     "tensor 'w': global shape (4,) in the checkpoint, (2, 2) in the state_dict"),
+    ({"step": 3}, {"step": torch.tensor(0)},
+     "entry 'step' is a value in the checkpoint (3) but a tensor in the state_dict"),
+    ({"step": torch.tensor(3)}, {"step": 0}, "entry 'step' is a tensor in the checkpoint but a int in the state_dict"),
+], ids=["dtype", "shape", "value for tensor", "tensor for value"])
+def test_plain_targets_are_checked_like_the_sbp_format(tmp_path, saved, target, message):
+    """The messages of the sbp format (docs/checkpoints.md), where DCP would convert or skip silently."""
+    for fmt in ("sbp", "dcp"):
+        path = tmp_path / fmt
+        sbp.save(saved, path, format=fmt)
+        before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in target.items()}
+        with pytest.raises(CheckpointError) as info:
+            sbp.load(path, target)
+        assert str(info.value) == message, fmt
+        assert all(torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k]
+                   for k, v in target.items())

@@ -87,6 +87,52 @@ def test_a_dcp_save_that_fails_on_one_rank_leaves_the_previous_checkpoint(tmp_pa
     assert gloo(functools.partial(_dtensor_reads, path=path), (2,))[0] == (3, [3.0])
 
 
+def _disk_full_save(mesh, path, step, fmt, where):
+    """`sbp.save` whose file write fails on rank 1 (`where="write"`) or whose commit fails on coord 0
+    (`where="commit"`): a full disk."""
+    real_save, real_pwrite, real_replace = torch.save, os.pwrite, os.replace
+
+    def full(*args, **kw):
+        raise OSError(28, "injected: no space left on device")
+
+    def full_at_commit(src, dst, *args, **kw):
+        if os.path.basename(dst) in ("metadata.json", "model.safetensors"):
+            full()
+        return real_replace(src, dst, *args, **kw)
+    if where == "write" and mesh.rank == 1:
+        torch.save, os.pwrite = full, full
+    if where == "commit" and mesh.rank == 0:
+        os.replace = full_at_commit
+    try:
+        _save(mesh, path, step, fmt)
+        return "saved"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        torch.save, os.pwrite, os.replace = real_save, real_pwrite, real_replace   # the worker is reused
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_at_once(tmp_path, fmt, where):
+    """No rank waits out the collective timeout for a rank whose write or commit failed: the failure rides
+    on the save's own agreement steps; the previous checkpoint still loads."""
+    path = str(tmp_path)
+    gloo(functools.partial(_save, path=path, step=1, fmt=fmt), (4,))
+    got = sbp.testing.spmd(functools.partial(_disk_full_save, path=path, step=2, fmt=fmt, where=where), (4,),
+                           backend="gloo", timeout=20)
+    failing = 1 if where == "write" else 0
+    assert "injected: no space left on device" in got[failing], got
+    for rank, message in enumerate(got):
+        if rank != failing:
+            assert "failed" in message and "the previous" in message and "unchanged" in message, got
+    assert gloo(functools.partial(_loaded, path=path), (2,))[0] == (1, [1.0])
+    assert not [name for name in os.listdir(path) if name.endswith(".tmp")]
+    gloo(functools.partial(_save, path=path, step=3, fmt=fmt), (4,))
+    assert gloo(functools.partial(_loaded, path=path), (2,))[0] == (3, [3.0])
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # one process is the intent
 def test_dcp_saves_in_one_process_switch_generations(tmp_path):
     import torch.distributed.checkpoint as dcp

@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 import sbp
 import sbp.nn
 import sbp.testing
+from sbp.io.state import host_barrier
 from sbp.values.errors import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::sbp.tensor.global_tensor.FallbackWarning")
@@ -73,7 +75,8 @@ def test_each_rank_reads_only_its_blocks(tmp_path, monkeypatch):
     save_file({"w": torch.arange(64 * 48, dtype=torch.float32).view(shape)}, tmp_path / "w.safetensors")
     read = []
     real = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, at: read.append(n) or real(fd, n, at))
+    start = 8 + int.from_bytes((tmp_path / "w.safetensors").read_bytes()[:8], "little")   # the data's first byte
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: (at >= start and read.append(n)) or real(fd, n, at))
 
     def load(mesh, pls):
         x = sbp.zeros(shape, mesh, pls)
@@ -117,6 +120,60 @@ def test_a_save_that_dies_before_the_rename_keeps_the_old_file(tmp_path, monkeyp
     with pytest.raises(sbp.testing.SpmdError):
         sbp.testing.spmd(save_other, (2,))
     assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
+def test_a_load_during_a_save_reads_the_file_it_checked(tmp_path, monkeypatch):
+    """Another job replaces the file between this load's header checks and its tensor reads (its longer
+    header moves every tensor): the reads still come from the file whose header was checked."""
+    def state(step):
+        return {"w": torch.full((4,), float(step)), "b": torch.full((2,), float(step)), "step": step,
+                "note": "x" * step}
+    sbp.save(state(1), tmp_path, format="safetensors")
+    sbp.save(state(123), tmp_path / "other", format="safetensors")
+    real = sbp.io.safetensors._check
+
+    def then_another_save(*args):
+        out = real(*args)
+        os.replace(tmp_path / "other" / "model.safetensors", tmp_path / "model.safetensors")
+        return out
+    monkeypatch.setattr(sbp.io.safetensors, "_check", then_another_save)
+    sd = {"w": torch.zeros(4), "b": torch.zeros(2), "step": 0, "note": ""}
+    sbp.load(tmp_path, sd)
+    assert sd["step"] == 1 and sd["note"] == "x"
+    assert sd["w"].tolist() == [1.0] * 4 and sd["b"].tolist() == [1.0] * 2
+
+
+def test_ranks_that_read_different_saves_all_raise(tmp_path, monkeypatch):
+    """Rank 0 checks the file of save 1; another job then replaces it; rank 1 checks save 2's file. Each
+    rank alone would load a whole save: only the ranks' agreement refuses the mix."""
+    sbp.testing.spmd(functools.partial(_save, path=str(tmp_path), pls="S(0)"), (2,))
+    sbp.testing.spmd(functools.partial(_save, path=str(tmp_path / "other"), pls="S(0)"), (2,))   # same bytes, later
+    real, turn, first = sbp.io.safetensors._check, threading.Event(), []
+
+    def in_turn(*args):
+        if threading.current_thread() is not first[0]:
+            turn.wait()
+            return real(*args)
+        out = real(*args)
+        os.replace(tmp_path / "other" / "model.safetensors", tmp_path / "model.safetensors")
+        turn.set()
+        return out
+    monkeypatch.setattr(sbp.io.safetensors, "_check", in_turn)
+
+    def load(mesh):
+        if mesh.rank == 0:
+            first.append(threading.current_thread())
+        host_barrier(mesh)
+        sd = {k: sbp.zeros(s, mesh, "S(0)", dtype=d) for k, (s, d) in TENSORS.items()}
+        sd |= {"partial": sbp.zeros((3, 2), mesh, "S(0)"), "plain": torch.zeros(2), "step": 0, "cfg": {}}
+        try:
+            sbp.load(tmp_path, sd)
+            return "loaded"
+        except CheckpointError as e:
+            return str(e)
+    assert sbp.testing.spmd(load, (2,)) == [
+        f"load of {str(tmp_path)!r}: the ranks read different saves (another save committed during the load; no "
+        f"rank's state_dict was changed); load again once the save is done"] * 2
 
 
 # ---- from_pretrained of an sbp-saved tensor-parallel Llama ------------------------------------------------
@@ -208,6 +265,9 @@ def test_damaged_files(saved):
     assert "do not hold" in load_error(saved, lambda sd: None)
     (saved / "model.safetensors").write_bytes(data[:20])
     assert "is not a safetensors file" in load_error(saved, lambda sd: None)
+    deep = b"[" * 100_000 + b"]" * 100_000        # deeper than json's recursion goes
+    (saved / "model.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)
+    assert "the safetensors header is not JSON (maximum recursion depth" in load_error(saved, lambda sd: None)
 
 
 def test_unsupported_dtype_is_refused(tmp_path):
