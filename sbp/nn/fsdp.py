@@ -553,7 +553,7 @@ class Schedule:
         self.order: list[Unit] = []      # forward order of the step in progress
         self.log: list[tuple] = []
         self.peak_gathered = 0           # most bytes of gathered copies held (or on the way) at once, this step
-        self.finish_queued = False       # `finish_backward` is queued to run when the backward ends
+        self.finish_task = -1            # the backward (graph task id) `finish_backward` is queued to end
         # whether this step prefetches the next unit's gather (a batch the dp size divides, see `_even_batch`)
         self.prefetch = True
 
@@ -592,9 +592,10 @@ class Schedule:
 
     def pre_backward(self, unit: Unit) -> None:
         # (not after a create_graph backward: the graph it makes reads the gathered copies in the next backward)
-        if not self.finish_queued and not compiled_autograd.in_compiled_autograd_region and \
+        task = torch._C._current_graph_task_id()   # (per backward: one that raised never ran its callback)
+        if task != self.finish_task and not compiled_autograd.in_compiled_autograd_region and \
                 not torch.is_grad_enabled():
-            self.finish_queued = True
+            self.finish_task = task
             Variable._execution_engine.queue_callback(self.finish_backward)
         if unit.backward_started:   # another use of the unit in this backward, or a retained graph: gather again
             unit.unshard("backward")
@@ -614,7 +615,6 @@ class Schedule:
         """When a backward ends: every unit holds its stored parameters again, its gathered copies freed. Units
         whose gradients came back did so themselves (`_UnitGather.backward`); this covers the others: a unit
         with no trainable parameter, one ``autograd.grad`` did not reach, a prefetch the backward never used."""
-        self.finish_queued = False
         for u in self.units:
             if u.state == "gathering":
                 u._wait_gather()
