@@ -760,7 +760,7 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
     if isinstance(param, GlobalTensor):   # a copy: a slice of the replicated local would keep all of it alive
         value = redistribute_raw(param.detach(), stored) if stored != base else param.detach()
         value = GlobalTensor(value._local.clone(), mesh, stored, tuple(param.shape))
-    else:
+    else:   # (a meta parameter, FSDP2's deferred init, gives shards of no storage until to_empty)
         value = distribute(param.detach(), mesh, stored)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     compute = tuple(Broadcast() if i == a else p for i, p in enumerate(stored))

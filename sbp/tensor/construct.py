@@ -146,7 +146,8 @@ def _distribute(tensor, mesh: DeviceMesh, placements, src: Optional[int],
             agree(gather, members, "distribute", {"mesh": mesh, "dtype": tensor.dtype, "global shape":
                   tuple(tensor.shape), "placements": pls, "src": None}, device=mesh.device_type)
         grad = tensor.requires_grad if requires_grad is None else requires_grad   # before detach()
-        tensor = _to_mesh_device(tensor.detach(), mesh)
+        # a meta tensor (deferred init: built on the meta device, given storage by to_empty later) stays meta
+        tensor = tensor.detach() if tensor.is_meta else _to_mesh_device(tensor.detach(), mesh)
         local = local_from_full(tensor, mesh, pls)
         shape = tuple(tensor.shape)
     else:
@@ -181,7 +182,8 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
     # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
     if me == src:
         wants_grad = tensor.requires_grad
-        tensor = _to_mesh_device(tensor.detach(), mesh)
+        # a meta tensor (deferred init: built on the meta device, given storage by to_empty later) stays meta
+        tensor = tensor.detach() if tensor.is_meta else _to_mesh_device(tensor.detach(), mesh)
         code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
         meta = [src, tensor.ndim, code, int(wants_grad)]
     else:

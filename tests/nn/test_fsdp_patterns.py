@@ -377,3 +377,29 @@ def test_param_dtype_casts_every_units_inputs():
     for dtype, grad_dtype, y in sbp.testing.spmd(_bfloat16_units, (2,), names=("dp",)):
         assert (dtype, grad_dtype) == (torch.bfloat16, torch.float32)
         assert torch.allclose(y, want, atol=3e-2, rtol=0)
+
+
+def _meta_init(mesh):
+    with torch.device("meta"):
+        m = _blocks("checkpointed").double()
+    for i in (1, 2):
+        sbp.nn.fully_shard(m[i], mesh, "dp")
+    sbp.nn.fully_shard(m, mesh, "dp")
+    placements = [p.placements for p in m.parameters()]
+    m.to_empty(device="cpu")
+    ref = _make("checkpointed")
+    with torch.no_grad():   # the init after to_empty: here the reference's values, written into the shards
+        for p, q in zip(m.parameters(), ref.parameters()):
+            p.copy_(q)
+    return placements, _train(m, "checkpointed")
+
+
+def test_a_model_built_on_the_meta_device_shards_then_initialises():
+    # FSDP2's deferred init (build on meta, fully_shard, to_empty, init): refused before ("cannot move the
+    # tensor from meta"); the shards are made with no storage and to_empty gives them theirs
+    losses, params, _, _ = _train(_make("checkpointed"), "checkpointed")
+    for placements, got in sbp.testing.spmd(_meta_init, (2,), names=("dp",)):
+        assert all(p == (sbp.S(0),) for p in placements)
+        assert got[0] == pytest.approx(losses, abs=1e-10, rel=0)
+        for name, value in params.items():
+            assert torch.allclose(got[1][name], value, atol=1e-10, rtol=0), name

@@ -475,3 +475,34 @@ def test_an_input_reused_across_forward_passes_is_converted_anew(plan):
             torch.testing.assert_close(got, want)
         assert grad is not None
         torch.testing.assert_close(grad, want_grad)
+
+
+def _deferred_init(mesh):
+    def build():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def init(m):
+        with torch.no_grad():
+            for i, p in enumerate(m.parameters()):
+                p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1))
+
+    with torch.device("meta"):
+        m = build()
+    sbp.nn.parallelize(m, mesh, {"0": "colwise", "2": "rowwise"})
+    meta = [(p.is_meta, p.to_local().is_meta, p.placements) for p in m.parameters()]
+    m.to_empty(device="cpu")
+    init(m)
+    ref = build()
+    init(ref)
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    y = m(x)
+    return meta, [p.placements for p in m.parameters()], (y.full() - ref(x)).abs().max().item()
+
+
+def test_a_model_built_on_the_meta_device_parallelizes_then_initialises():
+    # deferred init (build on meta, parallelize, to_empty, init weights) as torchtitan does: distribute refused a
+    # meta tensor ("cannot move the tensor from meta"); now its shards are meta until to_empty gives them storage
+    want = [(sbp.S(0),), (sbp.S(0),), (sbp.S(1),), (sbp.B,)]
+    for meta, placements, diff in sbp.testing.spmd(_deferred_init, (2,)):
+        assert meta == [(True, True, p) for p in want] and placements == want
+        assert diff < 1e-6
