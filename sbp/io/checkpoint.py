@@ -60,6 +60,7 @@ from .state import (
     last_generation,
     leaves,
     like,
+    missing_keys,
     reduced,
     refuse_disagreement,
     retire_others,
@@ -367,7 +368,7 @@ def _prepare(path: str, found: dict, strict: bool) -> tuple[list[tuple], int]:
     (None, container, index, value) per JSON value, and the digest of the metadata read (which save)."""
     meta, read = _read_metadata(path)
     saved = set(meta["tensors"]) | set(meta["values"])
-    missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
+    missing, extra = missing_keys(found, saved), sorted(saved - set(found))
     if strict and (missing or extra):
         parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                 ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])

@@ -46,6 +46,7 @@ from .state import (
     json_value,
     leaves,
     like,
+    missing_keys,
     reduced,
     retire_others,
     target_block,
@@ -254,7 +255,7 @@ def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[d
     dtypes), and the digest of what was read (`_read_headers`)."""
     entries, values, read = _read_headers(path, fds)
     saved = set(entries) | set(values)
-    missing, extra = sorted(set(found) - saved), sorted(saved - set(found))
+    missing, extra = missing_keys(found, saved), sorted(saved - set(found))
     if strict and (missing or extra):
         parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                 ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])

@@ -97,6 +97,28 @@ def common_mesh(found: dict[str, tuple[Any, Any, Any]], mesh: Optional[DeviceMes
     return mesh
 
 
+def missing_keys(found: dict[str, tuple[Any, Any, Any]], saved: set) -> list[str]:
+    """The state dict's keys the checkpoint lacks, less those whose tensor shares its memory with one the
+    checkpoint has: tied parameters (an embedding and its LM head), which transformers writes once and a load
+    of the other key fills.
+
+    >>> import torch
+    >>> w = torch.ones(2)
+    >>> missing_keys(leaves({"emb": w, "head": w.detach(), "b": torch.ones(1)}), {"emb"})
+    ['b']
+    """
+    def memory(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.numel() == 0:
+            return None
+        t = leaf._local if isinstance(leaf, GlobalTensor) else leaf
+        try:
+            return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+        except RuntimeError:   # (a tensor with no storage of its own: never an alias)
+            return None
+    held = {memory(found[k][0]) for k in found if k in saved} - {None}
+    return sorted(k for k in set(found) - saved if memory(found[k][0]) not in held or memory(found[k][0]) is None)
+
+
 def json_value(key: str, leaf: Any) -> Any:
     """`leaf` if JSON gives it back unchanged (tuples read back as lists), else a `CheckpointError` naming
     the first part that would change and its type.

@@ -95,6 +95,8 @@ class _Context:
     def shared(self, x: torch.Tensor, pls: tuple[Placement, ...], convert) -> GlobalTensor:
         """`convert(x)`, reused when the previous conversion in this forward pass was of this very tensor,
         unchanged since (same version), to these placements, in the same grad mode."""
+        if x.is_inference():   # (no version counter to tell it unchanged: converted each time)
+            return convert(x)
         ref, key, out = self.last_input
         now = (pls, x._version, torch.is_grad_enabled())
         if ref is not None and ref() is x and key == now:
