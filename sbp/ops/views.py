@@ -62,13 +62,18 @@ def _dim_map_sigs(spec: OpSpec, mapping: dict[int, int], n_out: Optional[int] = 
 
 # ---- view / reshape ---------------------------------------------------------------------------------------------
 def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Runs of dims of shapes `a` and `b` (same numel > 0) whose sizes multiply to the same number.
+    """Runs of dims of shapes `a` and `b` (same numel) whose sizes multiply to the same number; one run of all
+    dims when that numel is 0 (no element to line up).
 
     >>> view_groups((2, 3, 4), (6, 4))
     [([0, 1], [0]), ([2], [1])]
     >>> view_groups((12,), (3, 4))
     [([0], [0, 1])]
+    >>> view_groups((3, 0), (0,))
+    [([0, 1], [0])]
     """
+    if 0 in a or 0 in b:
+        return [(list(range(len(a))), list(range(len(b))))]
     groups, i, j = [], 0, 0
     while i < len(a) and j < len(b):
         gi, gj, pa, pb = [i], [j], a[i], b[j]
@@ -235,7 +240,9 @@ def _move_group_rows(call: Call, local: torch.Tensor, how: tuple) -> torch.Tenso
     have, want = _group_runs(call, gi, gj, axes)
     me = call.mesh.group_index(call.coord, axes)
     at = gi[0]
-    rows = local.reshape(tuple(local.shape[:at]) + (-1,) + tuple(local.shape[gi[-1] + 1:]))
+    # (the group's length spelled out: -1 is ambiguous where a dim before it holds nothing here)
+    rows = local.reshape(tuple(local.shape[:at]) + (math.prod(local.shape[d] for d in gi),) +
+                         tuple(local.shape[gi[-1] + 1:]))
     if at:     # (no-op moves stay out of a traced graph: each op costs its tracing time)
         rows = rows.movedim(at, 0)
     moved = move_rows(rows, have, want, me, axes, call.mesh)

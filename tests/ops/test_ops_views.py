@@ -308,3 +308,23 @@ def test_contiguous_of_a_view_of_a_leaf_that_requires_grad():
 
     for grad in sbp.testing.spmd(rank, (2,)):
         assert torch.equal(grad, torch.ones(2, 3, 4))
+
+
+@pytest.mark.parametrize("full, target, pls", [
+    ((3, 0), (0,), "B"), ((3, 0), (0,), "S(0)"), ((2, 0, 3), (0, 3), "B"), ((0, 3), (3, 0), "B"),
+    ((4, 0), (2, 2, 0), "S(0)"),
+])
+def test_views_of_tensors_with_no_elements(full, target, pls):
+    # no element to line up: view_groups ran past the end of a shape (IndexError on every rank, also in backward)
+    check_op(lambda x: x.reshape(target), [randn(full)], [pls], (2,))
+
+
+@pytest.mark.parametrize("fn, full, pls", [
+    (lambda x: x.permute(1, 0, 2).reshape(2, 15), (3, 2, 5), "S(0), S(1)"),
+    (lambda x: x.transpose(1, 2).reshape(15, 2), (3, 2, 5), "S(2), S(1)"),
+    (lambda x: x.unsqueeze(1).expand(5, 3, 1, 2).reshape(-1, 2), (5, 1, 2), "S(0), S(2)"),
+])
+def test_rows_moved_where_some_rank_holds_nothing_before_the_group(fn, full, pls):
+    # a dim before the moved group is empty on some ranks (2 split over 3): their reshape(..., -1, ...) was
+    # ambiguous and raised there alone while the others waited in the row move's all_to_all (a hang)
+    check_op(fn, [randn(full)], [pls], (2, 3))
