@@ -116,7 +116,8 @@ def missing_keys(found: dict[str, tuple[Any, Any, Any]], saved: set) -> list[str
         except RuntimeError:   # (a tensor with no storage of its own: never an alias)
             return None
     held = {memory(found[k][0]) for k in found if k in saved} - {None}
-    return sorted(k for k in set(found) - saved if memory(found[k][0]) not in held or memory(found[k][0]) is None)
+    lacking = ((k, memory(found[k][0])) for k in set(found) - saved)
+    return sorted(k for k, m in lacking if m is None or m not in held)
 
 
 def json_value(key: str, leaf: Any) -> Any:

@@ -610,10 +610,14 @@ class Costing(Blocks):
         """The most peers a rank fetches pieces of its `t` block from: the source tiles that block meets
         (`_tiles_met`), less its own where every rank provably holds some of its own (nonempty) target block:
         when the most any rank lacks is below the smallest nonempty target block."""
+        layout = self.layout_key(t)
+        key = ("smallest", layout)
+        smallest = self._memo.get(key)
+        if smallest is None:
+            smallest = self._memo[key] = math.prod(
+                min((hi - lo for lo, hi in self._spans(d, chain) if hi > lo), default=0)
+                for d, chain in enumerate(layout))
         met = self._tiles_met(s, t)
-        smallest = 1
-        for d, chain in enumerate(self.layout_key(t)):
-            smallest *= min((hi - lo for lo, hi in self._spans(d, chain) if hi > lo), default=0)
         return met - 1 if self.lack(s, t) < smallest else met
 
     def _tiles_met(self, s: State, t: State) -> int:

@@ -182,8 +182,7 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
     # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
     if me == src:
         wants_grad = tensor.requires_grad
-        # a meta tensor (deferred init: built on the meta device, given storage by to_empty later) stays meta
-        tensor = tensor.detach() if tensor.is_meta else _to_mesh_device(tensor.detach(), mesh)
+        tensor = _to_mesh_device(tensor.detach(), mesh)
         code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
         meta = [src, tensor.ndim, code, int(wants_grad)]
     else:
