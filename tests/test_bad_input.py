@@ -290,7 +290,7 @@ ROWS: list[Row] = [
     T("distribute-src-bool-psum", lambda m: sbp.distribute(torch.ones(4, dtype=torch.bool) if m.rank == 0 else None, m, "P(sum)", src=0), PE, "P(sum) cannot hold a torch.bool tensor"),
     T("distribute-int-grad", lambda m: sbp.distribute(torch.ones(4, dtype=torch.int32), m, "S(0)", requires_grad=True), DE, "only floating point and complex tensors can require gradients, got torch.int32"),
     T("distribute-grad-str", lambda m: sbp.distribute(torch.ones(4), m, "S(0)", requires_grad="yes"), E, "requires_grad=...) must be None or a bool, got 'yes'"),
-    T("distribute-meta-tensor", lambda m: sbp.distribute(torch.empty(4, device="meta"), m, "S(0)"), ME, "distribute: cannot move the tensor from meta to the mesh's device 'cpu'"),
+    T("distribute-meta-tensor-src", lambda m: sbp.distribute(torch.empty(4, device="meta") if m.rank == 0 else None, m, "S(0)", src=0), ME, "cannot move"),
     Row("distribute-pure-mesh", lambda: sbp.distribute(torch.ones(4), M1, "S(0)"), ME, "distribute needs a mesh bound to processes (sbp.init_mesh or sbp.testing.spmd); DeviceMesh((2,)) is a pure value"),
     Row("distribute-mesh-tuple", lambda: sbp.distribute(torch.ones(4), (2,), "S(0)"), ME, "distribute needs an sbp.DeviceMesh, got tuple"),
     *([T("distribute-cuda-mesh", lambda m: sbp.distribute(torch.ones(4), cuda_mesh(m), "S(0)"), ME, "distribute: the mesh's device_type is 'cuda' but CUDA is not available in this process")]

@@ -180,10 +180,15 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
     gather, members = mesh_gather(mesh)
     # every rank sends the src it was given (free agreement check); only src fills in ndim, dtype, grad.
     # An unsupported dtype travels as code -1, so every rank raises together instead of leaving src alone.
+    # A tensor src cannot move to the mesh's device (a meta tensor: no data) travels as code -2, the same way.
+    unmoved: Optional[MeshError] = None
     if me == src:
         wants_grad = tensor.requires_grad
-        tensor = _to_mesh_device(tensor.detach(), mesh)
-        code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
+        try:
+            tensor = _to_mesh_device(tensor.detach(), mesh)
+            code = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1
+        except MeshError as e:
+            unmoved, code = e, -2
         meta = [src, tensor.ndim, code, int(wants_grad)]
     else:
         meta = [src, -1, -1, 0]
@@ -192,6 +197,9 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
         raise mismatch("distribute", "src", [r[0] for r in rows], members)
     src_index = mesh.ranks.index(src)
     _, ndim, code, grad = rows[src_index]
+    if code == -2:
+        raise unmoved or MeshError(f"distribute(src={src}): rank {src}'s tensor cannot move to the mesh's device "
+                                   f"{mesh.device_type!r} (a meta tensor has no data to scatter)")
     if code < 0:
         raise DTypeError(f"distribute(src={src}): rank {src}'s tensor has a dtype that cannot be scattered "
                          f"{'(' + str(tensor.dtype) + ') ' if me == src else ''}(supported: "
