@@ -757,11 +757,10 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
     free = [d for d in range(param.ndim) if d not in busy]
     dim = free[0] if free else (0 if param.ndim else None)
     stored = base if dim is None else tuple(Split(dim) if i == a else p for i, p in enumerate(base))
+    # (a meta parameter, FSDP2's deferred init, gives shards of no storage until to_empty)
+    value = _laid_out(param.detach(), mesh, stored)
     if isinstance(param, GlobalTensor):   # a copy: a slice of the replicated local would keep all of it alive
-        value = redistribute_raw(param.detach(), stored) if stored != base else param.detach()
         value = GlobalTensor(value._local.clone(), mesh, stored, tuple(param.shape))
-    else:   # (a meta parameter, FSDP2's deferred init, gives shards of no storage until to_empty)
-        value = distribute(param.detach(), mesh, stored)
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     compute = tuple(Broadcast() if i == a else p for i, p in enumerate(stored))
     slot = _Slot(owner, name, new, stored, compute, dim, flat=bool(free), accumulator=_accumulator(new))
@@ -941,6 +940,11 @@ def _batch_layout(unit: Unit) -> tuple[Placement, ...]:
     return tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
 
 
+def _batch_shares(unit: Unit) -> int:
+    """The pieces the batch is split in: the dp size times the replicate axes' sizes."""
+    return math.prod(unit.mesh.shape[:unit.axis + 1])
+
+
 def _batch_only(unit: Unit, args: tuple, kwargs: dict) -> bool:
     """Whether every tensor input is a global tensor laid out as the batch (0-d plain tensors aside), and
     there is one: what `local_batch=None` may compute on plain local shares."""
@@ -1028,8 +1032,7 @@ def _same_as_local(unit: Unit, out: Any, mine: Any) -> bool:
 def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`local_batch`: global inputs (the batch: `S(0)` on the axis and the replicate axes, `B` elsewhere)
     become this rank's share, a plain tensor; their global batch length is kept for the outputs."""
-    batch = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
-    shares = math.prod(unit.mesh.shape[:unit.axis + 1])
+    batch, shares = _batch_layout(unit), _batch_shares(unit)
     unit.batch_lengths = {}   # (this forward's: a length seen in an earlier one says nothing of this one's outputs)
 
     def convert(t: Any) -> Any:
@@ -1048,7 +1051,7 @@ def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _global_outputs(unit: Unit, out: Any) -> Any:
     """`local_batch`: plain outputs are this rank's share of a batch: global tensors `S(0)` again."""
-    batch = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(unit.mesh.ndim))
+    batch = _batch_layout(unit)
 
     def wrap(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or isinstance(t, GlobalTensor) or t.ndim == 0:
@@ -1079,13 +1082,16 @@ def _take_assigned(unit: Unit) -> None:
             raise ShapeError(f"fully_shard: load_state_dict(assign=True) gave {name!r} of unit {unit.name} the shape "
                              f"{tuple(new.shape)}; it holds {tuple(s.param.shape)}")
         with torch.no_grad():
-            value = new.detach()
-            if isinstance(value, GlobalTensor):
-                value = redistribute_raw(value, s.stored) if value.placements != s.stored else value
-            else:
-                value = distribute(value, unit.mesh, s.stored)
+            value = _laid_out(new.detach(), unit.mesh, s.stored)
             s.param._local.copy_(value._local)   # (requires_grad stays the module's, as torch's assign keeps it)
     _place(unit)
+
+
+def _laid_out(value: torch.Tensor, mesh: DeviceMesh, stored: tuple[Placement, ...]) -> GlobalTensor:
+    """`value` (a full plain tensor, or a global one on `mesh`) laid out as `stored` (no copy where it is)."""
+    if isinstance(value, GlobalTensor):
+        return redistribute_raw(value, stored) if value.placements != stored else value
+    return distribute(value, mesh, stored)
 
 
 def _owner_of(unit: Unit, owner_id: int) -> nn.Module:
@@ -1103,7 +1109,7 @@ def _even_batch(unit: Unit, args: tuple, kwargs: dict) -> bool:
     on the dp group (an uneven batch reshaped), and a prefetched gather on sbp's queue thread would reach that
     group concurrently with it -- in an order that differs by rank (a hang): that step gathers each unit at
     its own turn. (sbp's eager collectives wait for the queue first; a compiled graph's cannot.)"""
-    shares = math.prod(unit.mesh.shape[:unit.axis + 1])
+    shares = _batch_shares(unit)
     return all(t.shape[0] % shares == 0 for t in _tensors((args, kwargs)) if t.ndim)
 
 
@@ -1119,7 +1125,7 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             t = t.to(unit.param_dtype)
         if isinstance(t, GlobalTensor) or t.ndim == 0:
             return t
-        pls = tuple(Split(0) if i <= unit.axis else Broadcast() for i in range(mesh.ndim))
+        pls = _batch_layout(unit)
         if t.requires_grad:   # differentiable: the full value, whose gradient is the full one on every rank
             return from_local(t, mesh, (Broadcast(),) * mesh.ndim).redistribute(pls)
         return distribute(t, mesh, pls)
