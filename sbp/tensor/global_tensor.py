@@ -481,8 +481,8 @@ def _never_compiled(code) -> None:
 
 # a global tensor's own entries in its __dict__ (and torch.compile's marks on parameters, which sbp sets again
 # when a parameter is made; sbp.nn's marks start with "_sbp"): a pickle carries every other attribute
-_OWN_ATTRS = frozenset(("_local", "_mesh", "_placements", "_key", "_notes", "_is_param", "_dynamo_static_indices",
-                        "_has_dynamo_dim_marking"))
+_OWN_ATTRS = frozenset(("_local", "_mesh", "_placements", "_key", "_notes", "_reduced", "_is_param",
+                        "_dynamo_static_indices", "_has_dynamo_dim_marking"))
 
 
 def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
@@ -668,10 +668,64 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool
     _debug_check(x, dst)
     if dst == x._placements:
         return GlobalTensor(x._local, x._mesh, dst, tuple(x.shape))
+    summed = _SUM in x._placements and not any(isinstance(p, Partial) for p in dst) and _versioned(x)
+    if summed:
+        reduced = _reduced_before(x)
+        if reduced is not None:
+            return _moved_from_reduced(reduced, dst, async_op)
     if async_op and x._mesh.coord is not None and not is_tracing(x._local):
         return GlobalTensor(_submit_redistribute(x, dst, snapshot), x._mesh, dst, tuple(x.shape))
-    local = redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst)
-    return GlobalTensor(local, x._mesh, dst, tuple(x.shape))
+    out = GlobalTensor(redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst), x._mesh, dst,
+                      tuple(x.shape))
+    if summed:
+        x.__dict__["_reduced"] = (x._local, x._version, x._local._version, out, out._version, out._local._version)
+    return out
+
+
+# A P(sum) tensor reduced by two plans gives two sets of bits (floating-point sums in another order): its first
+# full reduction is kept, and every later one is an exact move of it. `x == x.amax(1, keepdim=True)` marks
+# every row, and backward of amax (which reduces the saved input again) finds its maxima.
+_SUM = Partial("sum")
+
+
+def _versioned(x: GlobalTensor) -> bool:
+    """Whether `x` and a result made from it now have version counters (not traced, no inference tensors)."""
+    return not (is_tracing(x._local) or torch.is_inference_mode_enabled() or x.is_inference()
+                or x._local.is_inference())
+
+
+def _reduced_before(x: GlobalTensor) -> Optional[GlobalTensor]:
+    """`x`'s kept full reduction, while neither `x` nor the reduction was written since (version counters).
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     x = sbp.from_local(torch.ones(2), mesh, "P(sum)", global_shape=(2,))
+    ...     kept = redistribute_raw(x, (sbp.S(0),))
+    ...     return _reduced_before(x) is kept, x.add_(1) is x and _reduced_before(x) is None
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    (True, True)
+    """
+    memo = x.__dict__.get("_reduced")
+    if memo is None:
+        return None
+    local, version, local_version, reduced, reduced_version, reduced_local_version = memo
+    # (an in-place op on a global tensor bumps its wrapper's counter; a write into its local, the local's)
+    if (local is not x._local or version != x._version or local_version != local._version
+            or reduced_version != reduced._version or reduced_local_version != reduced._local._version):
+        del x.__dict__["_reduced"]
+        return None
+    return reduced
+
+
+def _moved_from_reduced(reduced: GlobalTensor, dst: tuple[Placement, ...], async_op: bool) -> GlobalTensor:
+    """`reduced` moved to `dst` (an exact move: no Partial on either side), in storage of its own: the
+    kept reduction and the tensors made from it never alias each other."""
+    out = redistribute_raw(reduced, dst, async_op)
+    local = out._local
+    if not isinstance(local, PendingTensor) and local.numel() and (
+            local.untyped_storage().data_ptr() == reduced._local.untyped_storage().data_ptr()):
+        out = GlobalTensor(local.clone(), out._mesh, dst, tuple(out.shape))
+    return out
 
 
 def _submit_redistribute(x: GlobalTensor, dst: tuple[Placement, ...], snapshot: bool = True) -> PendingTensor:

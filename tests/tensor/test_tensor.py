@@ -372,3 +372,74 @@ def test_parameters_have_static_shapes_for_dynamo():
     for plain, param, twin in spmd(fn, (2,)):
         assert plain == ([], [])   # not a parameter: a batch dimension may be dynamic
         assert param == twin == ([0, 1], [0, 1])
+
+
+# ---- a P(sum) tensor is one logical tensor, whichever plan reduces it ------------------------------------
+def _sum_parts(mesh, x: torch.Tensor) -> GlobalTensor:
+    """`x` as P(sum) on every axis, with parts whose sum rounds differently in another order."""
+    coord, n = mesh.coord, mesh.size()
+    noise = [torch.randn(x.shape, generator=torch.Generator().manual_seed(k), dtype=x.dtype) for k in range(n)]
+    k = mesh.ranks.index(mesh.binding.rank)   # this rank's part
+    local = x - sum(noise[1:]) if k == 0 else noise[k]
+    return sbp.from_local(local, mesh, ",".join(["P(sum)"] * len(coord)), global_shape=tuple(x.shape))
+
+
+def test_partial_sum_reductions_by_any_plan_agree_bitwise():
+    # before: P -> (B,B) (one all_reduce) and P -> (S(0),S(0)) (two reduce_scatters) summed in different orders:
+    # 8.9e-16 apart, so `x == x.amax(1, keepdim=True)` marked no element in 2 of 5 rows, and amax's backward
+    # (which reduces its saved P(sum) input again) gave NaN rows
+    x = torch.linspace(-2, 3, 15, dtype=torch.float64).reshape(5, 3)
+
+    def rank(mesh):
+        a = _sum_parts(mesh, x).requires_grad_(True)
+        same = torch.equal(a.redistribute("B,B").full(), a.redistribute("S(0),S(0)").full())
+        hits = (a == a.amax(1, keepdim=True)).sum(1).full()
+        a.amax(1).full().sum().backward()
+        return same, hits, a.grad.full()
+
+    ref = x.clone().requires_grad_(True)
+    ref.amax(1).sum().backward()
+    for same, hits, grad in spmd(rank, (2, 2)):
+        assert same
+        assert hits.tolist() == [1] * 5
+        assert torch.equal(grad, ref.grad)
+
+
+def test_partial_sum_kept_reduction_never_leaks_writes():
+    """The kept reduction is private: results made from it never alias each other, and a write into the
+    P(sum) tensor, into its local, or into a result is seen by (or kept from) the next reduction as torch would."""
+    x = torch.arange(8, dtype=torch.float64)
+
+    def rank(mesh):
+        a = _sum_parts(mesh, x)
+        first = a.redistribute("B")
+        again = a.redistribute("B")
+        split = a.redistribute("S(0)")
+        first.add_(100)                          # into a result: the others and the next reduction keep x
+        out = [again.full().tolist(), split.full().tolist(), a.full().tolist()]
+        a.mul_(2)                                # into the P(sum) tensor itself
+        out.append(a.full().tolist())
+        a.to_local().add_(1)                     # into its local, around the wrapper
+        out.append(a.redistribute("S(0)").full().tolist())
+        return out
+
+    close = functools.partial(torch.allclose, rtol=0, atol=1e-12)
+    for again, split, full, doubled, local_write in spmd(rank, (2,)):
+        assert again == split == full
+        assert close(torch.tensor(full, dtype=x.dtype), x)
+        assert close(torch.tensor(doubled, dtype=x.dtype), 2 * x)
+        assert close(torch.tensor(local_write, dtype=x.dtype), 2 * x + 2)   # each of the 2 parts gained 1
+
+
+def test_partial_sum_kept_reduction_is_not_pickled():
+    import io
+
+    def rank(mesh):
+        a = _sum_parts(mesh, torch.arange(4.0, dtype=torch.float64))
+        a.redistribute("B")
+        buf = io.BytesIO()
+        torch.save(a, buf)
+        b = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        return "_reduced" in b.__dict__, b.placements, torch.equal(b.to_local(), a.to_local())
+
+    assert spmd(rank, (2,)) == [(False, (Partial("sum"),), True)] * 2
