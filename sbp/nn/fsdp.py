@@ -98,6 +98,19 @@ class _Group:
     width: int
 
 
+@dataclass
+class _GradLayout:
+    """The flat gradient buffer: the flat slots that take gradients (frozen ones send nothing), packed as the
+    gather buffer is (the even block first) -- member m's piece of slot k at ``m * width + offsets[k]``."""
+
+    live: list[tuple[int, _Slot]]          # (position in `slots`, slot), in buffer order
+    offsets: dict[int, int]
+    width: int
+    even: list[tuple[int, _Slot]]          # the even-rows slots among them, packed first
+    even_width: int
+    numels: list[int]                      # each member's elements in the buffer
+
+
 class Unit:
     """The state of one `fully_shard` unit (see the module docstring); `schedule` is shared by a root and
     the units inside it."""
@@ -116,6 +129,7 @@ class Unit:
         self.even_at: list[int] = []  # their positions in `slots` (where their gradients come in backward)
         self.even_width = 0
         self.numels: list[int] = []   # each member's elements in the flat buffer
+        self.grad_layouts: dict[tuple[bool, ...], _GradLayout] = {}   # by the slots' requires_grad flags
         self.state = "sharded"        # sharded -> gathering -> gathered -> sharded
         self.gathering: Optional[PendingTensor] = None
         self.planned: list[Optional[GlobalTensor]] = []
@@ -262,34 +276,35 @@ class Unit:
         of the unit's flattened gradients on the axis (and an all_reduce on the replicate axes)."""
         comm, n = self.mesh.binding, self.mesh.shape[self.axis]
         me = self.mesh.coord[self.axis]
-        flat = [(k, s) for k, s in enumerate(self.slots) if s.flat]
+        layout = self.grad_layout()
+        flat, offsets, width, even = layout.live, layout.offsets, layout.width, layout.even
         out: list[Optional[torch.Tensor]] = [None] * len(self.slots)
         dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
-        even = list(zip(self.even_at, self.even))
         packed = bool(even) and all(grads[k] is not None for k, _ in even)
         if packed:   # split on dim 0 in equal pieces: member m's piece of each is the m-th run of its gradient
             parts = torch.cat([self._grad_parts(s, grads[k], local).to(dtype).reshape(n, s.sizes[0])
                                for k, s in even], dim=1)   # (n, even_width)
-        if packed and self.even_width == self.width:
+        if packed and layout.even_width == width:
             buf = parts.reshape(-1)
         else:
-            buf = torch.zeros(n * self.width, dtype=dtype, device=comm_device_of(self.mesh))
+            buf = torch.zeros(n * width, dtype=dtype, device=comm_device_of(self.mesh))
             if packed:
-                buf.view(n, self.width)[:, :self.even_width].copy_(parts)
+                buf.view(n, width)[:, :layout.even_width].copy_(parts)
         for k, s in flat:
             if packed and s.even_rows:
                 continue
             g = self._grad_parts(s, grads[k], local)
             if g is None:
                 continue
+            lo = offsets[k]
             if s.even_rows:   # split on dim 0 in equal pieces: member m's piece is the m-th run of the flat gradient
-                buf.view(n, self.width)[:, s.offset:s.offset + s.sizes[0]].copy_(g.reshape(n, s.sizes[0]))
+                buf.view(n, width)[:, lo:lo + s.sizes[0]].copy_(g.reshape(n, s.sizes[0]))
                 continue
             start = 0
             for m in range(n):   # member m's piece of the gathered gradient, along the split dim
                 length = s.shapes[m][s.dim] if s.shapes[m] else 0
                 piece = g.narrow(s.dim, start, length)
-                buf[m * self.width + s.offset:][:s.sizes[m]].view(s.shapes[m]).copy_(piece)
+                buf[m * width + lo:][:s.sizes[m]].view(s.shapes[m]).copy_(piece)
                 start += length
         done = set()
         for group in self.groups:   # one redistribution per group where its gradients line up
@@ -299,27 +314,44 @@ class Unit:
                 g = self._global_grad(s, grads[k], local)
                 out[k] = _cast(redistribute_raw(g, s.stored, async_op=True, snapshot=False), s.param.dtype)
         log, name, axis, rep = self.schedule.log, self.name, self.axis, self.replicate_axes
-        numels = self.numels
+        numels = layout.numels
 
         def run() -> torch.Tensor:
             before = len(comm.counters.calls)
             seg = comm.reduce_scatter(buf, (axis,), "sum", numels=numels) \
-                if self.width else buf[:0]
+                if width else buf[:0]
             if rep and seg.numel():
                 seg = comm.all_reduce(seg, rep, "sum", inplace=True)
             log.append(("reduce_scatter", name, "backward", tuple(comm.counters.calls[before:])))
             return seg
 
-        seg = pending.submit(comm, run, (self.width,), dtype, buf.device)
+        seg = pending.submit(comm, run, (width,), dtype, buf.device)
         for k, s in flat:
             if grads[k] is None:
                 continue
-            lo, shape, want = s.offset, s.shapes[me], s.param.dtype
+            lo, shape, want = offsets[k], s.shapes[me], s.param.dtype
             local = seg.then(lambda v, lo=lo, shape=shape, want=want: v[lo:lo + int(torch.Size(shape).numel())]
                              .view(shape).to(want), shape, want)
             out[k] = GlobalTensor(local, self.mesh, s.stored, tuple(s.param.shape))
         self.schedule.log.append(("issue_reduce_scatter", self.name, "backward"))
         return tuple(out)
+
+    def grad_layout(self) -> _GradLayout:
+        """The flat gradient buffer's layout for the slots' current requires_grad flags (made once per flags;
+        the flags are the module's, the same on every rank)."""
+        key = tuple(s.param.requires_grad for s in self.slots)
+        found = self.grad_layouts.get(key)
+        if found is None:
+            live = sorted(((k, s) for k, s in enumerate(self.slots) if s.flat and s.param.requires_grad),
+                          key=lambda ks: ks[1].offset)
+            offsets, width = {}, 0
+            for k, s in live:
+                offsets[k], width = width, width + max(s.sizes, default=0)
+            even = [(k, s) for k, s in live if s.even_rows]
+            numels = [sum(s.sizes[m] for _, s in live) for m in range(self.mesh.shape[self.axis])]
+            found = self.grad_layouts[key] = _GradLayout(live, offsets, width, even,
+                                                         sum(s.sizes[0] for _, s in even), numels)
+        return found
 
     def _reduce_group(self, g: _Group, grads: tuple[Optional[torch.Tensor], ...],
                       out: list[Optional[torch.Tensor]], local: bool = False) -> list[int]:
@@ -479,11 +511,22 @@ class _UnitGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: Unit, local: bool, *stored: torch.Tensor):  # type: ignore[override]
         ctx.unit, ctx.local = unit, local
-        return unit.gathered(local)
+        out = unit.gathered(local)
+        # a frozen parameter's gathered copy takes no gradient (none computed, none reduced: as FSDP2), and
+        # the others' missing gradients are zeros made here (the reduction needs every rank's part)
+        ctx.frozen = tuple(not p.requires_grad for p in stored)
+        ctx.mark_non_differentiable(*[g for g, frozen in zip(out, ctx.frozen) if frozen])
+        ctx.set_materialize_grads(False)
+        return out
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
         unit: Unit = ctx.unit
+        if any(g is None and not frozen for g, frozen in zip(grads, ctx.frozen)):   # a parameter the graph missed
+            like = unit.gathered(ctx.local)
+            grads = tuple(torch.zeros_like(t) if g is None and not frozen else g
+                          for g, t, frozen in zip(grads, like, ctx.frozen))
+        grads = tuple(None if frozen else g for g, frozen in zip(grads, ctx.frozen))
         out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
         _place(unit)   # the stored parameters again
