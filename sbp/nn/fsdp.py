@@ -151,7 +151,7 @@ class Unit:
         self._gathered_bytes: Optional[int] = None
         # the stored parameters' version counters when the gather was issued: a gather issued before an
         # in-place change (optimizer step, load_state_dict) is stale and is dropped (`unshard`)
-        self.versions: tuple[tuple[int, int], ...] = ()
+        self.versions: tuple[tuple[int, int, int], ...] = ()
         # id(stored param) -> the gathered tensor forward bound: bound again for backward, where activation
         # checkpointing recomputes the forward (their storage is freed and refilled with the unit's)
         self.bound: Optional[dict[int, torch.Tensor]] = None
@@ -210,11 +210,12 @@ class Unit:
             matrix = GlobalTensor(side, self.mesh, g.stored, (g.rows, g.width))
             self.grouped.append(redistribute_raw(matrix, g.compute, async_op=True, snapshot=False))
 
-    def current_versions(self) -> tuple[tuple[int, int], ...]:
+    def current_versions(self) -> tuple[tuple[int, int, int], ...]:
         """The stored parameters' version counters and their local tensors' (in-place changes bump them: the
         optimizer's through the parameter, `sbp.load`'s and ``p.to_local()``'s through the local; writes through
-        ``p.data`` bump neither, as autograd does not see them either)."""
-        return tuple((s.param._version, s.param._local._version) for s in self.slots)
+        ``p.data`` bump neither, as autograd does not see them either), and which local tensor each holds (a
+        new one after ``model.double()`` / ``model.to(...)``, which swap it)."""
+        return tuple((s.param._version, s.param._local._version, id(s.param._local)) for s in self.slots)
 
     def unshard(self, phase: str) -> None:
         """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
@@ -1089,7 +1090,7 @@ def _local_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             unit.batch_lengths[t.to_local().shape[0]] = t.shape[0]
         return t.to_local()
 
-    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+    return tree_map(convert, args), tree_map(convert, kwargs)
 
 
 def _global_outputs(unit: Unit, out: Any) -> Any:
@@ -1157,8 +1158,8 @@ def _even_batch(unit: Unit, args: tuple, kwargs: dict) -> bool:
 
 
 def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Plain tensors entering the root: the full batch, `S(0)` on the axis and the replicate axes (B after);
-    floating ones cast to `param_dtype`."""
+    """Plain tensors entering the root, also inside lists, tuples and dicts (``model({"x": x})``): the full
+    batch, `S(0)` on the axis and the replicate axes (B after); floating ones cast to `param_dtype`."""
     mesh = unit.mesh
 
     def convert(t: Any) -> Any:
@@ -1173,7 +1174,7 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return from_local(t, mesh, (Broadcast(),) * mesh.ndim).redistribute(pls)
         return distribute(t, mesh, pls)
 
-    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+    return tree_map(convert, args), tree_map(convert, kwargs)
 
 
 def _cast_inputs(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

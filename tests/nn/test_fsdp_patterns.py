@@ -451,3 +451,54 @@ def test_frozen_parameters_take_no_gradient_and_send_none():
                 assert torch.allclose(grads[name], want, atol=1e-12, rtol=0), name
         # per block and rank: half of the adapter's (16 + 16) and the unused layer's (64 + 8) float64s
         assert sent == [(16 + 16 + 64 + 8) // 2 * 8] * 2
+
+
+class _DictInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, batch):   # one dict argument, as transformers' models are often called
+        return self.out(torch.tanh(self.inp(batch["x"])))
+
+
+def _nested_inputs(mesh):
+    with _BUILD:
+        torch.manual_seed(0)
+        m = _DictInput()
+    sbp.nn.fully_shard(m, mesh, "dp", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x = torch.linspace(-1, 1, 20).reshape(4, 5)
+    nested = m({"x": x})
+    return nested.dtype, nested.placements, _full(nested)
+
+
+def test_the_roots_inputs_nested_in_dicts_are_the_batch_and_cast():
+    # before: only top-level arguments were laid out as the batch and cast to param_dtype: a float32 tensor in
+    # a dict reached the bfloat16 block (DTypeError); without param_dtype every rank computed the whole batch
+    with _BUILD:
+        torch.manual_seed(0)
+        ref = _DictInput().to(torch.bfloat16)
+    want = ref({"x": torch.linspace(-1, 1, 20).reshape(4, 5).to(torch.bfloat16)})
+    for dtype, placements, value in sbp.testing.spmd(_nested_inputs, (2,), names=("dp",)):
+        assert dtype == torch.bfloat16 and placements == (sbp.S(0),)
+        assert torch.allclose(value.float(), want.float(), atol=1e-2, rtol=0)
+
+
+def _converted_after_eval(mesh):
+    m = _make("plain").float()
+    sbp.nn.fully_shard(m[1], mesh, "dp")
+    sbp.nn.fully_shard(m, mesh, "dp")
+    with torch.no_grad():
+        m(X.float())   # an evaluation: the root keeps its gathered (float32) copies
+    m.double()
+    with torch.no_grad():
+        return _full(m(X))
+
+
+def test_a_dtype_conversion_after_an_evaluation_gathers_again():
+    # before: model.double() swapped the stored locals without bumping a version counter: the root's kept
+    # float32 copies were used again (DTypeError)
+    want = _make("plain").float().double()(X)
+    for got in sbp.testing.spmd(_converted_after_eval, (2,), names=("dp",)):
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, want, atol=1e-12, rtol=0)
