@@ -6,9 +6,10 @@
 (S(-1), B)
 """
 from . import hf
-from .fsdp import fully_shard
+from .fsdp import FullyShardedModule, UnshardHandle, fully_shard
 from .parallelize import parallelize
 from .styles import AllReduce, Colwise, Embedding, Packed, Replicated, Rowwise, SequenceParallel, Style
 
-__all__ = ["parallelize", "fully_shard", "Colwise", "Rowwise", "Embedding", "SequenceParallel", "Replicated",
+__all__ = ["parallelize", "fully_shard", "FullyShardedModule", "UnshardHandle", "Colwise", "Rowwise", "Embedding",
+           "SequenceParallel", "Replicated",
            "AllReduce", "Packed", "Style", "hf"]

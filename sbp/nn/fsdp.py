@@ -155,6 +155,10 @@ class Unit:
         # id(stored param) -> the gathered tensor forward bound: bound again for backward, where activation
         # checkpointing recomputes the forward (their storage is freed and refilled with the unit's)
         self.bound: Optional[dict[int, torch.Tensor]] = None
+        # set_requires_gradient_sync(False): backward keeps the gradients unreduced (summed over the steps, each
+        # slot's this-rank part P(sum) on the axis) until a backward with sync reduces them with its own
+        self.gradient_sync = True
+        self.held: Optional[list[Optional[GlobalTensor]]] = None
 
     # ---- gather --------------------------------------------------------------------------------
     def issue_gather(self, phase: str) -> None:
@@ -391,18 +395,35 @@ class Unit:
         return tuple(Partial("sum") if a == self.axis or a in self.replicate_axes else
                      (Broadcast() if isinstance(p, Partial) else p) for a, p in enumerate(s.compute))
 
-    def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor], local: bool) -> Optional[torch.Tensor]:
-        """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
-        if grad is None:
-            return None
-        if local and not isinstance(grad, GlobalTensor):   # this rank's part of the sum already
-            return grad.to(self.reduce_dtype) if self.reduce_dtype is not None else grad
-        g = _as_global(grad, self.mesh, s)
+    def _summed_grad(self, s: _Slot, grad: torch.Tensor, local: bool) -> GlobalTensor:
+        """The gathered gradient laid out `P(sum)` on the axis and the replicate axes (this rank's part of the
+        sum over the batch), in `reduce_dtype`."""
+        g = self._global_grad(s, grad, local)
         want = self._summed(s)
         if g.placements != want:
             g = redistribute_raw(g, want)
-        local = pending.ready(g._local)
-        return local.to(self.reduce_dtype) if self.reduce_dtype is not None else local
+        return _cast(g, self.reduce_dtype)
+
+    def _grad_parts(self, s: _Slot, grad: Optional[torch.Tensor], local: bool) -> Optional[torch.Tensor]:
+        """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
+        return None if grad is None else pending.ready(self._summed_grad(s, grad, local)._local)
+
+    def hold_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool) -> None:
+        """A backward without gradient sync: add this rank's parts of the gradients to the held ones, no
+        communication (the tensor-parallel reductions a gradient needs aside)."""
+        self.held = self.with_held(grads, local)
+
+    def with_held(self, grads: tuple[Optional[torch.Tensor], ...], local: bool) -> list[Optional[GlobalTensor]]:
+        """The gradients plus the held ones (which are let go), each in its `P(sum)` layout."""
+        held, self.held = self.held or [None] * len(self.slots), None
+        out: list[Optional[GlobalTensor]] = []
+        for s, g, h in zip(self.slots, grads, held):
+            part = None if g is None else self._summed_grad(s, g, local)
+            if part is not None and h is not None:
+                part = GlobalTensor(pending.ready(h._local) + pending.ready(part._local), self.mesh, h._placements,
+                                    tuple(h.shape))
+            out.append(h if part is None else part)
+        return out
 
 
 def _compute_shape(s: _Slot) -> tuple[int, ...]:
@@ -528,6 +549,13 @@ class _UnitGather(torch.autograd.Function):
             grads = tuple(torch.zeros_like(t) if g is None and not frozen else g
                           for g, t, frozen in zip(grads, like, ctx.frozen))
         grads = tuple(None if frozen else g for g, frozen in zip(grads, ctx.frozen))
+        if not unit.gradient_sync:   # held, reduced by a later backward with sync
+            unit.hold_grads(grads, ctx.local)
+            unit.reshard()
+            _place(unit)
+            return (None, None) + (None,) * len(grads)
+        if unit.held is not None:
+            grads = tuple(unit.with_held(grads, ctx.local))
         out = unit.reduce_grads(grads, ctx.local)
         unit.reshard()
         _place(unit)   # the stored parameters again
@@ -713,8 +741,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
         raise MeshError(f"fully_shard: the mesh has no axis {axis!r} to shard on (mesh shape {mesh.shape}, axis names "
                         f"{mesh.names}); name the data-parallel axis: fully_shard(module, mesh, axis=...)") from e
     if module in _UNITS:
-        raise SbpError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
-                       f"(blocks first, then the root)")
+        original = type(module).__bases__[1].__name__   # (the class before fully_shard made it FSDP<class>)
+        raise SbpError(f"fully_shard was already applied to this {original}; apply it once per module (blocks "
+                       f"first, then the root)")
     if reshard_after_forward is None:   # FSDP2's default: resharded after forward but in the root, as True is here
         reshard_after_forward = True
     if not isinstance(reshard_after_forward, bool):
@@ -744,6 +773,7 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
                            f"{[u.name for u in inner]} and parameters {tp} (valid: a block on a data-parallel mesh)")
         unit.local_batch = True
     _UNITS[module] = unit
+    _add_methods(module)
     refuse(module, "copy.deepcopy or torch.save of a fully_shard module is not supported (its units hold gathers, "
                    "hooks and a schedule bound to the original), as with FSDP2: deep-copy the model before "
                    "fully_shard; move weights with state_dict() / load_state_dict() (per-rank files) or "
@@ -756,6 +786,98 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     unit.schedule.units = [unit] + [u for u in inner]
     _install_hooks(unit)
     return module
+
+
+class FullyShardedModule:
+    """What `fully_shard` adds to the module it is applied to, as FSDP2's ``FSDPModule``: the module's class
+    becomes ``FSDP<its class>``, a subclass of both (``isinstance(model, LlamaForCausalLM)`` stays true, and
+    transformers names the architecture without the prefix when it saves the config)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduce-scatters the gradients (default True). With False -- the micro-batches of a
+        gradient accumulation but the last -- each unit keeps its gradients unreduced (the gathered size,
+        summed over the steps) and sends nothing; the next backward with sync reduces them with its own, so
+        ``.grad`` gets the sum over all the micro-batches. `recurse`: also the units inside this one.
+
+        >>> import torch, sbp, sbp.testing
+        >>> sbp.load_torch_layers()
+        >>> def fn(mesh):
+        ...     m = sbp.nn.fully_shard(torch.nn.Linear(2, 2, bias=False), mesh)
+        ...     for step, x in enumerate([torch.ones(2, 2), 2 * torch.ones(2, 2)]):
+        ...         m.set_requires_gradient_sync(step == 1)    # reduced once, in the last backward
+        ...         m(x).sum().backward()
+        ...     return m.weight.grad.full().tolist()
+        >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+        [[6.0, 6.0], [6.0, 6.0]]
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise SbpError(f"set_requires_gradient_sync needs True or False, got {requires_gradient_sync!r}")
+        for unit in _units_under(self, recurse):
+            unit.gradient_sync = requires_gradient_sync
+
+    def unshard(self, async_op: bool = False) -> "Optional[UnshardHandle]":
+        """Gather this unit's parameters now (the next forward uses them without gathering); with `async_op`
+        the gather is issued and a handle returned whose ``wait()`` waits for it.
+
+        >>> import torch, sbp, sbp.testing
+        >>> sbp.load_torch_layers()
+        >>> def fn(mesh):
+        ...     m = sbp.nn.fully_shard(torch.nn.Linear(2, 2), mesh)
+        ...     m.unshard(async_op=True).wait()
+        ...     gathered = sbp.nn.fsdp.unit_of(m).state
+        ...     m.reshard()
+        ...     return gathered, sbp.nn.fsdp.unit_of(m).state
+        >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+        ('gathered', 'sharded')
+        """
+        unit = unit_of(self)
+        if async_op:
+            if unit.state == "gathered" and unit.versions != unit.current_versions():
+                unit.reshard()
+            unit.issue_gather("unshard")
+            return UnshardHandle(unit)
+        unit.unshard("unshard")
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered copies (a gather on the way is waited for first); the module holds its
+        stored parameters again. The next forward gathers anew."""
+        unit = unit_of(self)
+        if unit.state == "gathering":
+            unit._wait_gather()
+        unit.reshard()
+        _place(unit)
+
+
+class UnshardHandle:
+    """The gather `FullyShardedModule.unshard(async_op=True)` issued; ``wait()`` waits for it."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        """Wait for the gather (nothing to do once the unit holds its gathered copies)."""
+        if self._unit.state == "gathering":
+            self._unit._wait_gather()
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _add_methods(module: nn.Module) -> None:
+    """Make `module` an instance of ``FSDP<its class>`` (`FullyShardedModule` first), as FSDP2 does."""
+    cls = type(module)
+    if issubclass(cls, FullyShardedModule):
+        return
+    sharded = _SHARDED_CLASSES.get(cls)
+    if sharded is None:
+        sharded = _SHARDED_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FullyShardedModule, cls),
+                                               {"__module__": cls.__module__})
+    module.__class__ = sharded
+
+
+def _units_under(module: nn.Module, recurse: bool) -> list[Unit]:
+    return [_UNITS[m] for m in (module.modules() if recurse else (module,)) if m in _UNITS]
 
 
 def _modules_outside(module: nn.Module, inner: set[int]):

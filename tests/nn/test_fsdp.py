@@ -812,6 +812,8 @@ def _bad(mesh, case: str):
         copy.deepcopy(net)   # the unit's hooks and gathers would be shared with the original
     elif case == "reshard_int":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reshard_after_forward=2)   # FSDP2's int form
+    elif case == "sync_str":
+        sbp.nn.fully_shard(net, mesh, "dp").set_requires_gradient_sync("no")   # truthy: would keep syncing
     elif case == "local_batch_str":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch="False")   # truthy: would skip the check
 
@@ -823,6 +825,7 @@ def _bad(mesh, case: str):
     ("local_tp", "local_batch=True. computes on plain tensors"),
     ("reshard_int", "reshard_after_forward=2.: needs True, False or None"),
     ("local_batch_str", "local_batch='False'.: needs None"),
+    ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
 ])
 def test_bad_input(case: str, message: str) -> None:
@@ -835,3 +838,86 @@ def test_bad_input(case: str, message: str) -> None:
 def test_training_on_gloo() -> None:
     _check_training("fsdp_auto", UNEVEN, backend="gloo")   # step 1 global (verified on gloo), then local shares
     _check_training("fsdp_tp", EVEN, backend="gloo")
+
+
+# ---- FSDP2's module methods: gradient accumulation without sync, unshard / reshard ---------------------------
+def _accumulate(mesh, shapes: dict, layout: str, micro: int, sync_each: bool):
+    net, x, y = _model(shapes)
+    _shard(net, mesh, layout)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    batch_pls = ", ".join("S(0)" if name in ("rep", "dp") else "B" for name in mesh.names)
+    sent = []
+    for _ in range(2):
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            if not sync_each:
+                net.set_requires_gradient_sync(i == micro - 1)
+            loss = ((net(xs) - sbp.distribute(ys, mesh, batch_pls)) ** 2).sum() / x.shape[0]
+            loss.backward()
+            sent.append(sum(e[0] == "issue_reduce_scatter" for e in schedule_log(net)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full().detach() for n, p in net.named_parameters()}, sent, type(net).__name__, isinstance(net, Net)
+
+
+def _accumulated_reference(shapes: dict) -> Net:
+    """The model after two SGD steps, each over two micro-batches, on one process."""
+    net, x, y = _model(shapes)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (((net(xs) - ys) ** 2).sum() / x.shape[0]).backward()
+        opt.step()
+        opt.zero_grad()
+    return net
+
+
+@pytest.mark.parametrize("layout, shapes", [("fsdp_auto", EVEN), ("fsdp_tp", UNEVEN), ("fsdp_tp_global", EVEN)],
+                         ids=["dp4-local", "dp-tp-uneven", "dp-tp-global"])
+def test_gradient_accumulation_without_sync_reduces_once(layout: str, shapes: dict) -> None:
+    # FSDP2's set_requires_gradient_sync(False) on the micro-batches but the last: no reduce_scatter there,
+    # the held gradients reduced with the last one's; the model trains as one process over the whole batch
+    net = _accumulated_reference(shapes)
+    shape, names = MESHES[layout]
+    for params, sent, name, is_net in sbp.testing.spmd(
+            functools.partial(_accumulate, shapes=shapes, layout=layout, micro=2, sync_each=False), shape,
+            names=names, timeout=120):
+        assert name == "FSDPNet" and is_net
+        assert sent == [0, 3, 0, 3]   # three units: each reduce-scatters in the synced backward only
+        for n, p in net.named_parameters():
+            assert torch.allclose(params[n], p.detach(), atol=1e-10, rtol=0), n
+
+
+@pytest.mark.gloo
+def test_gradient_accumulation_on_gloo() -> None:
+    net = _accumulated_reference(EVEN)
+    fn = functools.partial(_accumulate, shapes=EVEN, layout="fsdp_tp", micro=2, sync_each=False)
+    for params, sent, _, _ in sbp.testing.spmd(fn, (2, 2), names=("dp", "tp"), backend="gloo", timeout=120):
+        assert sent == [0, 3, 0, 3]
+        for n, p in net.named_parameters():
+            assert torch.allclose(params[n], p.detach(), atol=1e-10, rtol=0), n
+
+
+def _unshard_reshard(mesh):
+    net, x, _ = _model(EVEN)
+    _shard(net, mesh, "fsdp_auto")
+    block = net.blocks[0]
+    states = [unit_of(block).state]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    states.append(unit_of(block).state)
+    out = net(x).full()
+    block.reshard()
+    states.append(unit_of(block).state)
+    block.unshard()
+    states.append(unit_of(block).state)
+    net.reshard()
+    return states, out, any(block.fc1.weight is s.param for s in unit_of(block).slots)
+
+
+def test_unshard_and_reshard_as_fsdp2() -> None:
+    net, x, _ = _model(EVEN)
+    want = net(x)
+    for states, out, stored in sbp.testing.spmd(_unshard_reshard, (4,), names=("dp",)):
+        assert states == ["sharded", "gathered", "sharded", "gathered"]
+        assert stored   # after reshard() the module holds its stored parameter again
+        assert torch.allclose(out, want, atol=1e-12, rtol=0)
