@@ -13,7 +13,9 @@ P(max|min) where `ANTITONE` (neg)      P(min|max)   (floating dtypes: integer ne
 A Partial signature needs every argument of the group to be a tensor (a plain tensor is B, which
 becomes Partial for free) or a scalar 0; `x + 1` on P(sum) therefore first reduces `x`. Non-linear ops
 (exp, gelu, comparisons, ...) have no P(sum) signature: their Partial inputs are reduced first (the
-planner picks the cheaper of reduce_scatter to a split or all_reduce to B).
+planner picks the cheaper of reduce_scatter to a split or all_reduce to B). A Partial argument also needs
+its parts to survive the conversion to the result's dtype (`sbp.ops.spec.keeps_partial`): `x * 0.5` of an
+int64 P(sum) is float32 and first reduces `x`; `.long()` of a P(max) float first reduces it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from ..values.placement import Split
-from .spec import PMAX, PMIN, PSUM, B, OpSpec, Ref, Rule, Sig  # noqa: F401 (Ref: doctests)
+from .spec import PMAX, PMIN, PSUM, B, OpSpec, Ref, Rule, Sig, converts_parts, keeps_partial  # noqa: F401 (Ref: doctests)
 
 # "name.overload" (in-place "_" dropped) -> groups of arguments the op is jointly linear in
 LINEAR: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -145,12 +147,16 @@ def _scalar_zero(value: Any) -> bool:
 DIVISIONS = ("div.Tensor", "div.Scalar", "true_divide.Tensor")
 
 
-def _group_ok(spec: OpSpec, name: str, group: tuple[str, ...]) -> bool:
-    """Every argument of the group is a tensor or a scalar zero, and at least one is a tensor; no scalar
-    outside the group is inf or nan (``inf * (a + b)`` is not ``inf * a + inf * b`` when a part is 0 or
-    the parts' signs differ), and a division's scalar divisor is not zero (for the same reason)."""
+def _group_ok(spec: OpSpec, name: str, group: tuple[str, ...], axis: int) -> bool:
+    """Every argument of the group is a tensor or a scalar zero, and at least one is a tensor; every tensor's
+    parts survive the conversion to the result's dtype (`_carries`: an int64 P(sum) times 0.5 is float32,
+    and parts 2**40 + 1 and -2**40 converted one by one sum to 0); no scalar outside the group is inf or
+    nan (``inf * (a + b)`` is not ``inf * a + inf * b`` when a part is 0 or the parts' signs differ), and a
+    division's scalar divisor is not zero (for the same reason)."""
     values = [spec.values.get(arg) for arg in group]
     if not any(isinstance(v, Ref) for v in values) or not all(isinstance(v, Ref) or _scalar_zero(v) for v in values):
+        return False
+    if not all(_carries(spec, arg, PSUM, axis) for arg, v in zip(group, values) if isinstance(v, Ref)):
         return False
     for arg, v in spec.values.items():
         if arg not in group and type(v) is float and v - v != 0:
@@ -158,33 +164,45 @@ def _group_ok(spec: OpSpec, name: str, group: tuple[str, ...]) -> bool:
     return not (name in DIVISIONS and _scalar_zero(spec.values.get("other")))
 
 
-def partial_sigs(spec: OpSpec, name: str, nout: int) -> list[Sig]:
-    """The Partial signatures of op `name` from the LINEAR / MONOTONE / ANTITONE tables.
+def _carries(spec: OpSpec, arg: str, p, axis: int) -> bool:
+    """Argument `arg` is a tensor that may be laid out as `p` on `axis` and converted to the result's dtype
+    part by part (`converts_parts`)."""
+    t = spec.tensor(arg)
+    return t is not None and converts_parts(t, axis, p, spec.out.dtype)
+
+
+def partial_sigs(spec: OpSpec, name: str, nout: int, axis: int) -> list[Sig]:
+    """The Partial signatures of op `name` on mesh axis `axis` from the LINEAR / MONOTONE / ANTITONE
+    tables, for arguments whose parts survive the conversion to the result's dtype (`_carries`).
 
     >>> from sbp.ops.spec import TensorMeta
-    >>> ins = (TensorMeta((4,), torch.float32), TensorMeta((4,), torch.float32))
+    >>> ins = (TensorMeta((4,), torch.float32, (PSUM,)), TensorMeta((4,), torch.float32, (B,)))
     >>> spec = OpSpec(torch.ops.aten.mul.Tensor, (2,), {"self": Ref(0), "other": Ref(1)}, ins,
     ...               (TensorMeta((4,), torch.float32),))
-    >>> partial_sigs(spec, "mul.Tensor", 1)
+    >>> partial_sigs(spec, "mul.Tensor", 1, 0)
     [(P(sum), B) -> (P(sum),), (B, P(sum)) -> (P(sum),)]
+    >>> spec.inputs = (TensorMeta((4,), torch.int64, (PSUM,)), ins[1])    # int64 parts to float32: not exact
+    >>> partial_sigs(spec, "mul.Tensor", 1, 0)
+    [(B, P(sum)) -> (P(sum),)]
     """
     out_dtype = spec.out.dtype
     sigs = []
     if out_dtype is not torch.bool:
         for group in LINEAR.get(name, ()):
-            if _group_ok(spec, name, group):
+            if _group_ok(spec, name, group, axis):
                 sigs.append(spec.sig({g: PSUM for g in group}, (PSUM,) * nout))
     if out_dtype.is_complex or out_dtype is torch.bool:
         return sigs
     for arg in MONOTONE.get(name, ()):
-        if isinstance(spec.values.get(arg), Ref):
-            sigs += [spec.sig({arg: p}, (p,) * nout) for p in (PMAX, PMIN)]
+        sigs += [spec.sig({arg: p}, (p,) * nout) for p in (PMAX, PMIN) if _carries(spec, arg, p, axis)]
     if name in JOINT:
         p = JOINT[name]
-        sigs.append(spec.sig({"self": p, "other": p}, (p,) * nout))
+        if _carries(spec, "self", p, axis) and _carries(spec, "other", p, axis):
+            sigs.append(spec.sig({"self": p, "other": p}, (p,) * nout))
     if out_dtype.is_floating_point:   # integer neg wraps (-(-128) is -128 in int8, -x of uint8 is 256 - x)
         for arg in ANTITONE.get(name, ()):
-            sigs += [spec.sig({arg: PMAX}, (PMIN,) * nout), spec.sig({arg: PMIN}, (PMAX,) * nout)]
+            if _carries(spec, arg, PMAX, axis):
+                sigs += [spec.sig({arg: PMAX}, (PMIN,) * nout), spec.sig({arg: PMIN}, (PMAX,) * nout)]
     return sigs
 
 
@@ -198,7 +216,7 @@ def pointwise_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     [(S(0),) -> (S(0),), (B,) -> (B,), (P(sum),) -> (P(sum),), (P(max),) -> (P(min),), (P(min),) -> (P(max),)]
     """
     nout = len(spec.outputs)
-    return broadcast_sigs(spec, nout) + partial_sigs(spec, op_name(spec.func), nout)
+    return broadcast_sigs(spec, nout) + partial_sigs(spec, op_name(spec.func), nout, axis)
 
 
 POINTWISE = Rule(pointwise_sigs, doc="S(d)..->S(d) (broadcast inputs B); B..->B; P(sum) on a linear group; "
@@ -207,36 +225,21 @@ POINTWISE = Rule(pointwise_sigs, doc="S(d)..->S(d) (broadcast inputs B); B..->B;
 
 # ---- dtype casts and copies ------------------------------------------------------------------------------------
 def _to_copy_sigs(spec: OpSpec, axis: int) -> list[Sig]:
-    src, dst = spec.inputs[0].dtype, spec.out.dtype
-    sigs = broadcast_sigs(spec, 1)
-    if src == dst or _widens(src, dst):
-        sigs.append(Sig((PSUM,), (PSUM,)))   # rounding each part would not sum to the rounded value
-    if dst is not torch.bool and not dst.is_complex and not src.is_complex and not _wraps(src, dst):
-        sigs += [Sig((PMAX,), (PMAX,)), Sig((PMIN,), (PMIN,))]  # rounding and truncation are monotone
-    return sigs
+    """S and B kept; a Partial kept where converting each part gives parts of the converted value
+    (`keeps_partial`: P(sum) through exact casts, P(max|min) through monotone ones), else reduced first.
 
-
-def _wraps(src: torch.dtype, dst: torch.dtype) -> bool:
-    """An integer cast that does not keep every value (narrower, or signed <-> unsigned): it wraps around,
-    so it is not monotone (int64 200 -> int8 -56, int64 -1 -> uint8 255).
-
-    >>> _wraps(torch.int64, torch.int8), _wraps(torch.int8, torch.uint8), _wraps(torch.uint8, torch.int16)
-    (True, True, False)
+    >>> from sbp.ops.spec import TensorMeta
+    >>> cast = lambda a, b: OpSpec(torch.ops.aten._to_copy.default, (2,), {}, (TensorMeta((3,), a),),
+    ...                           (TensorMeta((3,), b),))
+    >>> _to_copy_sigs(cast(torch.float32, torch.float64), 0)[2:], _to_copy_sigs(cast(torch.float64, torch.int64), 0)[2:]
+    ([(P(sum),) -> (P(sum),), (P(max),) -> (P(max),), (P(min),) -> (P(min),)], [])
     """
-    integral = lambda t: not t.is_floating_point and not t.is_complex and t is not torch.bool
-    return integral(src) and integral(dst) and torch.promote_types(src, dst) != dst
+    src, dst = spec.inputs[0].dtype, spec.out.dtype
+    return broadcast_sigs(spec, 1) + [Sig((p,), (p,)) for p in (PSUM, PMAX, PMIN) if keeps_partial(p, src, dst)]
 
 
-def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Every value of `src` is exact in `dst` (float16/bfloat16 -> float32 -> float64, complex likewise)."""
-    rank = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-    if src in rank and dst in rank:
-        return rank[src] < rank[dst]
-    return (src, dst) == (torch.complex64, torch.complex128)
-
-
-TO_COPY = Rule(_to_copy_sigs, doc="S/B kept; P(sum) when the dtype is kept or widened; P(max|min) unless ->bool or "
-                                   "a wrapping integer cast")
+TO_COPY = Rule(_to_copy_sigs, doc="S/B kept; P(sum) through exact casts (kept or widened dtype); P(max|min) through "
+                                   "monotone ones (not float->int, a narrowing or sign-changing int cast, ->bool)")
 
 
 def _identity_sigs(spec: OpSpec, axis: int) -> list[Sig]:

@@ -18,7 +18,9 @@ topk, prod, all, any
 ==========================  =========================  =======================  ====================
 
 `mean` computes ``sum(local) / N`` with N the *global* number of reduced elements, so it is exact on
-uneven shards; an empty shard of amax/amin contributes the op's identity (-inf / +inf).
+uneven shards; an empty shard of amax/amin contributes the op's identity (-inf / +inf). A Partial input
+passes only where its parts survive the conversion to the result's dtype (`keeps_partial`: ``dtype=`` of
+sum, mean and cumsum; int32 sums to int64): a narrowing ``dtype=`` reduces it first.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 from ..runtime.executor import identity
 from ..values.placement import Partial, Split
 from .pointwise import op_name
-from .spec import PMAX, PMIN, PSUM, B, Call, OpSpec, Rule, Sig, default_run, dims_of
+from .spec import PMAX, PMIN, PSUM, B, Call, OpSpec, Rule, Sig, default_run, dims_of, keeps_partial
 
 aten = torch.ops.aten
 
@@ -86,7 +88,9 @@ class AlongDims:
             out_d = d if keep else d - sum(1 for r in dims if r < d)
             sigs.append(Sig((Split(d),) + rest, (Split(out_d),) * nout))
         sigs.append(Sig((B,) + rest, (B,) * nout))
-        sigs += [Sig((p,) + rest, (p,) * nout) for p in self.partial_in]
+        # a Partial passes where its parts survive the conversion to the result's dtype (`x.sum(0, dtype=
+        # torch.float16)` of P(sum) float64 parts would round each part first): elsewhere it is reduced first
+        sigs += [Sig((p,) + rest, (p,) * nout) for p in self.partial_in if keeps_partial(p, x.dtype, spec.out.dtype)]
         return sigs
 
     def rule(self) -> Rule:

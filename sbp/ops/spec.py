@@ -248,6 +248,90 @@ def splits(pls: Sequence[Placement], dim: int) -> bool:
     return any(isinstance(p, Split) and p.dim == dim for p in pls)
 
 
+# ---- dtype conversions of Partial parts ------------------------------------------------------------------------
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   # with +-inf, rounding to nearest
+_COMPLEX_PART = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def _integral(t: torch.dtype) -> bool:
+    return not t.is_floating_point and not t.is_complex and t is not torch.bool
+
+
+def _exact(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every value of `src` is a value of `dst`."""
+    if src == dst or src is torch.bool:
+        return True
+    if dst.is_complex:   # compare with the real part's dtype (real -> complex, complex -> complex)
+        part = _COMPLEX_PART.get(dst)
+        return part is not None and _exact(_COMPLEX_PART.get(src, src), part)
+    if src.is_complex or dst is torch.bool:
+        return False
+    if _integral(src):
+        s = torch.iinfo(src)
+        if _integral(dst):
+            return torch.iinfo(dst).min <= s.min and s.max <= torch.iinfo(dst).max
+        # every integer up to 2**digits is exact in a float of `digits` significant bits
+        return dst in _FLOATS and max(-s.min, s.max) <= 2 / torch.finfo(dst).eps
+    if src in _FLOATS and dst in _FLOATS:
+        a, b = torch.finfo(src), torch.finfo(dst)
+        return a.eps >= b.eps and a.max <= b.max and a.smallest_normal >= b.smallest_normal
+    return False
+
+
+def _monotone(src: torch.dtype, dst: torch.dtype) -> bool:
+    """The conversion is non-decreasing over every value of `src`, +-inf included."""
+    if src.is_complex or dst.is_complex:   # no order
+        return src == dst
+    if src == dst or src is torch.bool:
+        return True
+    if dst is torch.bool:
+        return False
+    if dst in _FLOATS:
+        return src in _FLOATS or _integral(src)      # rounding (and overflow to +-inf) keeps the order
+    return _integral(src) and _exact(src, dst)       # float -> int: +-inf, nan and out of range wrap
+
+
+def keeps_partial(p: Partial, src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting the parts of a `p` tensor from `src` to `dst` one by one gives parts of the
+    converted value: for P(sum) the conversion must be exact (every `src` value kept: widening, bool ->
+    any, int8/int16 -> float32, int32 -> float64, real -> complex as wide); for P(max|min) non-decreasing
+    over all values, +-inf (an empty shard's identity) included (float -> float, int -> float, int -> an
+    int that holds it, bool -> any). Where it is not, a rule must reduce the Partial input first.
+
+    ======================  ======  ==========  ==========================================
+    src -> dst              P(sum)  P(max|min)  a part that breaks it
+    ======================  ======  ==========  ==========================================
+    float32 -> float64      yes     yes
+    float64 -> float32      no      yes         parts 1 + 2**-30 and -1 round to 1 and -1
+    int64 -> float32        no      yes         parts 2**40 + 1 and -2**40
+    float64 -> int64        no      no          +inf (a P(min) identity) -> INT64_MIN
+    int64 -> int8           no      no          200 -> -56
+    float32 -> bool         no      no          -1.0 -> True > 0.0 -> False
+    ======================  ======  ==========  ==========================================
+
+    >>> keeps_partial(PSUM, torch.int32, torch.float64), keeps_partial(PSUM, torch.int64, torch.float32)
+    (True, False)
+    >>> keeps_partial(PMAX, torch.int64, torch.float32), keeps_partial(PMIN, torch.float64, torch.int64)
+    (True, False)
+    """
+    if src == dst:
+        return True
+    return _exact(src, dst) if p.op == "sum" else _monotone(src, dst)
+
+
+def converts_parts(t: TensorMeta, axis: int, p: Partial, dst: torch.dtype) -> bool:
+    """Whether input `t`, laid out as `p` on mesh axis `axis`, may be converted to `dst` part by part: the
+    conversion keeps `p` (`keeps_partial`), or `t` is Broadcast there (the local move to `p` puts its whole
+    value into one part and zeros into the others, or into every part: each part converts as the value).
+
+    >>> converts_parts(TensorMeta((3,), torch.int64, (PSUM,)), 0, PSUM, torch.float32)
+    False
+    >>> converts_parts(TensorMeta((3,), torch.int64, (B,)), 0, PSUM, torch.float32)
+    True
+    """
+    return keeps_partial(p, t.dtype, dst) or t.placements[axis] == B
+
+
 def dims_of(value: Any, ndim: int) -> tuple[int, ...]:
     """Normalise a dim argument (an int, a list, or None/[] for every dim) to sorted non-negative dims.
 

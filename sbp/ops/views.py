@@ -41,7 +41,22 @@ from ..runtime.symbolic import block_of, hint_shape
 from ..tensor.global_tensor import GlobalTensor, logical_strides, notes_of
 from ..values.layout import block
 from ..values.placement import Split
-from .spec import ANY, PMAX, PMIN, PSUM, B, Call, Choice, OpSpec, Rule, Sig, dims_of, no_signatures, splits
+from .spec import (
+    ANY,
+    PMAX,
+    PMIN,
+    PSUM,
+    B,
+    Call,
+    Choice,
+    OpSpec,
+    Rule,
+    Sig,
+    converts_parts,
+    dims_of,
+    no_signatures,
+    splits,
+)
 
 aten = torch.ops.aten
 PARTIALS = (PSUM, PMAX, PMIN)
@@ -401,10 +416,14 @@ def _cat_sigs(spec: OpSpec, axis: int) -> list[Sig]:
         src = d - (stack and d > dim)
         ins = tuple(Split(src) if t.ndim == out.ndim - stack else B for t in spec.inputs)
         sigs.append(Sig(ins, (Split(d),)))
-    return sigs + _keep_partials(n, 1)
+    # cat promotes dtypes (int64 and float32 pieces give float32): a Partial passes where every piece's
+    # parts survive the conversion to the result's dtype
+    return sigs + [Sig((B,) * n, (B,))] + [Sig((p,) * n, (p,)) for p in PARTIALS
+                                            if all(converts_parts(t, axis, p, out.dtype) for t in spec.inputs)]
 
 
-CAT = Rule(_cat_sigs, doc="all S(d), d != dim -> S(d) (stack: shifted); all B; all P(op) -> P(op)")
+CAT = Rule(_cat_sigs, doc="all S(d), d != dim -> S(d) (stack: shifted); all B; all P(op) -> P(op) (where each "
+                          "piece's dtype conversion keeps it)")
 
 
 # ---- backward of slicing --------------------------------------------------------------------------------------------
@@ -484,17 +503,26 @@ ZERO = Rule(_keep_sigs, doc="keeps placements (zeros are valid under every place
 
 
 def _copy_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """`dst.copy_(src)`: src is laid out like dst, and the local copy converts it to dst's dtype. Where dst
+    is Partial and converting src's parts one by one would not give parts of the converted value (float64
+    P(sum) parts 0.6 + 0.6 truncated to int64 give 0, not 1; an S -> P(min) fill of +inf gives INT64_MIN),
+    src is written whole (B) into dst's local -- a Partial's local has the Broadcast shape -- and the
+    write-back lays the result out as dst's Partial (`sbp.ops.apply`: B -> P is a local move)."""
     dst, src = spec.inputs[0], spec.inputs[1]
+    rest = (B,) * (len(spec.inputs) - 2)
     p = dst.placements[axis]
     if isinstance(p, Split):
         k = p.dim - (dst.ndim - src.ndim)
         want = Split(k) if k >= 0 and src.shape[k] == dst.shape[p.dim] else B
+    elif p in PARTIALS and not converts_parts(src, axis, p, dst.dtype):
+        return [Sig((ANY, B) + rest, (B,))]
     else:
         want = p
-    return [Sig((ANY, want) + (B,) * (len(spec.inputs) - 2), (p,))]
+    return [Sig((ANY, want) + rest, (p,))]
 
 
-COPY = Rule(_copy_sigs, doc="dst keeps its placements; src is laid out like dst")
+COPY = Rule(_copy_sigs, doc="dst keeps its placements; src is laid out like dst (into a Partial dst whose dtype "
+                            "conversion would not keep the parts: written whole, then laid out as dst's Partial)")
 
 
 def _full_sigs(spec: OpSpec, axis: int) -> list[Sig]:

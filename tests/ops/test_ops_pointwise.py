@@ -202,3 +202,55 @@ def test_conjugate_views_and_complex_views(pls):
     full = torch.complex(randn((5, 3)), randn((5, 3), 1)).to(torch.complex128)
     check_op(lambda x: (x.conj().sum(0), x.conj().exp(), x.conj().imag, torch.view_as_real(x.conj().resolve_conj()),
                         torch.view_as_complex(torch.view_as_real(x) * 2)), [full], [pls], (4,))
+
+
+@pytest.mark.parametrize("cast", [torch.int64, torch.int32, torch.int16, torch.int8], ids=str)
+def test_partial_max_min_cast_from_float_to_integer_is_reduced_first(cast):
+    """float -> int is not monotone at +-inf, the identity an empty shard holds (+inf -> INT64_MIN,
+    -inf -> 0 in int8): the Partial is reduced first. float64 -> float32 is monotone and keeps it."""
+    value = torch.tensor([-3.5, 2.0, -7.25], dtype=torch.float64)
+
+    def rank(mesh):
+        out = []
+        for op, identity in (("max", float("-inf")), ("min", float("inf"))):
+            part = value if mesh.rank == 0 else torch.full((3,), identity, dtype=torch.float64)
+            x = sbp.from_local(part, mesh, f"P({op})", global_shape=(3,))
+            mesh.binding.counters.reset()
+            kept = x.float()
+            moved = mesh.binding.counters.received
+            with sbp.strict():
+                out.append((op, x.to(cast).full(), kept.placements, moved))
+        return out
+
+    for out in sbp.testing.spmd(rank, (2,)):
+        for op, got, kept, moved in out:
+            assert torch.equal(got, value.to(cast)), (op, got)
+            assert kept == (Partial(op),) and moved == 0
+
+
+def test_integer_partial_sum_in_a_floating_result_is_reduced_first():
+    """An int64 P(sum) times a float is floating: int64 parts 2**60 + 1 and -2**60 converted one by one lose
+    the 1 (float32 and float64 alike), so the Partial is reduced first. Exact conversions keep it: int64
+    times an int, and a Broadcast integer mixed into a float P(sum) (its value sits whole in one part)."""
+    big = 2 ** 60
+    value = torch.tensor([1, 3])
+    f64 = torch.tensor(0.5, dtype=torch.float64)
+    cases = {"mul_float": lambda x: x * 0.5, "div_int": lambda x: x / 2, "mul_f64_tensor": lambda x: x * f64,
+             "add_f64": lambda x: x + torch.zeros(2, dtype=torch.float64), "where": lambda x: torch.where(
+                 torch.tensor([True, False]), x, torch.tensor([0.25, 0.5], dtype=torch.float64))}
+
+    def rank(mesh):
+        parts = torch.tensor([big + 1, big + 3]) if mesh.rank == 0 else torch.tensor([-big, -big])
+        x = sbp.from_local(parts, mesh, "P(sum)", global_shape=(2,))
+        y = sbp.from_local(parts.to(torch.float64) / big, mesh, "P(sum)", global_shape=(2,))
+        mesh.binding.counters.reset()
+        kept = [x * 2, torch.where(torch.tensor([True, False]), y, torch.tensor(7)), y + torch.tensor([big, 1])]
+        moved = mesh.binding.counters.received
+        with sbp.strict():
+            got = {name: f(x).full() for name, f in cases.items()}
+        return got, [k.placements for k in kept], moved
+
+    for got, kept, moved in sbp.testing.spmd(rank, (2,)):
+        for name, f in cases.items():
+            assert torch.equal(got[name], f(value)), (name, got[name])
+        assert kept == [(Partial("sum"),)] * 3 and moved == 0

@@ -124,3 +124,34 @@ def test_pad_roll_repeat_count_nonzero_have_rules(case, mesh_shape):
 
     for pls, got in sbp.testing.spmd(fn, mesh_shape):
         assert pls == want_pls and torch.equal(got, f(full))
+
+
+def test_reduction_dtype_that_narrows_reduces_a_partial_sum_first():
+    """``sum/mean/cumsum(dtype=torch.float16)`` of a float64 P(sum): parts 1000.4 and -1000.3 would each round
+    to float16 first (0.5 for 0.1): the Partial is reduced first. A widening dtype (and int32's sum to
+    int64) keeps it and moves nothing."""
+    half = torch.float16
+    cases = {"sum_dim": lambda x: x.sum(0, dtype=half), "sum_all": lambda x: x.sum(dtype=half),
+             "mean_dim": lambda x: x.mean(0, dtype=half), "mean_all": lambda x: x.mean(dtype=half),
+             "cumsum": lambda x: x.cumsum(0, dtype=half)}
+    value = torch.tensor([[0.1, 0.1], [0.1, 0.1]], dtype=torch.float64)
+
+    def rank(mesh):
+        big = torch.tensor([[1000.3, 500.7], [0.2, 0.1]], dtype=torch.float64)
+        parts = value + big if mesh.rank == 0 else -big
+        x = sbp.from_local(parts, mesh, "P(sum)", global_shape=(2, 2))
+        n = sbp.from_local(torch.tensor([[2, 3], [4, 5]], dtype=torch.int32) * (1 - 2 * mesh.rank), mesh, "P(sum)",
+                           global_shape=(2, 2))
+        y = sbp.from_local(parts.float(), mesh, "P(sum)", global_shape=(2, 2))
+        mesh.binding.counters.reset()
+        kept = [y.sum(0, dtype=torch.float64), n.sum(0), n.cumsum(1)]
+        moved = mesh.binding.counters.received
+        with sbp.strict():
+            got = {name: f(x).full() for name, f in cases.items()}
+        return got, [k.placements for k in kept], [k.full() for k in kept[1:]], moved
+
+    for got, kept, ints, moved in sbp.testing.spmd(rank, (2,)):
+        for name, f in cases.items():
+            torch.testing.assert_close(got[name], f(value), rtol=0, atol=1e-3, msg=name)
+        assert kept == [(Partial("sum"),)] * 3 and moved == 0
+        assert all(i.dtype == torch.int64 and not i.any() for i in ints)   # the parts cancel
