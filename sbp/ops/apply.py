@@ -33,6 +33,7 @@ from .cache import SPEC_TOKENS, WARNED_OPS
 from .random import is_random
 from .spec import B, Call, Choice, OpSpec, default_run
 from .strict import is_strict
+from .through import can_write_through, refuse_write, write_through
 
 
 def _substitute(args: tuple, kwargs: dict, paths: list[tuple], locals_: list) -> tuple[list, dict]:
@@ -139,12 +140,10 @@ class Decision:
             self._complain()
         if self.bounds is not None:
             check_bounds(self.bounds, leaves)
-        for i, _ in self.writes:
-            if isinstance(leaves[i], GlobalTensor) and is_detached(leaves[i]):
-                raise SbpError(f"{func} writes into a view of a global tensor that could not stay a view of its "
-                               f"base's local block (the base was laid out anew for the view: placements "
-                               f"{self.spec.inputs[i].placements}); the write would not reach the base. "
-                               f"Write into the base, or .clone() the view first")
+        through = [leaves[i] for i, _ in self.writes if isinstance(leaves[i], GlobalTensor) and is_detached(leaves[i])]
+        for view in through:   # views laid out anew: the write goes on into the base (`sbp.ops.through`)
+            if not can_write_through(view):
+                raise refuse_write(func, view, view._placements)
         coord = mesh_coord(mesh)
         locals_ = []
         for i, (t, target) in enumerate(zip(leaves, self.targets)):
@@ -165,6 +164,8 @@ class Decision:
         result = self.run(Call(func, largs, lkwargs, self.spec, self.choice, mesh, coord))
         for i, k in self.writes:
             self._write_back(i, k, leaves, locals_, mesh)
+        for view in through:
+            write_through(view)
         out = self._wrap(result, mesh, leaves)
         if self.view:
             _mark_detached(out, leaves[0], self.targets[0] is not None)

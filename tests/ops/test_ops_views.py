@@ -111,18 +111,35 @@ def test_reshape_keeps_splits_and_moves_only_rows_cut_elsewhere(src, dst, pls, m
     assert sum(received for _, received, _, _ in results) == moved
 
 
-def test_a_view_whose_rows_moved_refuses_writes():
-    # its local is no view of the base's: a write would not reach the base
-    def fn(mesh):
-        x = sbp.distribute(torch.zeros(5, 6), mesh, "S(0)")
-        y = x.view(30)
-        try:
-            y.add_(1)
-        except sbp.SbpError as e:
-            return "could not stay a view" in str(e)
-        return False
+@pytest.mark.parametrize("write", ["view", "slice", "select", "unbind", "split", "chunk", "narrow", "t_reshape",
+                                   "regrouped", "chained"])
+def test_a_write_into_a_view_laid_out_anew_reaches_the_base(write):
+    # its local is no view of the base's: the write goes on into the base (sbp.ops.through); before, it was
+    # refused ("could not stay a view"), also where autograd's own backward writes into a view of a gradient
+    writes = {
+        "view": lambda x: x.view(30).add_(1),
+        "slice": lambda x: x[1:4].mul_(3),
+        "select": lambda x: x[3].fill_(7),
+        "unbind": lambda x: x.unbind(0)[2].add_(5),
+        "split": lambda x: x.split(2)[1].sub_(1),
+        "chunk": lambda x: x.chunk(3, 0)[2].zero_(),
+        "narrow": lambda x: x.narrow(0, 2, 2).add_(x.narrow(0, 0, 2)),
+        "t_reshape": lambda x: x.t().reshape(30)[::7].add_(10),
+        "regrouped": lambda x: x.view(3, 10)[1].add_(100),   # a view of rows moved, then a select of it
+        "chained": lambda x: x[1:5][1:3, 2:].mul_(-1),
+    }
+    full = torch.arange(30.0).view(5, 6)
+    want = full.clone()
+    writes[write](want)
 
-    assert sbp.testing.spmd(fn, (2,)) == [True, True]
+    def fn(mesh):
+        x = sbp.distribute(full, mesh, "S(0)")
+        writes[write](x)
+        return x.placements, x.full()
+
+    for mesh in [(2,), (4,)]:   # 5 rows on 4 ranks: pieces of a slice are empty on some
+        for placements, got in sbp.testing.spmd(fn, mesh):
+            assert placements == (sbp.S(0),) and torch.equal(got, want), (write, mesh)
 
 
 def test_select_on_split_dim_gives_partial_sum():
@@ -187,21 +204,21 @@ def test_item_and_equal_need_whole_values():
 
 def test_in_place_through_views():
     """A view that stays local aliases its base (writes reach it, autograd included); a view that needed a
-    new layout is a copy, and writing into it raises instead of silently missing the base."""
+    new layout has a local of its own, and a write into it goes on into the base (before: refused)."""
     full = randn((4, 3))
 
     def fn(mesh):
         x = make_global(full, mesh, (S(1),), requires_grad=True)
         y = x * 1
         y[0].mul_(2)                       # select on an unsplit dim: a real view of the local block
-        with pytest.raises(sbp.SbpError, match="view"):
-            y[:, 1].add_(3)                # select on the split dim: not a view of y's blocks
+        y[:, 1].add_(3)                    # select on the split dim: not a view of y's blocks, written through
         (y * y).sum().backward()
         return y.full(), x.grad.full()
 
     ref = full.clone().requires_grad_()
     ry = ref * 1
     ry[0].mul_(2)
+    ry[:, 1].add_(3)
     (ry * ry).sum().backward()
     for y, grad in sbp.testing.spmd(fn, (2,)):
         assert torch.allclose(y, ry) and torch.allclose(grad, ref.grad)
@@ -328,3 +345,64 @@ def test_rows_moved_where_some_rank_holds_nothing_before_the_group(fn, full, pls
     # a dim before the moved group is empty on some ranks (2 split over 3): their reshape(..., -1, ...) was
     # ambiguous and raised there alone while the others waited in the row move's all_to_all (a hang)
     check_op(fn, [randn(full)], [pls], (2, 3))
+
+
+def test_copy_into_a_partial_of_another_dtype_writes_the_converted_value():
+    """``dst.copy_(src)`` into a Partial dst of another dtype: src laid out as dst's Partial and cast part by
+    part would truncate P(sum) parts one by one (0.6 + 0.6 -> 0 + 0, not 1) and wrap an S -> P(min|max)
+    identity fill (+inf -> INT64_MIN, int64 max -> int32 -1, -inf -> True). src is written whole and then
+    laid out as dst's Partial; dst keeps its placements. A conversion that keeps the parts moves nothing."""
+    rows = torch.arange(15, dtype=torch.float64).view(5, 3)
+    cases = [("P(sum)", torch.int64, "P(sum)", torch.float64), ("P(min)", torch.int64, "S(0)", torch.float64),
+             ("P(min)", torch.int32, "S(0)", torch.int64), ("P(max)", torch.bool, "S(0)", torch.float64),
+             ("P(sum)", torch.float32, "P(sum)", torch.float64)]
+
+    def value(src_dtype):
+        return rows.to(src_dtype) + 0.2 if src_dtype.is_floating_point else rows.to(src_dtype)
+
+    def rank(mesh):
+        out = []
+        for dst_pls, dst_dtype, src_pls, src_dtype in cases:
+            if src_pls == "P(sum)":    # parts 0.6 + 0.6 (+ 1 / 3 and 2**-30 / 3 beyond float32's precision)
+                part = value(src_dtype) / 2 + (1 / 3 + 2 ** -30 / 3) * (1 - 2 * mesh.rank)
+                src = sbp.from_local(part, mesh, "P(sum)", global_shape=(5, 3))
+            else:
+                src = sbp.distribute(value(src_dtype), mesh, src_pls)
+            dst = sbp.distribute(torch.zeros(5, 3, dtype=dst_dtype), mesh, dst_pls)
+            with sbp.strict():
+                dst.copy_(src)
+            out.append((dst.placements, dst.full()))
+        same = sbp.distribute(torch.zeros(5, 3, dtype=torch.float64), mesh, "P(sum)")
+        mesh.binding.counters.reset()
+        same.copy_(sbp.from_local(rows.float(), mesh, "P(sum)", global_shape=(5, 3)))   # float32 -> float64: exact
+        return out, mesh.binding.counters.received, same.full()
+
+    for out, moved, same in sbp.testing.spmd(rank, (2,)):
+        for (dst_pls, dst_dtype, _, src_dtype), (pls, got) in zip(cases, out):
+            assert pls == (Partial(dst_pls[2:-1]),)
+            torch.testing.assert_close(got, value(src_dtype).to(dst_dtype), rtol=0, atol=1e-6,
+                                       msg=f"{dst_pls} {dst_dtype}")
+        assert moved == 0 and torch.equal(same, 2 * rows)
+
+
+def test_cat_of_partials_of_mixed_dtypes_reduces_those_whose_parts_do_not_convert():
+    """cat promotes int64 and float64 pieces to float64: int64 parts 2**60 + 1 and -2**60 converted one by one
+    lose the 1, so that piece is reduced first; float32 and float64 P(sum) pieces stay Partial."""
+    big = 2 ** 60
+
+    def rank(mesh):
+        sign = 1 - 2 * mesh.rank
+        a = sbp.from_local(torch.tensor([big + 1, big + 3]) if mesh.rank == 0 else torch.tensor([-big, -big]), mesh,
+                           "P(sum)", global_shape=(2,))
+        b = sbp.from_local(torch.tensor([0.5, 0.25], dtype=torch.float64) * sign, mesh, "P(sum)", global_shape=(2,))
+        c = sbp.from_local(torch.tensor([0.5, 0.25]) * sign, mesh, "P(sum)", global_shape=(2,))
+        with sbp.strict():
+            mixed = torch.cat([a, b])
+        mesh.binding.counters.reset()
+        kept = torch.cat([c, b])
+        moved = mesh.binding.counters.received
+        return mixed.full(), kept.placements, moved
+
+    for mixed, kept, moved in sbp.testing.spmd(rank, (2,)):
+        assert torch.equal(mixed, torch.tensor([1.0, 3.0, 0.0, 0.0], dtype=torch.float64)), mixed
+        assert kept == (Partial("sum"),) and moved == 0

@@ -269,3 +269,31 @@ def test_full_of_a_broadcast_tensor_leaves_its_local_alone():
     # step reading w.full() recompiled (its guard on w._local's requires_grad changed)
     for grad_fn, requires_grad, tracked, grad in spmd(_full_of_broadcast, (2,)):
         assert (grad_fn, requires_grad, tracked, grad) == (None, False, True, [1.0] * 4)
+
+
+@pytest.mark.parametrize("write", ["mul_slice", "setitem_row"])
+@pytest.mark.parametrize("a_pls", ["B", "P(sum)"])
+def test_backward_of_an_in_place_write_into_a_view_with_a_split_gradient(write, a_pls):
+    # autograd's backward of an in-place op on a view writes the incoming gradient's slice in place
+    # (CopySlices); with a split gradient that slice is laid out anew, and the write was refused
+    a_full = torch.linspace(-1, 1, 15, dtype=torch.float64).view(5, 3)
+    b_full = torch.linspace(0.5, 2, 15, dtype=torch.float64).view(5, 3)
+
+    def written(c):
+        if write == "mul_slice":
+            c[2:].mul_(3.0)
+        else:
+            c[2] = 3.0
+        return c
+
+    def fn(mesh):
+        a = sbp.distribute(a_full, mesh, a_pls).requires_grad_(True)
+        b = sbp.distribute(b_full, mesh, "S(0)")
+        (written(a * 1.0) * b).sum().full().backward()
+        return a.grad.full()
+
+    ref = a_full.clone().requires_grad_(True)
+    (written(ref * 1.0) * b_full).sum().backward()
+    for mesh in [(2,), (4,)]:
+        for grad in spmd(fn, mesh):
+            assert torch.allclose(grad, ref.grad, atol=1e-12, rtol=0), mesh
