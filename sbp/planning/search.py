@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Optional
 
 from ..values.errors import PlanError
+from ..values.placement import Broadcast
 from ..values.steps import STEP_CALLS, Plan, Step
 from ..values.topology import Topology
 from .bounds import Bounds
@@ -26,6 +27,7 @@ from .cost import Costing, Pricing
 from .moves import POINT_TO_POINT_KINDS, candidates, reaches_locally
 from .states import State, pending
 
+_B = Broadcast()
 _DEFERRED = ("point-to-point moves",)  # a queue entry standing for all of them out of one state
 
 
@@ -42,6 +44,14 @@ def plan_cached(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: State,
     >>> [s.kind for s in p.steps], p.bytes_per_rank, p.lower_bound
     (['all_gather'], 128, 128)
     """
+    if 1 in mesh_shape:
+        # on an axis of size 1 every placement is the whole (sub)tensor -- one part, one piece -- so the locals
+        # of S(d), B and P there are the same: planned as B, no step runs for a change there (DTensor skips
+        # such mesh dims too); the plan keeps the placements asked for
+        plain = tuple(tuple(_B if n == 1 else p for p, n in zip(pls, mesh_shape)) for pls in (src, dst))
+        if plain != (src, dst):
+            inner = plan_cached(shape, mesh_shape, *plain, itemsize, latency_bytes, topology)
+            return replace(inner, src=src, dst=dst)
     costing = Costing(shape, mesh_shape, itemsize)
     bounds = Bounds(costing)
     pricing = Pricing(costing, latency_bytes, topology)

@@ -173,6 +173,8 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
     ...
     sbp.values.errors.PlanError: the traced lowering has no step kind 'local'
     """
+    if step.kind != "local" and len(comm.members(step.axes)) == 1:
+        return local.contiguous()   # a group of one (an axis of size 1): its collective is the identity
     match step.kind:
         case "all_gather":
             return _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem)
@@ -192,7 +194,9 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     _keep_forward_collectives_forward()
-    return _FUNCOL.wait_tensor(t)
+    out = _FUNCOL.wait_tensor(t)
+    _keep_backward_collectives_backward()
+    return out
 
 
 _PINNED: "weakref.WeakSet[torch.fx.Graph]" = weakref.WeakSet()
@@ -226,6 +230,27 @@ def _keep_forward_collectives_forward() -> None:
                 and node.target is not _FUNCOL.wait_tensor.default
                 and node.meta.get("recompute") not in _RECOMPUTED):
             node.meta["partitioner_tag"] = "must_be_in_forward"
+
+
+def _keep_backward_collectives_backward() -> None:
+    """While AOTAutograd traces a backward: mark the collectives just traced (back to the previous one) as
+    backward-only, so that no forward graph computes them ahead.
+
+    Why: a backward collective that does not depend on the incoming gradient (``amax``'s backward reduces its
+    saved result again for the mask) can be computed in the forward and its result saved instead; the min-cut
+    partitioner decides that from sizes, which differ by rank with uneven shards (a rank holding no rows).
+    Ranks then ran it in different graphs and the backward hung. Eager runs it in the backward: so does every
+    rank's graph. (The tag also keeps their users in the backward: the partitioner's rule.)"""
+    if fx_traceback.current_meta.get("partitioner_tag") != "is_backward":
+        return
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    for node in reversed(mode.tracer.graph.nodes):
+        if node.meta.get("partitioner_tag") != "is_backward":   # the previous collective's mark, or the forward
+            break
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+            node.meta["partitioner_tag"] = "must_be_in_backward"
 
 
 def _op(step: Step) -> str:

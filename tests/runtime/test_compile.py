@@ -682,10 +682,47 @@ def test_uneven_backward_graphs_hold_the_same_collectives_on_every_rank() -> Non
     # fails without sbp.runtime.traced._keep_forward_collectives_forward: the rank holding 1 of the 7 rows saved
     # exp(x - lse) for the backward, the others x and the gathered lse, and their backward graphs re-ran the
     # forward's all_to_all and all_gather (kept alive by wait_tensor, unused): the ranks' collectives differed
-    # and the backward hung. Under activation checkpointing the backward re-runs them on purpose (on every rank)
-    forward = {"all_to_all_single": 1, "all_gather_into_tensor": 1, "wait_tensor": 2}
-    backward = ({"all_gather_into_tensor": 1, "wait_tensor": 1},
+    # and the backward hung. Under activation checkpointing the backward re-runs them on purpose (on every rank).
+    # The forward holds eager's forward collective only: the backward's collectives stay in the backward
+    # (`_keep_backward_collectives_backward`; the partitioner had computed one of them ahead in the forward)
+    forward = {"all_to_all_single": 1, "wait_tensor": 1}
+    backward = ({"all_gather_into_tensor": 2, "wait_tensor": 2},
                 {"all_to_all_single": 1, "all_gather_into_tensor": 2, "wait_tensor": 3})
     for rank, per_rank in enumerate(spmd(run_uneven_backward_min_cut, (4,))):
         for case, want in enumerate(backward):
             assert per_rank[case] == (forward, want, True), (rank, case, per_rank[case])
+
+
+def run_amax_of_an_empty_shard(mesh):
+    """(the backward graph's collectives, gradient equal eager) on this rank: ``x.amax(0)`` of x (3, 3) split
+    over 4 ranks (rank 3 holds no row), through the min-cut partitioner."""
+    value = _global_value((3, 3)).sin()
+
+    def loss(a):
+        return a.amax(0).full().pow(2).sum()
+
+    x = sbp.distribute(value, mesh, "S(0)").requires_grad_()
+    loss(x).backward()
+    want = x.grad.full()
+    torch._dynamo.reset()
+    recorder = GraphRecorder(partition_fn=min_cut_rematerialization_partition)
+    x = sbp.distribute(value, mesh, "S(0)").requires_grad_()
+    torch.compile(loss, backend=recorder.backend, fullgraph=True)(x).backward()
+    return dict(recorder.collectives(1)), torch.allclose(x.grad.full(), want, rtol=0, atol=1e-12)
+
+
+def test_backward_collectives_stay_in_every_ranks_backward_graph() -> None:
+    # fails without sbp.runtime.traced._keep_backward_collectives_backward: amax's backward reduces its saved
+    # result again (no dependence on the gradient); ranks 0-2 moved those collectives into their forward
+    # graphs, rank 3 (no rows) kept an all_reduce in its backward, and the backward hung
+    results = spmd(run_amax_of_an_empty_shard, (4,))
+    assert all(same for _, same in results)
+    assert len({tuple(sorted(graph.items())) for graph, _ in results}) == 1, results
+    assert results[0][0].get("all_reduce") == 1, results[0][0]
+
+
+def test_a_mesh_axis_of_size_one_compiles() -> None:
+    # before: a P on an axis of size 1 planned an all_reduce over that 1-member group, and its traced lowering
+    # looked for a process group of one rank ("no process group for ranks [0]"); it is the identity
+    pairs = [("B, P(sum)", "B, B"), ("P(sum), P(max)", "B, B"), ("S(0), B", "S(0), S(1)")]
+    _check_redistributions(pairs, spmd(functools.partial(run_redistributions, pairs, (5, 6), "aot_eager"), (2, 1)))
