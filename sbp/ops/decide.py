@@ -434,7 +434,9 @@ class DecisionClass:
     symbols (`sbp.ops.dispatch.class_key` makes the key and the symbols' values).
 
     A class is *generic* once a second call of the class, decided cold with other values, made the same
-    choice and the output sizes the formula predicts; from then on `instantiate` makes its decisions
+    choice and the output sizes the formula predicts, and torch's meta kernels give those sizes for
+    made-up calls of the class as well (`confirm`: an output size int arguments derive from input sizes,
+    a view's -1 or a slice's rows, may agree for two calls only); from then on `instantiate` makes its decisions
     without meta kernels or planning. Only decisions that cost nothing may become generic: either nothing
     moves, or every move is local (no bytes, no collective, no new Partial to reduce). Such a choice is the
     first free one in the rule's order, whatever the sizes: in a class every size is above the rank count,
@@ -472,8 +474,13 @@ class DecisionClass:
         else:   # output sizes no symbol gives: only calls with symbolic sizes may share the choice
             self.state = "exact" if decision.fallback else "shaped?"
 
-    def confirm(self, decision: Decision, values: list[int]) -> None:
-        """Check the class's formula and choice against a second call's cold `decision`, of other values."""
+    def confirm(self, decision: Decision, values: list[int], call: Optional[tuple[tuple, dict]] = None) -> None:
+        """Check the class's formula and choice against a second call's cold `decision`, of other values; with
+        that call's (args, kwargs) `call`, also the formula at made-up calls of the class (`_probes`: far from
+        both, at the least sizes, spread apart; meta kernels only): two calls may agree on an output size that
+        a third call does not (``x.view(n, -1, 4)``'s -1 was 2 for two calls, ``x[::9]``'s rows 1). A formula
+        a probe breaks, or one a probe torch refuses cannot check (unless the outputs are the call's size
+        arguments, `_given`), makes the class exact."""
         if self.state == "candidate" and values != self.values:
             same = (decision.choice == self.decision.choice and decision.run is self.decision.run
                     and decision.fallback == self.decision.fallback
@@ -486,6 +493,29 @@ class DecisionClass:
         elif self.state == "priced?" and values != self.values:
             same = not decision.fallback and _sizes(self.formula, values) == _out_shapes(decision)
             self.state = "priced" if same else "exact"
+        if call is not None and self.state in ("generic", "priced") and not self._holds_elsewhere(values, *call):
+            self.state = "exact"
+
+    def _holds_elsewhere(self, values: list[int], args: tuple, kwargs: dict) -> bool:
+        """Whether the class's formula gives the output sizes torch's meta kernels give for the probes of the
+        call of symbol `values` (`args`, `kwargs`; `_probes`), or torch refuses a probe whose outputs are the
+        call's size arguments (`_given`)."""
+        if not self.formula or not values:   # outputs from the local results, or no size to move
+            return True
+        spec = self.decision.spec
+        m = math.prod(spec.mesh_shape)
+        for moved in _probes(values, _bounds(spec.values, m), m):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    made = meta_outputs(spec.func, *_moved_call(args, kwargs, self.sized, dict(zip(values, moved))))
+            except Exception:   # noqa: BLE001 -- the probe breaks what the call's arguments hold (a view's sizes)
+                if not _given(self.decision):
+                    return False
+                continue
+            if _sizes(self.formula, moved) != tuple(None if o is None else tuple(o.shape) for o in made):
+                return False
+        return True
 
     def instantiate(self, func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh,
                     values: list[int]) -> Decision:
@@ -618,7 +648,8 @@ def _out_shapes(decision: Decision) -> tuple:
 
 def _formula(decision: Decision, values: list[int]) -> Optional[tuple]:
     """Each output size as a symbol (``-1 - index`` into `values`) or a constant; None when the decision
-    may not be shared (a fallback, or an output size > the mesh's rank count is no symbol)."""
+    may not be shared (a fallback, or an output size > the mesh's rank count is no symbol). A guess from one
+    call: `DecisionClass.confirm` checks it at other calls of the class before any decision is made from it."""
     spec = decision.spec
     if decision.fallback:
         return None
@@ -634,6 +665,101 @@ def _formula(decision: Decision, values: list[int]) -> Optional[tuple]:
             return None
         out.append(dims)
     return tuple(out)
+
+
+_PROBE = 64   # the far probe moves the r-th smallest size by at least (r + 1)^2 x _PROBE multiples of the rank count
+
+
+def _probes(values: list[int], bounds: list[int], m: int) -> list[list[int]]:
+    """Sizes of made-up calls of the shape class of `values` (its symbols' values): each size keeps its
+    remainder mod `m` and its order among them and against the int arguments `bounds` (what
+    `sbp.ops.dispatch.class_key` keys; a probe that cannot is left out), and
+
+    - far: the r-th smallest moves up by (r + 1)^2 x max(_PROBE, the largest bound below it) multiples of
+      `m`, or as far as the next bound or the next size's probe lets it. Distinct squares: a size that is a
+      sum or a multiple of others in `values` is none here (``x.view(n, -1, 4)``'s -1, ``x.repeat(2, 1)``'s
+      rows); at least the bound below: a quotient by it changes (``x[::9]``'s rows);
+    - least: each is the least size above `m`, the bound below it and the smaller sizes' probes: small int
+      arguments may add up to a bound no key holds (``x[-3:5:2]`` has a row only where n < 8);
+    - spread: as least, but r multiples of `m` above the smaller sizes' probes: differences between sizes
+      change in one of the probes at least, even where bounds hold the far probe close (``x[2:40]``'s n - 2).
+
+    >>> _probes([12, 5], [], 2), _probes([12, 5], [30], 2)   # far: 12 moves by 2 x 4 x 64; 5 < 12 < 30
+    ([[524, 133], [4, 3], [6, 3]], [[28, 27], [4, 3], [6, 3]])
+    """
+    order = sorted(range(len(values)), key=values.__getitem__)
+    far, least, spread = list(values), list(values), list(values)
+    top = None   # the far probe of the next larger size
+    for r in reversed(range(len(order))):
+        n = values[order[r]]
+        if n not in bounds:
+            step = m * (r + 1) ** 2 * max([_PROBE] + [b for b in bounds if b < n])
+            limit = min([b for b in bounds if b > n] + ([] if top is None else [top]), default=n + step + 1)
+            far[order[r]] = n + min(step, m * ((limit - 1 - n) // m))
+        top = far[order[r]]
+    for r, i in enumerate(order):
+        n = values[i]
+        if n not in bounds:
+            floor = max([m] + [b for b in bounds if b < n])
+            below = order[r - 1] if r else None
+            least[i] = _above(n, floor if below is None else max(floor, least[below]), m)
+            spread[i] = _above(n, floor if below is None else max(floor, spread[below] + m * r), m)
+    return [p for p in (far, least, spread) if _member(p, values, bounds, m)]
+
+
+def _above(n: int, floor: int, m: int) -> int:
+    """The least size above `floor` with `n`'s remainder mod `m`."""
+    return floor + 1 + (n - floor - 1) % m
+
+
+def _member(probe: list[int], values: list[int], bounds: list[int], m: int) -> bool:
+    """Whether sizes `probe` are of the shape class of `values`: above `m`, the same remainders mod `m`, the same
+    order among them and against `bounds` (`sbp.ops.dispatch.class_key`)."""
+    return (all(p > m and (p - v) % m == 0 for p, v in zip(probe, values))
+            and all((p > q) == (v > w) and (p == q) == (v == w) for p, v in zip(probe, values)
+                    for q, w in zip(probe + bounds, values + bounds)))
+
+
+def _bounds(values: dict, m: int) -> list[int]:
+    """The magnitudes of the int arguments above `m` that are no sizes (`SIZE_ARGS`) among an `OpSpec`'s
+    values: what `sbp.ops.dispatch.class_key` orders the sizes against."""
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if type(v) is int and abs(v) > m:
+            out.append(abs(v))
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    for name, v in values.items():
+        if name not in SIZE_ARGS:
+            walk(v)
+    return out
+
+
+def _moved_call(args: tuple, kwargs: dict, sized: tuple, moved: dict[int, int]) -> tuple[tuple, dict]:
+    """The call on meta tensors, every size in `moved` (a symbol's value -> its probe) replaced where
+    `sbp.ops.dispatch.class_key` finds sizes: tensors' dims and size arguments (`sized`: (position, name))."""
+    def conv(v: Any, size: bool) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty([moved.get(n, n) for n in v.shape], dtype=v.dtype, device="meta")
+        if size and type(v) is int:
+            return moved.get(v, v)
+        if type(v) is list or type(v) is tuple:
+            return type(v)(conv(x, size) for x in v)
+        return v
+
+    positions = {i for i, _ in sized}
+    return (tuple(conv(a, i in positions) for i, a in enumerate(args)),
+            {k: conv(v, k in SIZE_ARGS) for k, v in kwargs.items()})
+
+
+def _given(decision: Decision) -> bool:
+    """Whether every output's shape is one of the call's size arguments as given (``view(x, [a * b, c])``,
+    ``new_zeros``; no -1): torch makes it so for every call it accepts, whatever a probe shows."""
+    given = [tuple(v) for name, v in decision.spec.values.items() if name in SIZE_ARGS and isinstance(v, list)]
+    return all(shape is None or shape in given for shape in _out_shapes(decision))
 
 
 def _free(decision: Decision) -> bool:

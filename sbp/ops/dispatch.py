@@ -18,6 +18,7 @@ made (factories leave their outputs' keys unmade for this).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -115,8 +116,11 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
     """A call's shape-class key and its symbols' values: every size above the mesh's rank count `m` (of a
     tensor, or in a size argument) becomes a symbol, numbered by first appearance and kept with its
     remainder mod `m` (which splits divide it evenly); equal sizes share a symbol, smaller sizes stay.
+    The key ends with the symbols' order among themselves and against the other int arguments above `m`
+    (`_order`): an output size may be the smaller of two (``x[:, :512]`` clamps at 512 the rows above it,
+    not those below), so a class fixes which is larger.
     A symbolic size (``torch.SymInt`` under torch.compile, `sbp.ops.symbolic`) is a symbol of its own (one
-    per expression, its remainder its hint's), and its value is the SymInt itself.
+    per expression, its remainder its hint's, ordered by its hint), and its value is the SymInt itself.
     Raises TypeError for an unhashable argument (like the exact key).
 
     >>> import sbp
@@ -128,6 +132,8 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
     m = math.prod(mesh_shape)
     symbols: dict[int, int] = {}
     values: list[int] = []
+    hints: list[int] = []    # the symbols' values as ints
+    bounds: list[int] = []   # the other int arguments above m, by magnitude
 
     def size(n: Any) -> Any:
         ident = value = n
@@ -142,6 +148,7 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
         if i is None:
             i = symbols[ident] = len(values)
             values.append(value)
+            hints.append(n)
         return i, n % m
 
     def pattern(a: Any, sizes: bool) -> Any:
@@ -151,6 +158,10 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
         t = type(a)
         if (t is int or t is torch.SymInt) and sizes:
             return size(a)
+        if t is int:
+            if a > m or a < -m:
+                bounds.append(abs(a))
+            return a
         if t is torch.SymInt:   # a symbolic value that is no size
             return ("symbolic", a.node.expr)
         if t is float:
@@ -167,9 +178,24 @@ def class_key(func, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> t
     key = [func, tuple(mesh_shape)]
     key += [pattern(a, i in sized) for i, a in enumerate(args)]
     key += [(k, pattern(v, k in SIZE_ARGS)) for k, v in kwargs.items()]
+    if len(hints) > 1 or (hints and bounds):
+        key.append(("order", _order(hints, bounds)))
     out = tuple(key)
     hash(out)
     return out, values
+
+
+def _order(sizes: list[int], bounds: list[int]) -> tuple[int, ...]:
+    """Where each size falls among `sizes` and `bounds`: twice the number of them below it, plus one where it
+    equals a bound. Calls with the same bounds (a class's int arguments are exact) and the same result order
+    their sizes and bounds alike.
+
+    >>> _order([5, 13], [9]), _order([13, 17], [9]), _order([9, 13], [9])
+    ((0, 4), (2, 4), (1, 2))
+    """
+    ranked = sorted({*sizes, *bounds})
+    below = set(bounds)
+    return tuple(2 * bisect_left(ranked, n) + (n in below) for n in sizes)
 
 
 @lru_cache(maxsize=1024)
@@ -203,7 +229,7 @@ def decide_by_class(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Deci
     if record is None:
         DECISIONS.class_put(key, DecisionClass(decision, values))
     else:
-        record.confirm(decision, values)
+        record.confirm(decision, values, (args, kwargs))
     return decision
 
 

@@ -39,6 +39,7 @@ from ..runtime.buffers import group_coords
 from ..runtime.rows import move_rows
 from ..runtime.symbolic import block_of, hint_shape
 from ..tensor.global_tensor import GlobalTensor, logical_strides, notes_of
+from ..values.errors import ShapeError, torch_alike
 from ..values.layout import block
 from ..values.placement import Split
 from .spec import (
@@ -86,7 +87,16 @@ def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int],
     [([0], [0, 1])]
     >>> view_groups((3, 0), (0,))
     [([0, 1], [0])]
+
+    Shapes of different numel are torch's error (a call a shape class took without torch's own check):
+
+    >>> view_groups((10, 14), (120,))
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.ShapeError: shape '[120]' is invalid for input of size 140
     """
+    if math.prod(a) != math.prod(b):
+        raise torch_alike(ShapeError, f"shape '{list(b)}' is invalid for input of size {math.prod(a)}", RuntimeError)
     if 0 in a or 0 in b:
         return [(list(range(len(a))), list(range(len(b))))]
     groups, i, j = [], 0, 0

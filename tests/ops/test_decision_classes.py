@@ -7,8 +7,9 @@ import random
 import torch
 
 import sbp
+import sbp.testing
 from sbp.ops import decide as decide_mod
-from sbp.ops.cache import DECISIONS
+from sbp.ops.cache import DECISIONS, SPEC_TOKENS
 from sbp.ops.dispatch import class_key, decide_by_class
 from sbp.tensor.global_tensor import GlobalTensor
 from sbp.values.layout import local_shape
@@ -88,11 +89,12 @@ FAMILIES = ("add", "mul_scalar_bcast", "gelu", "mm", "addmm", "bmm", "sum_dim", 
             "softmax", "embedding_backward")
 
 
-def _values(rng: random.Random, m: int, residues: list[int]) -> list[int]:
-    """Three distinct sizes above m with the given remainders mod m (one shape class)."""
+def _values(rng: random.Random, m: int, residues: list[int], order: list[int]) -> list[int]:
+    """Three distinct sizes above m with the given remainders mod m, in the given order (one shape class)."""
     while True:
         v = [m * rng.randint(1, 12) + r + (m if r == 0 else 0) for r in residues]
-        if len({*v, v[0] * v[1]}) == 4 and all(x > m for x in v):   # (a * b: the view's size argument)
+        ranked = sorted(range(3), key=v.__getitem__)
+        if len(set(v)) == 3 and ranked == order and v[0] * v[1] > max(v):   # (a * b: the view's size argument)
             return v
 
 
@@ -121,11 +123,11 @@ def test_class_decisions_equal_cold_decisions():
         mesh = sbp.DeviceMesh(rng.choice(MESHES))
         m = math.prod(mesh.shape)
         call = _family_calls(rng, mesh)
-        residues = [rng.randrange(m) for _ in range(3)]
+        residues, order = [rng.randrange(m) for _ in range(3)], rng.sample(range(3), 3)
         DECISIONS.clear()
         keys, made = [], []
         for _ in range(3):
-            func, args, kwargs, leaves = call(name, _values(rng, m, residues))
+            func, args, kwargs, leaves = call(name, _values(rng, m, residues, order))
             keys.append(class_key(func, args, kwargs, mesh.shape)[0])
             made.append(decide_by_class(func, args, kwargs, leaves, mesh))
         assert keys[0] == keys[1] == keys[2]
@@ -195,3 +197,108 @@ def test_meta_runs_under_tracing_modes_stay_outside_them():
     assert seen.ops == []
     assert str(out[0].shape[0]) == rows and out[0].shape[1] == 4
     assert [str(g.expr) for g in env.guards] == [f"Eq({features}, 8)"]   # mm pinned x's features to w's
+
+
+# ---- output sizes that int arguments derive from input sizes -------------------------------------------------
+OPEN = 2 ** 63 - 1   # a slice's open end, as torch passes it
+
+
+def _derived_family(rng: random.Random, m: int):
+    """A maker of calls of one op whose output sizes derive from int arguments and input sizes, its arguments
+    drawn once: each call draws new sizes with the same remainders mod m, some small (a view's -1 then is)."""
+    res, small, k = [rng.randrange(m) for _ in range(3)], rng.randint(1, m), rng.choice([2, 3, 4, 9])
+
+    def n(i: int) -> int:
+        return m * rng.randint(1, 6) + res[i] + (m if res[i] == 0 else 0)
+
+    dim, step, split = rng.randrange(2), rng.choice([1, 2, 3, 9, 50]), rng.choice([1, 2, 3, 5, 20])
+    topk, start, end = rng.choice([1, 2, 3, 5, 12]), rng.choice([0, 1, -3, -small, -40]), rng.choice(
+        [OPEN, -1, 5, 20, 40, small])
+    view = rng.choice([lambda a, b: [a, -1, k], lambda a, b: [-1, k], lambda a, b: [k, -1], lambda a, b: [-1],
+                       lambda a, b: [a, b, -1]])
+    reps, pads = [rng.choice([1, 2, 3]), rng.choice([1, 2, 5])], rng.choice([[1, 2], [0, 0, 3, -1], [-1, -1]])
+
+    def view_call():
+        a, b = n(0), rng.choice([n(1), rng.randint(1, m + 1)])
+        return aten.view.default, [(a, b * k)], lambda x: (x, view(a, b))
+
+    def expand_call():
+        a, c = n(0), n(1)
+        size = rng.choice([[-1, c], [a, c], [-1, small], [-1, 2 * a]])
+        return aten.expand.default, [(a, 1)], lambda x: (x, size)
+
+    def cat_call():
+        shapes = [(n(0), n(1)), (n(2), n(1))] if dim == 0 else [(n(0), n(1)), (n(0), n(2))]
+        return aten.cat.default, shapes, lambda x, y: ([x, y], dim)
+
+    return rng.choice([
+        view_call, expand_call, cat_call,
+        lambda: (aten.slice.Tensor, [(n(0), n(1))], lambda x: (x, dim, start, end, step)),
+        lambda: (aten.split.Tensor, [(n(0), n(1))], lambda x: (x, split, dim)),
+        lambda: (aten.repeat.default, [(n(0), n(1))], lambda x: (x, reps)),
+        lambda: (aten.topk.default, [(n(0), n(1))], lambda x: (x, topk, dim)),
+        lambda: (aten.constant_pad_nd.default, [(n(0), n(1))], lambda x: (x, pads, 0.0)),
+        lambda: (aten.new_zeros.default, [(n(0), n(1))], lambda x: (x, [x.shape[1], small])),
+        lambda: (aten.unbind.int, [(small, n(1))], lambda x: (x, 0)),
+        lambda: (aten.unfold.default, [(n(0), n(1))], lambda x: (x, 1, small, k)),   # no rule: every call alone
+    ])
+
+
+def test_sizes_derived_from_arguments_decide_as_cold_decisions():
+    """Sequences of calls of one op whose output sizes derive from int arguments and input sizes (a view's -1,
+    a slice's step and clamped bounds, split pieces, repeats, topk, padding), on 1-D and 2-D meshes with even,
+    uneven and small sizes: every decision made through the shape classes equals a cold decision. Two calls
+    of a class may agree on such a size that a third does not (the -1 of ``x.view(n, -1, 4)`` was 2 twice)."""
+    rng = random.Random(46)
+    for case in range(300):
+        mesh = sbp.DeviceMesh(rng.choice(MESHES + ((1,), (8,))))
+        make = _derived_family(rng, math.prod(mesh.shape))
+        DECISIONS.clear(), SPEC_TOKENS.clear()   # (a full table cleared between the two decisions parts tokens)
+        placements = None
+        for _ in range(6):
+            func, shapes, args_of = make()
+            try:
+                func(*args_of(*[torch.empty(s, device="meta") for s in shapes]))
+            except (RuntimeError, IndexError):
+                continue   # torch refuses it too
+            placements = placements or [_placements(rng, len(s), mesh.ndim, partial=False) for s in shapes]
+            ts = [_global(s, mesh, p) for s, p in zip(shapes, placements)]
+            args = args_of(*ts)
+            cold = decide_mod.decide(func, args, {}, ts, mesh)
+            _assert_same_decision(decide_by_class(func, args, {}, ts, mesh), cold, (case, func, shapes, args[1:]))
+
+
+def test_a_slice_clamps_sizes_above_its_bounds_only():
+    """``x[:1000]`` has n rows for n <= 1000 and 1000 above, farther than a probe moves n: the class key orders
+    sizes against int arguments, so rows above 1000 are another class."""
+    mesh = sbp.DeviceMesh((2,))
+    DECISIONS.clear()
+    for n in (10, 14, 1010, 12, 1020, 16, 1030):
+        x = _global((n, 4), mesh, (Split(0),))
+        d = decide_by_class(aten.slice.Tensor, (x, 0, 0, 1000), {}, [x], mesh)
+        assert d.spec.outputs[0].shape == (min(n, 1000), 4), n
+    keys = {class_key(aten.slice.Tensor, (_global((n, 4), mesh, (B,)), 0, 0, 1000), {}, (2,))[0] for n in (10, 1010)}
+    assert len(keys) == 2
+
+
+def test_sizes_derived_from_arguments_follow_each_call():
+    """The hunt's calls, run: ``x.view(n, -1, 4)`` whose -1 is 2, 2, then 3 (a raw IndexError before), and
+    ``x[::9]`` of 1, 1, then 2 rows (a ShapeError before), as plain torch computes them."""
+    def fn(mesh):
+        out = []
+        for n, c in [(5, 8), (7, 8), (9, 12)]:
+            full = torch.arange(n * c, dtype=torch.float64).view(n, c)
+            out.append(torch.equal(sbp.distribute(full, mesh, "B").view(n, -1, 4).full(), full.view(n, -1, 4)))
+        return out
+
+    def sliced(mesh):
+        out = []
+        for n in (5, 9, 13):
+            full = torch.arange(n * 8, dtype=torch.float64).view(n, 8)
+            out.append(torch.equal(sbp.distribute(full, mesh, "S(1)")[::9].full(), full[::9]))
+        return out
+
+    DECISIONS.clear()
+    assert sbp.testing.spmd(fn, (2,)) == [[True] * 3] * 2
+    DECISIONS.clear()
+    assert sbp.testing.spmd(sliced, (4,)) == [[True] * 3] * 4

@@ -406,3 +406,15 @@ def test_cat_of_partials_of_mixed_dtypes_reduces_those_whose_parts_do_not_conver
     for mixed, kept, moved in sbp.testing.spmd(rank, (2,)):
         assert torch.equal(mixed, torch.tensor([1.0, 3.0, 0.0, 0.0], dtype=torch.float64)), mixed
         assert kept == (Partial("sum"),) and moved == 0
+
+
+def test_an_invalid_view_in_a_known_shape_class_is_torchs_error():
+    # before: after valid views made the shape class, x.view(120) of a (10, 14) tensor took the class's
+    # decision without torch's check and raised a raw IndexError inside the view rule
+    def fn(mesh):
+        for n in (10, 12, 14):
+            sbp.distribute(torch.ones(n, 14), mesh, "B").view(n * 14)
+        with pytest.raises(RuntimeError, match=r"shape '\[120\]' is invalid for input of size 140"):
+            sbp.distribute(torch.ones(10, 14), mesh, "B").view(120)
+
+    sbp.testing.spmd(fn, (2,))
