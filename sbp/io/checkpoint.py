@@ -21,9 +21,11 @@ blocks it needs. A shared filesystem is assumed (every rank sees the directory).
 `sbp.io.safetensors`), each committed by one atomic rename too; `load` recognises all three. After its
 commit a save removes the other formats' commit files (`sbp.io.state.retire_others`): the newest save
 into a directory is what loads, whatever its format.
-Agreement: the all_gather of the files' hashes carries a digest of each rank's keys, layouts and JSON
-values (ranks that differ raise `RankMismatchError`, nothing is committed) and whether its write failed,
-and the closing all_reduce whether the commit failed: all ranks raise `CheckpointError` together. A load
+Agreement: the first all_reduce (the generation) carries whether a rank refused the save before
+writing (a value JSON would change, another save holding the directory: `sbp.io.state.save_lock`); the
+all_gather of the files' hashes carries a digest of each rank's keys, layouts and JSON values (ranks that
+differ raise `RankMismatchError`, nothing is committed) and whether its write failed, and the closing
+all_reduce whether the commit failed: all ranks raise `CheckpointError` together. A load
 makes every check before its first write and then all-reduces one failure flag and a digest of the
 metadata each rank read, so all ranks raise together (a failure, or two saves read) or none does.
 """
@@ -56,15 +58,17 @@ from .state import (
     fsync_dir,
     host_barrier,
     host_copy,
-    json_value,
+    json_values,
     last_generation,
     leaves,
     like,
     missing_keys,
+    raise_together,
     reduced,
     refuse_disagreement,
     retire_others,
     save_digest,
+    save_lock,
     target_block,
     target_meshes,
     writers,
@@ -87,7 +91,8 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     layouts). Pass `mesh` when the state_dict holds no global tensor. Each rank writes only its own
     blocks; the mesh's coord 0 commits ``metadata.json``. Returns when the whole checkpoint is on disk.
     Saving over an existing checkpoint is crash-safe: until the new one is committed, the old one stays
-    loadable. ``format="dcp"`` writes a `torch.distributed.checkpoint` directory, ``"safetensors"`` one
+    loadable; a save into a directory another save is writing is refused on every rank (one at a time).
+    ``format="dcp"`` writes a `torch.distributed.checkpoint` directory, ``"safetensors"`` one
     ``model.safetensors`` file.
 
     >>> import os, shutil, tempfile, torch, sbp, sbp.testing
@@ -118,9 +123,22 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
         return  # outside the mesh: holds nothing, takes part in nothing
     me = 0 if mesh is None else mesh.rank
     first = mesh is None or mesh.index_of(coord) == 0
+    values, refused = json_values(found)   # every refusal before the first collective, which carries it
+    with save_lock(path, first and refused is None) as locked:   # coord 0: one save at a time in `path`
+        refused = refused or locked
+        # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
+        last, failed = agree_max(mesh, last_generation(path), refused is not None)
+        if failed:
+            raise_together(mesh, path, refused)
+        _save(found, path, mesh, me, first, values, f"gen-{last + 1:08d}")
+
+
+def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bool, values: dict[str, Any],
+          data: str) -> None:
+    """The save once every rank passed its checks: write this rank's file into `data`, gather the digests,
+    coord 0 commits, and a closing barrier tells every rank whether the commit failed."""
     shard: dict[str, torch.Tensor] = {}
     tensors: dict[str, dict] = {}
-    values: dict[str, Any] = {}
     for key, (leaf, _, _) in found.items():
         if isinstance(leaf, GlobalTensor):
             x = reduced(leaf)
@@ -132,11 +150,8 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
             if first:
                 shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = host_copy(leaf)
         else:
-            values[key] = json_value(key, leaf)
             continue
         tensors[key] = entry
-    # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
-    data = f"gen-{agree_max(mesh, last_generation(path)) + 1:08d}"
     file = os.path.join(path, data, _file_name(me))
     digest, error = None, None
     try:   # a rank whose write fails still joins the gather, carrying the failure: every rank raises at once
@@ -337,7 +352,11 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     path = as_path("load", path)
     if not isinstance(strict, bool):
         raise SbpError(f"load: strict must be True or False, got {strict!r}")
-    kind = checkpoint_format(path)
+    try:
+        kind = checkpoint_format(path)
+    except CheckpointError as e:   # (a directory this rank does not see): joins the others' agreement, which
+        agree_loaded(target_meshes(leaves(state_dict)), path, e)   # then raises on every rank
+        raise
     if kind == "dcp":
         return dcp.load_dcp(path, state_dict, strict=strict)
     if kind == "safetensors":
@@ -385,7 +404,7 @@ def _prepare(path: str, found: dict, strict: bool) -> tuple[list[tuple], int]:
     writes: list[tuple] = []
     for key, (leaf, container, index) in found.items():
         if key in meta["values"]:
-            writes.append((None, container, index, like(meta["values"][key], leaf)))
+            writes.append((None, container, index, like(key, meta["values"][key], leaf)))
         elif key in meta["tensors"]:
             writes.append((leaf, None, None, _pieces(key, meta["tensors"][key], leaf, files)))
     return writes, read

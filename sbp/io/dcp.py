@@ -8,7 +8,9 @@ global tensor a rank holds:
 - saving, each distinct block of a global tensor becomes one DCP chunk (``WriteItemType.SHARD``) at its
   global offset, written by its first holder (row-major) -- sbp's balanced blocks, which DCP records
   as they are (chunks need not be `torch.chunk`'s); a `Partial` tensor is reduced first, so the
-  checkpoint holds the logical value. Plain tensors and other values are DCP's ordinary entries.
+  checkpoint holds the logical value. Plain tensors and other values are DCP's ordinary entries; the
+  JSON values are also written whole (`RECORD`), and `sbp.load` reads them from there, so that they
+  replace the state dict's as in the other formats (DCP splits a dict value into one entry per item).
 - loading, each rank asks DCP for the chunk of its target block (`create_read_items_for_chunk_list`
   intersects it with the saved chunks) and DCP copies the overlaps straight into the local tensor.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import warnings
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..runtime.backends.dist import PROCESS_GROUPS
@@ -63,17 +66,23 @@ from .state import (
     fsync_dir,
     has_tensor,
     host_copy,
-    json_value,
+    json_values,
     last_generation,
     leaves,
     like,
+    raise_together,
     reduced,
     retire_others,
+    save_lock,
     target_block,
     writers,
 )
 
 METADATA = ".metadata"
+# one more DCP entry of sbp's saves: the state dict's JSON values, whole, as JSON text. DCP itself splits a dict
+# value into one entry per item (``meta.epoch``) and pickles a namedtuple with its class; sbp.load reads the values
+# from here instead, so they replace the state dict's as in the other formats (DTensor code reads DCP's own)
+RECORD = "__sbp_values__"
 
 
 def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) -> None:
@@ -92,26 +101,36 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
     mesh = common_mesh(found, mesh)
     if mesh is not None and mesh.coord is None:
         return
-    chunks: dict[int, tuple[torch.Size, Block, Optional[torch.Tensor]]] = {}
+    first = mesh is None or mesh.index_of(mesh.coord) == 0
+    values, refused = json_values(found)   # every refusal before the first collective, which carries it
+    if RECORD in state_dict:
+        refused = CheckpointError(f"entry {RECORD!r}: format='dcp' reserves this name for sbp's record of the JSON "
+                                  f"values; rename the entry")
+    with save_lock(path, first and refused is None) as locked:   # coord 0: one save at a time in `path`
+        refused = refused or locked
+        # the data go into a new directory beside the committed one (one all_reduce agrees on it, checks that
+        # the ranks save the same keys, layouts and values, and carries refusals); the coordinator's
+        # `.metadata` rename is the switch
+        last, failed = agree_save(mesh, found, last_generation(path), refused is not None)
+        if failed:
+            raise_together(mesh, path, refused)
+        chunks: dict[int, tuple[torch.Size, Block, Optional[torch.Tensor]]] = {}
 
-    def local_of(leaf: GlobalTensor) -> torch.Tensor:
-        x = reduced(leaf)
-        shape = tuple(x.shape)
-        mine = block(shape, x.mesh.shape, x.placements, x.mesh.coord)
-        written = writers(x)
-        writes = written.get(mine) == x.mesh.coord or (not written and x.mesh.index_of(x.mesh.coord) == 0)
-        local = host_copy(x._local) if writes else x._local.detach()
-        chunks[id(local)] = (torch.Size(shape), mine, local if writes else None)
-        return local
+        def local_of(leaf: GlobalTensor) -> torch.Tensor:
+            x = reduced(leaf)
+            shape = tuple(x.shape)
+            mine = block(shape, x.mesh.shape, x.placements, x.mesh.coord)
+            written = writers(x)
+            writes = written.get(mine) == x.mesh.coord or (not written and x.mesh.index_of(x.mesh.coord) == 0)
+            local = host_copy(x._local) if writes else x._local.detach()
+            chunks[id(local)] = (torch.Size(shape), mine, local if writes else None)
+            return local
 
-    for key, (leaf, _, _) in found.items():
-        if not isinstance(leaf, torch.Tensor):
-            json_value(key, leaf)
-    mirror = _mirror(state_dict, local_of)
-    # the data go into a new directory beside the committed one (one all_reduce agrees on it and checks that
-    # the ranks save the same keys, layouts and values); the coordinator's `.metadata` rename is the switch
-    data = f"gen-{agree_save(mesh, found, last_generation(path))[0] + 1:08d}"
-    _run(dcp.save, mesh, mirror, storage_writer=_GenerationWriter(path, data), planner=_SavePlanner(chunks))
+        mirror = _mirror(state_dict, local_of)
+        if values:
+            mirror[RECORD] = json.dumps(values)
+        _run(dcp.save, mesh, mirror, storage_writer=_GenerationWriter(path, f"gen-{last + 1:08d}"),
+             planner=_SavePlanner(chunks))
 
 
 def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
@@ -130,9 +149,6 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
     mesh = common_mesh(found, None)
     if mesh is not None and mesh.coord is None:
         return state_dict
-    for key, (leaf, container, _) in found.items():
-        if not isinstance(leaf, torch.Tensor):
-            check_tuple_slot(key, container)
     targets: dict[int, tuple[str, torch.Size, Optional[Block]]] = {}
     unheld: list[GlobalTensor] = []   # P(sum) targets away from coord 0: zeroed once the load succeeded
 
@@ -146,13 +162,20 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
 
     mirror = _mirror(state_dict, local_of)
     reader = _CheckedReader(path)
-    _run(dcp.load, mesh, mirror, storage_reader=reader, planner=_LoadPlanner(targets, strict, reader))
+    values = {key: entry for key, entry in found.items() if not isinstance(entry[0], torch.Tensor)}
+    planner = _LoadPlanner(targets, values, strict, reader)
+    _run(dcp.load, mesh, mirror, storage_reader=reader, planner=planner)
     for leaf in unheld:
         target_block(leaf)
-    back = leaves(mirror)
-    for key, (leaf, container, index) in found.items():
-        if not isinstance(leaf, torch.Tensor) and key in back:
-            container[index] = like(back[key][0], leaf)
+    if planner.loaded is not None:    # sbp's record of the values: they replace the state dict's
+        for key, value in planner.loaded.items():
+            _, container, index = values[key]
+            container[index] = value
+        return state_dict
+    back = leaves(mirror)             # DCP's own entries (DTensor code's checkpoints), filled in place
+    for key, (leaf, container, index) in values.items():
+        if key in back:
+            container[index] = like(key, back[key][0], leaf)
     return state_dict
 
 
@@ -264,17 +287,49 @@ class _CheckedReader(dcp.FileSystemReader):
                                       f"byte {end}: it is truncated or altered")
         return super().prepare_local_plan(plan)
 
-    def saved_value(self, fqn: str) -> str:
-        """The repr of the value DCP saved as `fqn` (for a message), or what kept it from being read."""
+    def read_value(self, fqn: str) -> Any:
+        """The value DCP saved as `fqn`, read with ``torch.load(weights_only=True)``: plain values only."""
         info = self.storage_data.get(MetadataIndex(fqn))
         if info is None or getattr(info, "transform_descriptors", None):
-            return "stored in a form sbp does not decode"
+            raise CheckpointError(f"DCP entry {fqn!r} is stored in a form sbp does not decode")
+        file = os.path.join(self.path, info.relative_path)
         try:
-            with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            with open(file, "rb") as f:
                 f.seek(info.offset)
-                return repr(torch.load(io.BytesIO(f.read(info.length)), weights_only=True))
-        except Exception as e:  # noqa: BLE001 - only the message's detail: the refusal stands either way
-            return f"unreadable: {type(e).__name__}"
+                return torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure to read is the same user-facing problem
+            raise CheckpointError(f"cannot read entry {fqn!r} from DCP checkpoint file {file!r}: "
+                                  f"{_unloadable(e)}") from e
+
+    def saved_value(self, fqn: str) -> str:
+        """The repr of the value DCP saved as `fqn` (for a message), or what kept it from being read."""
+        try:
+            return repr(self.read_value(fqn))
+        except CheckpointError as e:  # only the message's detail: the refusal stands either way
+            return "stored in a form sbp does not decode" if "does not decode" in str(e) else \
+                f"unreadable: {type(e.__cause__).__name__}"
+
+
+def _unloadable(e: BaseException) -> str:
+    """The line of a `torch.load(weights_only=True)` failure that says why (its message runs to a page)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+    return f"{type(e).__name__}: {why}"
+
+
+def _under(fqn: str, keys: "set[str] | dict[str, Any]") -> bool:
+    """Whether DCP's entry `fqn` belongs to one of the sbp `keys`: is one, or is an item DCP split off one
+    (``meta.epoch`` of a dict value ``meta``; ``optim.param_groups.0.lr``).
+
+    >>> _under("meta.epoch", {"meta"}), _under("metal", {"meta"})
+    (True, False)
+    """
+    at = fqn.find(".")
+    while at != -1:
+        if fqn[:at] in keys:
+            return True
+        at = fqn.find(".", at + 1)
+    return fqn in keys
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -310,12 +365,15 @@ class _SavePlanner(DefaultSavePlanner):
 
 class _LoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, reading for each sbp target only the chunk of its block, after the checks the
-    sbp format makes (kinds, global shapes, dtypes: DCP itself would convert a plain tensor's dtype)."""
+    sbp format makes (kinds, global shapes, dtypes: DCP itself would convert a plain tensor's dtype). When
+    the checkpoint holds sbp's `RECORD` of the JSON values, the values come from it, whole (`loaded`), and
+    DCP's own entries of them are neither compared nor read; keys are compared as `leaves` gives them."""
 
-    def __init__(self, targets: dict[int, tuple[str, torch.Size, Optional[Block]]], strict: bool,
-                 reader: "_CheckedReader") -> None:
+    def __init__(self, targets: dict[int, tuple[str, torch.Size, Optional[Block]]],
+                 values: dict[str, tuple[Any, Any, Any]], strict: bool, reader: "_CheckedReader") -> None:
         super().__init__(allow_partial_load=not strict)
-        self._by_id, self._strict, self._reader = targets, strict, reader
+        self._by_id, self._values, self._strict, self._reader = targets, values, strict, reader
+        self.loaded: Optional[dict[str, Any]] = None   # the values from the RECORD, in the state dict's types
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -323,13 +381,24 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         saved = self.metadata.state_dict_metadata
-        missing = sorted(set(self.state_dict) - set(saved))
-        extra = sorted(k for k in set(saved) - set(self.state_dict))
+        for key, (_, container, _) in self._values.items():   # every check before any rank reads
+            check_tuple_slot(key, container)
+            if isinstance(saved.get(key), TensorStorageMetadata):
+                raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a "
+                                      f"{type(self._values[key][0]).__name__} in the state_dict")
+        stored = self._take_values(saved) if RECORD in saved else {}
+        wanted = set(self.state_dict) | (set(self._values) if self.loaded is not None else set())
+        have = set(saved) if self.loaded is None else \
+            {fqn for fqn in saved if fqn != RECORD and not _under(fqn, stored)} | set(stored)
+        missing, extra = sorted(wanted - have), sorted(have - wanted)
         if self._strict and (missing or extra):
             parts = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
                     ([f"in the checkpoint but not in the state_dict: {extra}"] if extra else [])
             raise CheckpointError("the DCP checkpoint and the state_dict have different keys: " + "; ".join(parts))
-        for fqn, obj in self.state_dict.items():   # every check before any rank reads
+        for fqn, obj in self.state_dict.items():
+            if fqn in stored and isinstance(obj, torch.Tensor):
+                raise CheckpointError(f"entry {fqn!r} is a value in the checkpoint ({stored[fqn]!r:.200}) but a "
+                                      f"tensor in the state_dict")
             if fqn in saved and isinstance(obj, torch.Tensor):
                 dtype, size, _ = self.targets.get(fqn, (dtype_name(obj.dtype), obj.shape, None))
                 self._check_tensor(fqn, saved[fqn], dtype, size)
@@ -343,6 +412,23 @@ class _LoadPlanner(DefaultLoadPlanner):
                 chunk = ChunkStorageMetadata(offsets=torch.Size(lo for lo, _ in b), sizes=torch.Size(block_shape(b)))
                 requests += create_read_items_for_chunk_list(fqn, saved[fqn], [chunk])
         return LoadPlan(requests)
+
+    def _take_values(self, saved: dict) -> dict[str, Any]:
+        """The JSON values of sbp's `RECORD`; sets `loaded` (those the state dict has, rebuilt in its types)
+        and drops DCP's own entries of the state dict's values from what is read."""
+        stored = self._reader.read_value(RECORD)
+        try:
+            stored = json.loads(stored)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"DCP entry {RECORD!r} is not sbp's record of JSON values ({e}); the checkpoint "
+                                  f"is corrupt or altered") from e
+        if not isinstance(stored, dict):
+            raise CheckpointError(f"DCP entry {RECORD!r} is not sbp's record of JSON values; the checkpoint is "
+                                  f"corrupt or altered")
+        for fqn in [fqn for fqn in self.state_dict if _under(fqn, self._values)]:
+            del self.state_dict[fqn]
+        self.loaded = {key: like(key, stored[key], leaf) for key, (leaf, _, _) in self._values.items() if key in stored}
+        return stored
 
     def _check_tensor(self, fqn: str, md: Any, dtype: str, size: torch.Size) -> None:
         """The saved entry `md` of a tensor target: a tensor of the target's global shape and dtype."""
@@ -361,8 +447,13 @@ class _LoadPlanner(DefaultLoadPlanner):
             return self.state_dict[index.fqn]
         return super().lookup_tensor(index)
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)   # plain values only: never code from a pickle
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)   # plain values only: never code from a pickle
+        except Exception as e:  # noqa: BLE001 - (a pickled class: DTensor code pickles a namedtuple whole)
+            raise CheckpointError(f"entry {read_item.dest_index.fqn!r} of the DCP checkpoint holds an object sbp "
+                                  f"does not unpickle (plain values only: torch.load(weights_only=True)): "
+                                  f"{_unloadable(e)}") from None
         again = io.BytesIO()
         torch.save(obj, again)
         again.seek(0)

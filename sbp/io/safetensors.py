@@ -47,8 +47,10 @@ from .state import (
     leaves,
     like,
     missing_keys,
+    raise_together,
     reduced,
     retire_others,
+    save_lock,
     target_block,
     target_meshes,
     writers,
@@ -84,46 +86,75 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
     if mesh is not None and mesh.coord is None:
         return
     first = mesh is None or mesh.index_of(mesh.coord) == 0
+    try:   # every refusal before the first collective, which carries it: no rank waits for a rank that left
+        header, values, offset = _header(found)
+        refused = None
+    except CheckpointError as e:
+        header, values, offset, refused = {}, {}, 0, e
+    header["__metadata__"] = {"format": "pt", VALUES: json.dumps(values)}
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)            # the data starts 8-byte aligned
+    start = 8 + len(data)
+    tmp = file + ".tmp"
+    with save_lock(os.path.dirname(file) or ".", first and refused is None) as locked:   # one save at a time
+        error = refused or locked
+        if first and error is None:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(struct.pack("<Q", len(data)) + data)
+                    f.truncate(start + offset)
+            except OSError as e:
+                error = CheckpointError(f"save: cannot write {tmp!r}: {e} (the previous {file!r} is unchanged)")
+        # the file exists, sized, before anyone writes into it; the same all_reduce checks that the ranks save
+        # the same keys, layouts and values, and tells every rank if one refused the save or coord 0 could not
+        # create the file
+        if agree_save(mesh, found, 0, error is not None)[1]:
+            if first and refused is None and locked is None:
+                _remove_tmp(tmp)
+            raise_together(mesh, file, error)
+        _write_blocks(found, header, path, file, tmp, start, mesh, first)
+
+
+def _header(found: dict) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The safetensors header of the state dict's tensors (dtype, shape, byte range), its JSON values and
+    the data's length; a `CheckpointError` for what the format cannot hold."""
     header: dict[str, Any] = {}
     values: dict[str, Any] = {}
-    pieces: list[tuple[int, tuple[int, ...], int, Block, torch.Tensor]] = []   # (offset, shape, itemsize, block, local)
     offset = 0
     for key, (leaf, _, _) in found.items():
+        if key == "__metadata__":
+            raise CheckpointError(f"entry {key!r}: safetensors reserves the name '__metadata__' for the file's "
+                                  f"own metadata (sbp keeps the JSON values there); rename the entry")
         if not isinstance(leaf, torch.Tensor):
             values[key] = json_value(key, leaf)
             continue
         if leaf.dtype not in DTYPES:
             raise CheckpointError(f"tensor {key!r} has dtype {leaf.dtype}, which safetensors cannot hold "
                                   f"(valid: {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
-        shape = tuple(leaf.shape)
-        nbytes = math.prod(shape) * leaf.element_size()
-        header[key] = {"dtype": DTYPES[leaf.dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = math.prod(leaf.shape) * leaf.element_size()
+        header[key] = {"dtype": DTYPES[leaf.dtype], "shape": list(leaf.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return header, values, offset
+
+
+def _write_blocks(found: dict, header: dict[str, Any], path: str, file: str, tmp: str, start: int,
+                  mesh: Optional[DeviceMesh], first: bool) -> None:
+    """Every rank writes its blocks into `tmp` (each distinct block once, by its first holder; `Partial`
+    tensors reduced first), then coord 0 renames it over `file`; a barrier after each step carries failures."""
+    pieces: list[tuple[int, tuple[int, ...], int, Block, torch.Tensor]] = []   # (offset, shape, itemsize, block, local)
+    for key, (leaf, _, _) in found.items():
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        base, shape = header[key]["data_offsets"][0], tuple(leaf.shape)
         if isinstance(leaf, GlobalTensor):
             x = reduced(leaf)
             mine = block(shape, x.mesh.shape, x.placements, x.mesh.coord)
             if writers(x).get(mine) == x.mesh.coord:
-                pieces.append((offset, shape, leaf.element_size(), mine, host_copy(x._local)))
-        elif first and nbytes:
-            pieces.append((offset, shape, leaf.element_size(), tuple((0, n) for n in shape), host_copy(leaf)))
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt", VALUES: json.dumps(values)}
-    data = json.dumps(header, separators=(",", ":")).encode()
-    data += b" " * (-len(data) % 8)            # the data starts 8-byte aligned
-    start = 8 + len(data)
-    tmp = file + ".tmp"
+                pieces.append((base, shape, leaf.element_size(), mine, host_copy(x._local)))
+        elif first and leaf.numel():
+            pieces.append((base, shape, leaf.element_size(), tuple((0, n) for n in shape), host_copy(leaf)))
     error = None
-    if first:
-        try:
-            os.makedirs(os.path.dirname(file) or ".", exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(struct.pack("<Q", len(data)) + data)
-                f.truncate(start + offset)
-        except OSError as e:
-            error = CheckpointError(f"save: cannot write {tmp!r}: {e} (the previous {file!r} is unchanged)")
-    # the file exists, sized, before anyone writes into it; the same all_reduce checks that the ranks save the
-    # same keys, layouts and values, and tells every rank if coord 0 could not create the file
-    if agree_save(mesh, found, 0, error is not None)[1]:
-        _fail(file, tmp, first, error, "coord 0 could not create the file")
     if pieces:
         try:
             fd = os.open(tmp, os.O_WRONLY)
@@ -162,14 +193,18 @@ def _fail(file: str, tmp: str, first: bool, error: Optional[CheckpointError], wh
     """Every rank has learnt that a step of the save failed: coord 0 removes the temporary file, then the
     failing ranks raise their own error and the others one saying `what` failed."""
     if first:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        _remove_tmp(tmp)
     if error is not None:
         raise error
     raise CheckpointError(f"save of {file!r} failed: {what}; nothing was committed (the previous file is "
                           f"unchanged)")
+
+
+def _remove_tmp(tmp: str) -> None:
+    try:
+        os.remove(tmp)
+    except OSError:
+        pass
 
 
 def _runs(shape: tuple[int, ...], b: Block, itemsize: int):
@@ -241,7 +276,7 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
         agree_loaded(meshes, path, error, read)   # one all_reduce: all ranks raise (a failure, mixed saves) or none
         for key, (leaf, container, index) in found.items():
             if key in values:
-                container[index] = like(values[key], leaf)
+                container[index] = values[key]   # (rebuilt in the state dict's types by the checks)
             elif key in entries:
                 _load_tensor(entries[key], leaf, fds)
     finally:
@@ -252,7 +287,8 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
 
 def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[dict[str, tuple], dict[str, Any], int]:
     """The headers of every file involved (opened into `fds`), checked against the state dict (keys, shapes,
-    dtypes), and the digest of what was read (`_read_headers`)."""
+    dtypes), the JSON values rebuilt in the state dict's types (`like`), and the digest of what was read
+    (`_read_headers`)."""
     entries, values, read = _read_headers(path, fds)
     saved = set(entries) | set(values)
     missing, extra = missing_keys(found, saved), sorted(saved - set(found))
@@ -267,6 +303,7 @@ def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[d
                                   f"the state_dict")
         if key in values:
             check_tuple_slot(key, container)
+            values[key] = like(key, values[key], leaf)
         if key in entries:
             if not isinstance(leaf, torch.Tensor):
                 raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "

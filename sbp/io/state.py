@@ -8,11 +8,13 @@ JSON leaf (an optimizer's ``param_groups``).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-from typing import Any, Iterator, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 
@@ -24,6 +26,11 @@ from ..values.layout import Block, block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: saves are not serialised (see `save_lock`)
+    fcntl = None
+
 Leaf = Any  # a tensor, or a JSON value (int, float, str, bool, None, lists and dicts of them)
 
 GENERATION = re.compile(r"gen-(\d{8})")   # a save's data directory (the sbp format's and DCP's)
@@ -33,7 +40,8 @@ COMMITS = {"sbp": "metadata.json", "dcp": ".metadata"}
 # besides generation directories, what saves write and a later save may remove once it has committed:
 # version-1 sbp rank files, DCP data files written flat (by DTensor code, or sbp before generations), temporaries
 SAVE_DATA = re.compile(r"rank\d{5}\.pt(\.tmp)?|__\d+_\d+\.distcp|\.metadata(\.json)?\.tmp|model\.safetensors\.tmp")
-MESSAGE_BYTES = 2048   # per rank in the gather that tells every rank why a load failed (only when one did)
+MESSAGE_BYTES = 2048   # per rank in the gather that tells every rank why a save or load failed (only when one did)
+SAVE_LOCK = ".sbp-save.lock"   # held (flock) by a save's coord 0 while the save runs; removed when it ends
 
 
 # ---- flattening nested state dicts ---------------------------------------------------------------------
@@ -121,8 +129,9 @@ def missing_keys(found: dict[str, tuple[Any, Any, Any]], saved: set) -> list[str
 
 
 def json_value(key: str, leaf: Any) -> Any:
-    """`leaf` if JSON gives it back unchanged (tuples read back as lists), else a `CheckpointError` naming
-    the first part that would change and its type.
+    """`leaf` if JSON gives it back unchanged (tuples read back as lists; a namedtuple or a ``torch.Size``
+    as a list too, which `like` rebuilds in the state dict's type), else a `CheckpointError` naming the
+    first part that would change and its type.
 
     >>> json_value("cfg", {1: "a"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -142,12 +151,48 @@ def json_value(key: str, leaf: Any) -> Any:
     return leaf
 
 
+def json_values(found: dict) -> tuple[dict, Optional[CheckpointError]]:
+    """The JSON values among a state dict's leaves (`leaves`), or the first refusal: a save carries it in its
+    first collective, so no rank raises alone while the others wait.
+
+    >>> json_values({"epoch": (3, None, None), "cfg": ({1: "a"}, None, None)})[1] is not None
+    True
+    """
+    try:
+        return {key: json_value(key, leaf) for key, (leaf, _, _) in found.items()
+                if not isinstance(leaf, torch.Tensor)}, None
+    except CheckpointError as e:
+        return {}, e
+
+
 JSON_TYPES = "JSON values: None, bool, int, float, str, and lists and dicts of them with str keys"
+SEQUENCES = "list, tuple, a namedtuple or torch.Size (rebuilt in the type the loading state_dict holds)"
+
+
+def _is_namedtuple(kind: type) -> bool:
+    """Whether `kind` is a namedtuple class (``collections.namedtuple`` or ``typing.NamedTuple``).
+
+    >>> import collections; _is_namedtuple(collections.namedtuple("Cfg", "hidden")), _is_namedtuple(tuple)
+    (True, False)
+    """
+    return issubclass(kind, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_make")
+
+
+def _kept_sequence(kind: type) -> bool:
+    """Whether a list or tuple of type `kind` comes back as such: plain ones, and the tuple types `like`
+    rebuilds from the loading state dict (a namedtuple, ``torch.Size``)."""
+    return kind in (list, tuple, torch.Size) or _is_namedtuple(kind)
+
+
+def _type_name(v: Any) -> str:
+    kind = type(v)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _not_json(value: Any) -> str:
     """Why JSON would not give `value` back as it is: its first part whose type is not JSON's own (a numpy
-    scalar or an IntEnum is written as a number and reads back as a plain int or float).
+    scalar or an IntEnum is written as a number and reads back as a plain int or float; a tuple subclass
+    other than a namedtuple or ``torch.Size`` as a plain list).
 
     >>> _not_json([0.1, {"lr": 0.1, 3: "a"}])
     'dict key 3 is a int: dict keys must be strings'
@@ -155,6 +200,10 @@ def _not_json(value: Any) -> str:
     pending = [value]
     while pending:
         v = pending.pop()
+        if isinstance(v, (list, tuple)) and not _kept_sequence(type(v)):
+            base = "tuple" if isinstance(v, tuple) else "list"
+            return (f"{v!r:.80} is a {_type_name(v)}, a {base} subclass that reads back as a plain list (valid "
+                    f"sequences: {SEQUENCES})")
         if isinstance(v, (dict, list, tuple)):
             if isinstance(v, dict):
                 bad = [k for k in v if type(k) is not str]
@@ -162,9 +211,7 @@ def _not_json(value: Any) -> str:
                     return f"dict key {bad[0]!r} is a {type(bad[0]).__name__}: dict keys must be strings"
             pending.extend(reversed(list(v.values() if isinstance(v, dict) else v)))
         elif v is not None and type(v) not in (bool, int, float, str):
-            kind = type(v).__qualname__ if type(v).__module__ == "builtins" else \
-                f"{type(v).__module__}.{type(v).__qualname__}"
-            return f"{v!r:.80} is a {kind}, not a JSON type (valid: {JSON_TYPES})"
+            return f"{v!r:.80} is a {_type_name(v)}, not a JSON type (valid: {JSON_TYPES})"
     return f"JSON cannot write it (valid: {JSON_TYPES})"
 
 
@@ -175,25 +222,48 @@ def _same_json(value: Any, back: Any) -> bool:
         return isinstance(back, dict) and list(value) == list(back) and all(
             _same_json(v, back[k]) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return isinstance(back, list) and len(back) == len(value) and all(map(_same_json, value, back))
+        return _kept_sequence(type(value)) and isinstance(back, list) and len(back) == len(value) and \
+            all(map(_same_json, value, back))
     if isinstance(value, float) and value != value:
         return isinstance(back, float) and back != back
     return type(value) is type(back) and value == back
 
 
-def like(value: Any, template: Any) -> Any:
-    """A JSON value read back, with the tuples of the state_dict entry it replaces restored (an optimizer's
-    ``betas=(0.9, 0.999)`` stays a tuple).
+def like(key: str, value: Any, template: Any) -> Any:
+    """A JSON value read back for entry `key`, rebuilt in the types of the state_dict entry it replaces: a
+    list where the entry has a tuple comes back a tuple (an optimizer's ``betas=(0.9, 0.999)``), a
+    namedtuple or a ``torch.Size`` as that type. The type comes from the loading state dict, never from
+    the file (nothing is imported); a list that type cannot take is a `CheckpointError`.
 
-    >>> like([0.9, 0.99], (0.0, 0.0))
+    >>> like("betas", [0.9, 0.99], (0.0, 0.0))
     (0.9, 0.99)
+    >>> like("shape", [4, 2], torch.Size([0, 0]))
+    torch.Size([4, 2])
     """
     if isinstance(value, list) and isinstance(template, (list, tuple)):
-        items = [like(v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
-        return tuple(items) if isinstance(template, tuple) else items
+        items = [like(key, v, template[i] if i < len(template) else None) for i, v in enumerate(value)]
+        return items if isinstance(template, list) else _rebuilt(key, type(template), items)
     if isinstance(value, dict) and isinstance(template, dict):
-        return {k: like(v, template.get(k)) for k, v in value.items()}
+        return {k: like(key, v, template.get(k)) for k, v in value.items()}
     return value
+
+
+def _rebuilt(key: str, kind: type, items: list) -> tuple:
+    """`items` as a `kind` (tuple, a namedtuple or torch.Size: the type the loading state dict holds)."""
+    if kind is tuple:
+        return tuple(items)
+    if kind is torch.Size:
+        if all(type(n) is int for n in items):
+            return torch.Size(items)
+        why = "a torch.Size holds ints"
+    elif _is_namedtuple(kind):
+        if len(items) == len(kind._fields):
+            return kind._make(items)
+        why = f"its fields are {kind._fields}"
+    else:
+        why = f"load rebuilds no other tuple subclass (valid: {SEQUENCES})"
+    raise CheckpointError(f"entry {key!r}: the checkpoint holds {items!r:.80} where the state_dict holds a "
+                          f"{kind.__module__}.{kind.__qualname__}, which cannot be rebuilt from it: {why}")
 
 
 def check_tuple_slot(key: str, container: Any) -> None:
@@ -286,17 +356,20 @@ def host_barrier(mesh: DeviceMesh, failed: bool = False) -> int:
     return failures
 
 
-def agree_max(mesh: Optional[DeviceMesh], n: int) -> int:
-    """The largest `n` any rank of `mesh` passes (one all_reduce of one int64; `n` itself without a mesh).
+def agree_max(mesh: Optional[DeviceMesh], n: int, failed: bool = False) -> tuple[int, bool]:
+    """(the largest `n` any rank of `mesh` passes, whether any rank passes `failed`) in one all_reduce of
+    two int64 (`(n, failed)` without a mesh): a rank that refuses its save before this, the save's first
+    collective, still joins it, so the others learn of it instead of waiting (`raise_together`).
 
     >>> import sbp, sbp.testing
-    >>> sbp.testing.spmd(lambda mesh: agree_max(mesh, mesh.rank * 10), (3,))
-    [20, 20, 20]
+    >>> sbp.testing.spmd(lambda mesh: agree_max(mesh, mesh.rank * 10, failed=mesh.rank == 1), (3,))
+    [(20, True), (20, True), (20, True)]
     """
     if mesh is None:
-        return n
-    t = torch.tensor([n], dtype=torch.int64, device=comm_device(mesh))
-    return int(mesh.binding.all_reduce(t, tuple(range(mesh.ndim)), "max").item())
+        return n, failed
+    t = torch.tensor([n, int(failed)], dtype=torch.int64, device=comm_device(mesh))
+    top, failures = mesh.binding.all_reduce(t, tuple(range(mesh.ndim)), "max").tolist()
+    return top, bool(failures)
 
 
 def _save_fields(found: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
@@ -348,10 +421,10 @@ def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]
     """
     if mesh is None:
         return n, failed
-    d = save_digest(found)
+    d = 0 if failed else save_digest(found)   # (a rank that failed may hold what the digest cannot take)
     row = torch.tensor([n, d, -d, int(failed)], dtype=torch.int64, device=comm_device(mesh))
     top, high, low, failures = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
-    if high != -low:
+    if high != -low and not failures:   # a failure is reported first: its digest stood for nothing
         refuse_disagreement(mesh, found)
     return top, bool(failures)
 
@@ -399,16 +472,8 @@ def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, erro
             failing.append(mesh)
         mixed = mixed or high != -low
     messages: dict[int, str] = {}
-    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
     for mesh in failing:
-        gather, members = mesh_gather(mesh)
-        buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device="cpu")   # built on the host, then moved
-        if text:
-            buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        for rank, got in zip(members, gather(buf.to(comm_device(mesh)))):
-            message = bytes(got.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-            if message:   # a failing rank's message is never empty: "<type>: <text>"
-                messages[rank] = message
+        messages |= _messages(mesh, error)
     if error is not None:
         raise error
     if mixed and not messages:
@@ -419,6 +484,47 @@ def agree_loaded(meshes: "DeviceMesh | list[DeviceMesh] | None", path: str, erro
         which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
         raise CheckpointError(f"load of {path!r} failed on {which} (no rank's state_dict was changed); "
                               f"rank {failed[0]}: {messages[failed[0]]}")
+
+
+def _messages(mesh: DeviceMesh, error: Optional[BaseException]) -> dict[int, str]:
+    """{rank: "<type>: <message>"} of the ranks of `mesh` that pass an `error`: one all_gather of
+    `MESSAGE_BYTES` per rank, made only once every rank knows that some rank failed."""
+    gather, members = mesh_gather(mesh)
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:MESSAGE_BYTES]
+    buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device="cpu")   # built on the host, then moved
+    if text:
+        buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    out = {}
+    for rank, got in zip(members, gather(buf.to(comm_device(mesh)))):
+        message = bytes(got.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        if message:   # a failing rank's message is never empty: "<type>: <text>"
+            out[rank] = message
+    return out
+
+
+def raise_together(mesh: Optional[DeviceMesh], path: str, error: Optional[BaseException]) -> NoReturn:
+    """Every rank of `mesh` has learnt from a save's first collective that some rank refused the save
+    before writing anything (a value JSON would change, a dtype the format cannot hold, a directory coord
+    0 cannot lock): the refusing ranks raise their own error, the others a `CheckpointError` naming the
+    first refusing rank and its message (an all_gather of the messages, only now).
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     error = CheckpointError("entry 'best' is bad") if mesh.rank == 1 else None
+    ...     if agree_max(mesh, 0, error is not None)[1]:
+    ...         raise_together(mesh, "ckpt", error)
+    >>> sbp.testing.spmd(fn, (3,))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.testing.spmd.SpmdError: rank 0 of 3 raised CheckpointError: save of 'ckpt' failed on rank 1 ...
+    """
+    messages = {} if mesh is None else _messages(mesh, error)
+    if error is not None:
+        raise error
+    failed = sorted(messages)
+    which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+    raise CheckpointError(f"save of {path!r} failed on {which} before anything was written (the previous "
+                          f"checkpoint is unchanged); rank {failed[0]}: {messages[failed[0]]}")
 
 
 # ---- files ----------------------------------------------------------------------------------------------
@@ -452,6 +558,70 @@ def last_generation(path: str) -> int:
     except OSError:
         return 0
     return max((int(m.group(1)) for m in map(GENERATION.fullmatch, names) if m), default=0)
+
+
+@contextmanager
+def save_lock(directory: str, hold: bool) -> Iterator[Optional[CheckpointError]]:
+    """One save at a time per directory. Where `hold` (the save's coord 0, which commits), the body runs
+    holding an exclusive `flock` on ``directory/.sbp-save.lock`` (the directory is made if needed), and
+    the file is removed when the body ends. Yields None, or the `CheckpointError` that refuses this save
+    -- another save (another job) holds the lock, or the directory cannot be made -- which the caller
+    carries in its first collective so that every rank raises (`raise_together`) before anything is
+    written. The lock dies with its process: a killed save leaves nothing that blocks the next one.
+    Where the filesystem has no locks, saves are not serialised.
+
+    >>> import os, tempfile
+    >>> path = tempfile.mkdtemp()
+    >>> with save_lock(path, True) as first:
+    ...     with save_lock(path, True) as second:
+    ...         pass
+    >>> first is None, str(second).startswith("save: another save into"), os.listdir(path)
+    (True, True, [])
+    """
+    fd, error = None, None
+    if hold:
+        try:
+            fd = _lock(directory)
+        except CheckpointError as e:
+            error = e
+    try:
+        yield error
+    finally:
+        if fd is not None:   # removed while still held: no other save can have locked this file meanwhile
+            _remove(os.path.join(directory, SAVE_LOCK))
+            os.close(fd)
+
+
+def _lock(directory: str) -> Optional[int]:
+    """The descriptor of ``directory/.sbp-save.lock``, locked; None where the filesystem has no locks."""
+    file = os.path.join(directory, SAVE_LOCK)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"save: cannot create the checkpoint directory {directory!r}: {e}") from e
+    if fcntl is None:  # pragma: no cover
+        return None
+    while True:
+        try:
+            fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"save: cannot create {file!r}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"save: another save into {directory!r} is in progress (its coord 0 holds "
+                                      f"{SAVE_LOCK}); saves into one directory must not overlap: save again once "
+                                      f"it is done, or into another directory") from None
+            return None   # (ENOLCK, EOPNOTSUPP...): a filesystem without locks
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(file))
+        except OSError:
+            current = False
+        if current:
+            return fd
+        os.close(fd)   # its holder removed the file after this open: lock the file there now
 
 
 def retire_others(path: str, kept: str, data: Optional[str] = None) -> None:

@@ -5,6 +5,7 @@ In-process SPMD tier (threads backend), plus one save on gloo processes loaded b
 """
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import functools
@@ -434,3 +435,51 @@ def test_json_values_come_back_as_they_were(tmp_path):
     with pytest.raises(CheckpointError, match=r"entry 't.1' sits in a tuple of the state_dict"):
         sbp.load(str(tmp_path / "d"), target)
     assert torch.equal(target["t"][0], torch.zeros(2))
+
+
+Cfg = collections.namedtuple("Cfg", "hidden layers")
+Cfg3 = collections.namedtuple("Cfg3", "hidden layers heads")
+
+
+class Pair(tuple):
+    """A tuple subclass that is no namedtuple: JSON gives it back as a plain list."""
+
+
+def _typed_values(mesh, path, fmt):
+    sbp.save({"w": sbp.distribute(torch.ones(4), mesh, "S(0)"), "cfg": Cfg(16, 2), "shape": torch.Size([4, 2]),
+              "groups": [{"shape": torch.Size([3]), "cfg": Cfg(8, (1, 2))}]}, path, format=fmt)
+    sd = {"w": sbp.zeros((4,), mesh, "S(0)"), "cfg": Cfg(0, 0), "shape": torch.Size([0, 0]),
+          "groups": [{"shape": torch.Size([0]), "cfg": Cfg(0, (0, 0))}]}
+    sbp.load(path, sd)
+    inner = sd["groups"][0]
+    return [(v, type(v)) for v in (sd["cfg"], sd["shape"], inner["shape"], inner["cfg"], inner["cfg"].layers)]
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_namedtuples_and_sizes_come_back_in_the_state_dicts_types(tmp_path, fmt):
+    """A namedtuple or a torch.Size value comes back as that type (it came back a plain tuple), rebuilt from the
+    loading state dict's entry, never from the file; a list that type cannot take is refused before anything
+    is loaded, and a tuple subclass load could not rebuild is refused when saving."""
+    got = sbp.testing.spmd(functools.partial(_typed_values, path=str(tmp_path / "a"), fmt=fmt), (2,))
+    assert got == [[(Cfg(16, 2), Cfg), (torch.Size([4, 2]), torch.Size), (torch.Size([3]), torch.Size),
+                    (Cfg(8, (1, 2)), Cfg), ((1, 2), tuple)]] * 2
+
+    sbp.save({"w": torch.ones(2), "cfg": Cfg(16, 2), "shape": [0.5, 2]}, tmp_path / "b", format=fmt)
+    for wrong, message in [({"cfg": Cfg3(0, 0, 0)}, "entry 'cfg': the checkpoint holds [16, 2] where the state_dict "
+                                                    "holds a tests.io.test_checkpoint.Cfg3, which cannot be rebuilt "
+                                                    "from it: its fields are ('hidden', 'layers', 'heads')"),
+                           ({"shape": torch.Size([0, 0])}, "entry 'shape': the checkpoint holds [0.5, 2] where the "
+                                                           "state_dict holds a torch.Size, which cannot be rebuilt "
+                                                           "from it: a torch.Size holds ints")]:
+        target = {"w": torch.zeros(2), "cfg": Cfg(0, 0), "shape": [0, 0]} | wrong
+        with pytest.raises(CheckpointError) as info:
+            sbp.load(tmp_path / "b", target)
+        assert str(info.value) == message
+        assert torch.equal(target["w"], torch.zeros(2)) and target["cfg"] in (Cfg(0, 0), Cfg3(0, 0, 0))
+
+    with pytest.raises(CheckpointError) as info:
+        sbp.save({"w": torch.ones(2), "p": {"pair": Pair((1, 2))}}, tmp_path / "c", format=fmt)
+    assert str(info.value) == (
+        "entry 'p' would not come back as it is from JSON ({'pair': (1, 2)} reads back as {'pair': [1, 2]}): (1, 2) "
+        "is a tests.io.test_checkpoint.Pair, a tuple subclass that reads back as a plain list (valid sequences: "
+        "list, tuple, a namedtuple or torch.Size (rebuilt in the type the loading state_dict holds))")

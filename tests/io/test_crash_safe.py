@@ -165,3 +165,72 @@ def test_sigkill_at_random_moments_during_saves_leaves_old_or_new(tmp_path):
     crash_trials.run_trials(str(tmp_path / "ck"), str(tmp_path / "final"), 0, random.Random(0))
     assert sorted(os.listdir(tmp_path / "ck")) == [
         json.loads((tmp_path / "ck" / "metadata.json").read_text())["data"], "metadata.json"]
+
+
+# ---- two saves into one directory at once ----------------------------------------------------------------------
+
+def _save_as(mesh, path, value, fmt):
+    try:
+        sbp.save({"x": sbp.distribute(torch.full((10, 7), float(value)), mesh, "S(0)"), "step": value}, path,
+                 format=fmt)
+        return "saved"
+    except CheckpointError as e:
+        return str(e)
+
+
+def _plain_load(path):
+    sd = {"x": torch.zeros(10, 7), "step": -1}
+    sbp.load(path, sd)
+    return sd["step"], torch.unique(sd["x"]).tolist()
+
+
+def _paused(real, writing, resume):
+    def write(*args, **kwargs):
+        writing.set()
+        assert resume.wait(60)
+        return real(*args, **kwargs)
+    return write
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # the DCP save runs in one process
+@pytest.mark.parametrize("first, second", [("sbp", "sbp"), ("sbp", "safetensors"), ("dcp", "sbp")])
+def test_a_save_into_a_directory_another_save_is_writing_is_refused(tmp_path, monkeypatch, first, second):
+    """Another job's save into the same directory while a save writes: it is refused on every rank before it
+    writes anything, the first save commits, and the directory loads as that save's state, whole. (Both used
+    to go ahead, each removing the other's data directory: nothing loaded, not even the previous save.)"""
+    path = str(tmp_path)
+    save(tmp_path, 1)
+    writing, resume = threading.Event(), threading.Event()
+    if first == "sbp":   # the first save stops in its writes, its data directory made
+        real = checkpoint._write
+        monkeypatch.setattr(checkpoint, "_write", lambda shard, file: (
+            _paused(real, writing, resume) if "gen-00000002" in file else real)(shard, file))
+
+        def run_first():
+            return sbp.testing.spmd(functools.partial(_save_as, path=path, value=2, fmt="sbp"), (2,))
+    else:
+        from sbp.io import dcp as sbp_dcp
+        monkeypatch.setattr(sbp_dcp._GenerationWriter, "write_data",
+                            _paused(sbp_dcp._GenerationWriter.write_data, writing, resume))
+
+        def run_first():
+            sbp.save({"x": torch.full((10, 7), 2.0), "step": 2}, path, format="dcp")
+            return ["saved"]
+    results = []
+    job = threading.Thread(target=lambda: results.append(run_first()))
+    job.start()
+    try:
+        assert writing.wait(60)
+        got = sbp.testing.spmd(functools.partial(_save_as, path=path, value=3, fmt=second), (2,), timeout=20)
+    finally:
+        resume.set()
+        job.join()
+    assert results == [["saved"] * (2 if first == "sbp" else 1)]
+    target = os.path.join(path, "model.safetensors") if second == "safetensors" else path
+    refusal = f"save: another save into {path!r} is in progress (its coord 0 holds .sbp-save.lock)"
+    assert got[0].startswith(refusal), got
+    assert got[1].startswith(f"save of {target!r} failed on rank 0 before anything was written (the previous "
+                             f"checkpoint is unchanged); rank 0: CheckpointError: {refusal}"), got
+    assert _plain_load(path) == (2, [2.0])
+    assert sorted(os.listdir(path)) == ([".metadata"] if first == "dcp" else []) + ["gen-00000002"] + \
+        (["metadata.json"] if first == "sbp" else [])

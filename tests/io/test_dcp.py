@@ -6,8 +6,10 @@ Every value is compared exactly. Worker functions are module-level (they travel 
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -304,3 +306,65 @@ def test_plain_targets_are_checked_like_the_sbp_format(tmp_path, saved, target, 
         assert str(info.value) == message, fmt
         assert all(torch.equal(v, before[k]) if isinstance(v, torch.Tensor) else v == before[k]
                    for k, v in target.items())
+
+
+Cfg = collections.namedtuple("Cfg", "hidden layers")
+Cfg3 = collections.namedtuple("Cfg3", "hidden layers heads")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # one process is the intent
+def test_a_dict_value_replaces_the_state_dicts_as_in_the_other_formats(tmp_path):
+    """DCP splits a dict value into one entry per item (meta.epoch, meta.best): loading into a dict with other
+    keys raised (strict) or kept the stale dict (strict=False). sbp's DCP saves also carry the values whole,
+    which replace the state dict's as in the sbp and safetensors formats -- empty dicts inside them included
+    (an optimizer before its first step), which DCP's own entries cannot hold. DTensor code still reads
+    DCP's own entries."""
+    import torch.distributed.checkpoint as dcp
+
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]
+    saved = {"w": torch.arange(4.), "meta": {"epoch": 3, "best": 0.5}, "optim": {"state": {}, "param_groups": groups}}
+    for fmt in ("sbp", "safetensors", "dcp"):
+        sbp.save(saved, tmp_path / fmt, format=fmt)
+        for strict, stale in ((True, {}), (True, {"epoch": 0, "old": 1}), (False, {})):
+            sd = {"w": torch.zeros(4), "meta": stale, "optim": {"param_groups": [{"lr": 0.0}]}}
+            sbp.load(tmp_path / fmt, sd, strict=strict)
+            assert sd["meta"] == {"epoch": 3, "best": 0.5}, (fmt, strict, stale)
+            assert sd["optim"] == {"state": {}, "param_groups": [{"lr": 0.1, "betas": [0.9, 0.99], "params": [0]}]}
+            assert torch.equal(sd["w"], torch.arange(4.))
+    theirs = {"meta": {"epoch": 0, "best": 0.0},
+              "optim": {"param_groups": [{"lr": 0.0, "betas": (0, 0), "params": [1]}]}}
+    dcp.load(theirs, checkpoint_id=tmp_path / "dcp")
+    assert theirs == {"meta": {"epoch": 3, "best": 0.5}, "optim": {"param_groups": groups}}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_namedtuple_and_size_values_come_back_from_dcp_as_from_the_other_formats(tmp_path):
+    """A namedtuple value, which DCP pickles with its class, made sbp.load of sbp's own checkpoint fail with a
+    message naming no entry; it comes back in the state dict's type, as a torch.Size does (as in the sbp
+    format), and a state dict whose type cannot take it is refused before anything is read. A namedtuple in
+    DCP's own entries (DTensor code's checkpoints) is refused naming its entry."""
+    import torch.distributed.checkpoint as dcp
+
+    sbp.save({"w": torch.arange(4.), "cfg": Cfg(16, 2), "shape": torch.Size([4, 2])}, tmp_path / "a", format="dcp")
+    sd = {"w": torch.zeros(4), "cfg": Cfg(0, 0), "shape": torch.Size([0, 0])}
+    sbp.load(tmp_path / "a", sd)
+    assert (sd["cfg"], type(sd["cfg"]), sd["shape"], type(sd["shape"])) == (Cfg(16, 2), Cfg, (4, 2), torch.Size)
+    assert torch.equal(sd["w"], torch.arange(4.))
+
+    sd = {"w": torch.zeros(4), "cfg": Cfg3(0, 0, 0), "shape": torch.Size([0, 0])}
+    with pytest.raises(CheckpointError, match=r"^entry 'cfg': the checkpoint holds \[16, 2\] where the state_dict "
+                                              r"holds a tests.io.test_dcp.Cfg3, which cannot be rebuilt from it"):
+        sbp.load(tmp_path / "a", sd)
+    assert torch.equal(sd["w"], torch.zeros(4)) and sd["cfg"] == Cfg3(0, 0, 0)
+
+    dcp.save({"w": torch.arange(4.), "cfg": Cfg(16, 2)}, checkpoint_id=tmp_path / "b")   # DTensor code
+    with pytest.raises(CheckpointError, match=r"^entry 'cfg' of the DCP checkpoint holds an object sbp does not "
+                                              r"unpickle .*Unsupported global: GLOBAL tests.io.test_dcp.Cfg"):
+        sbp.load(tmp_path / "b", {"w": torch.zeros(4), "cfg": Cfg(0, 0)})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_name_of_sbps_record_of_values_is_reserved(tmp_path):
+    with pytest.raises(CheckpointError, match="^entry '__sbp_values__': format='dcp' reserves this name"):
+        sbp.save({"w": torch.ones(2), "__sbp_values__": {"a": 1}}, tmp_path, format="dcp")
+    assert os.listdir(tmp_path) == []

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +338,60 @@ def test_ranks_saving_different_values_are_named_and_nothing_is_committed(tmp_pa
     assert got == ["save: ranks disagree on JSON values (every rank must pass the same; SPMD): "
                    "{'step': 100} on ranks [0, 2]; {'step': 101} on ranks [1, 3]"] * 4
     assert run(functools.partial(_step, path=str(tmp_path)), (4,)) == [1] * 4   # the previous save still loads
+
+
+# ---- a rank that refuses its save or its load on its own --------------------------------------------------------
+
+def _one_rank_refuses(mesh, path, fmt):
+    """Rank 1 passes a value the save refuses (a numpy scalar where the others pass a float), before a P(sum)
+    tensor whose reduction is a collective too."""
+    best = np.float64(0.5) if mesh.rank == 1 else 0.5
+    sd = {"best": best, "p": sbp.from_local(torch.ones(4), mesh, "P(sum)", global_shape=(4,))} | state(mesh, 2)
+    try:
+        sbp.save(sd, path, format=fmt)
+        return "saved"
+    except sbp.SbpError as e:   # (CommError, where a rank waited out the collective timeout)
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors", pytest.param("dcp", marks=pytest.mark.gloo)])
+def test_a_value_one_rank_refuses_makes_every_rank_raise_at_once(tmp_path, fmt):
+    """The refusal rides on the save's first collective: the refusing rank raises its own CheckpointError, the
+    others one naming it and the entry -- where they used to wait in that collective until its timeout."""
+    path = str(tmp_path)
+    run = functools.partial(sbp.testing.spmd, backend="gloo" if fmt == "dcp" else "threads")
+    run(functools.partial(_save, path=path, step=1, fmt=fmt), (3,))
+    before = sorted(os.listdir(path))
+    got = run(functools.partial(_one_rank_refuses, path=path, fmt=fmt), (3,), timeout=10)
+    refusal = ("CheckpointError: entry 'best' would not come back as it is from JSON (np.float64(0.5) reads back as "
+               "0.5): np.float64(0.5) is a numpy.float64, not a JSON type")
+    assert got[1].startswith(refusal), got
+    target = os.path.join(path, "model.safetensors") if fmt == "safetensors" else path
+    for message in got[::2]:
+        assert message.startswith(f"CheckpointError: save of {target!r} failed on rank 1 before anything was "
+                                  f"written (the previous checkpoint is unchanged); rank 1: {refusal}"), got
+    assert sorted(os.listdir(path)) == before        # nothing written, no lock left
+    assert run(functools.partial(_loaded, path=path), (2,))[0] == (1, [1.0])
+
+
+def _one_rank_sees_no_checkpoint(mesh, path, elsewhere):
+    sd = state(mesh, 0)
+    try:
+        sbp.load(elsewhere if mesh.rank == 1 else path, sd)
+        error = "loaded"
+    except sbp.SbpError as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, torch.unique(sd["a"].to_local()).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_a_load_one_rank_finds_no_checkpoint_for_raises_on_every_rank(tmp_path, fmt):
+    """A rank that finds no checkpoint at the path (a directory it does not see) joins the others' agreement:
+    all raise, nothing is loaded -- where the others used to wait in it until its timeout."""
+    path, elsewhere = str(tmp_path / "ckpt"), str(tmp_path / "elsewhere")
+    sbp.testing.spmd(functools.partial(_save, path=path, step=7, fmt=fmt), (2,))
+    got = sbp.testing.spmd(functools.partial(_one_rank_sees_no_checkpoint, path=path, elsewhere=elsewhere), (2,),
+                           timeout=10)
+    refusal = f"CheckpointError: checkpoint {elsewhere!r} is not a directory; write one with sbp.save"
+    assert got == [(f"CheckpointError: load of {path!r} failed on rank 1 (no rank's state_dict was changed); rank 1: "
+                    f"{refusal}", [0.0]), (refusal, [0.0])]

@@ -290,3 +290,13 @@ def test_damaged_files(saved):
 def test_unsupported_dtype_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="which safetensors cannot hold"):
         sbp.save({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path, format="safetensors")
+
+
+def test_a_tensor_named_like_the_files_own_metadata_is_refused(tmp_path):
+    """safetensors keeps the file's metadata under the name '__metadata__': a tensor of that name was dropped
+    from the header (the file unreadable); it is refused before anything is written."""
+    with pytest.raises(CheckpointError) as info:
+        sbp.save({"__metadata__": torch.arange(3.), "w": torch.ones(2)}, tmp_path, format="safetensors")
+    assert str(info.value) == ("entry '__metadata__': safetensors reserves the name '__metadata__' for the file's "
+                               "own metadata (sbp keeps the JSON values there); rename the entry")
+    assert os.listdir(tmp_path) == []
