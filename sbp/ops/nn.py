@@ -276,11 +276,16 @@ def _sdpa_check(spec: OpSpec, choice: Choice) -> bool:
 
 
 def _run_sdpa(call: Call) -> Any:
-    """The CPU kernel divides by zero on empty shards (SIGFPE): an empty block gives empty results."""
+    """The CPU kernel divides by zero on empty shards (SIGFPE): an empty block gives empty results. The fused
+    kernels read the last dim as contiguous: torch chose them from the global tensors' (contiguous) strides,
+    but a local laid out anew may have others (a head cut between ranks, then moved: strides (5, 80, 1, 10)),
+    which the CPU flash kernel silently misreads; such locals are made contiguous."""
     if any(call.args[i].numel() == 0 for i in range(3)):
         like = call.args[0]
         return tuple(like.new_zeros(call.out_shape(k), dtype=meta.dtype) for k, meta in enumerate(call.spec.outputs))
-    return call.default()
+    args = [a.contiguous() if isinstance(a, torch.Tensor) and a.dim() and a.stride(-1) != 1 else a
+            for a in call.args]
+    return call.func(*args, **call.kwargs)
 
 
 SDPA = Rule(_sdpa_sigs, run=_run_sdpa, check=_sdpa_check,
