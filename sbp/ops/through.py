@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, _meta_like, full_local
+from ..tensor.global_tensor import GlobalTensor, full_local, meta_like
 from ..tensor.setitem import write_blocks
 from ..values.errors import SbpError
 
@@ -65,7 +65,7 @@ def _a_copy(made: tuple) -> bool:
     if func not in (aten.view.default, aten._unsafe_view.default):
         return False
     try:
-        func(_meta_like(args[0]), *args[1:], **kwargs)
+        func(meta_like(args[0]), *args[1:], **kwargs)
     except RuntimeError:
         return True
     return False

@@ -311,7 +311,7 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.ones(2, 3), mesh, "S(0)").t().is_contiguous(), (2,))
         [False, False]
         """
-        return _meta_like(self).is_contiguous(memory_format=memory_format)
+        return meta_like(self).is_contiguous(memory_format=memory_format)
 
     def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> "GlobalTensor":
         """As torch's: `self` when its logical strides are contiguous, else a copy, so a write into the result
@@ -861,7 +861,7 @@ def logical_strides(t: GlobalTensor) -> tuple[int, ...]:
     if recipe is None:
         return tuple(t.stride())
     func, args, kwargs, k = recipe
-    meta = lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else \
+    meta = lambda a: meta_like(a) if isinstance(a, torch.Tensor) else \
         [meta(x) for x in a] if isinstance(a, (list, tuple)) else \
         symbolic.hint(a) if isinstance(a, torch.SymInt) else a
     try:
@@ -903,9 +903,14 @@ def is_detached(t: GlobalTensor) -> bool:
     return notes is not None and notes.detached
 
 
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
+def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of `t`'s logical shape and strides (symbolic sizes at their hints: torch.compile's
-    dynamic shapes; only layout questions are asked of it)."""
+    dynamic shapes; only layout questions are asked of it).
+
+    >>> import sbp, sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: meta_like(sbp.distribute(torch.ones(2, 3), mesh, "S(0)").t()).stride(), (2,))
+    [(1, 3), (1, 3)]
+    """
     strides = logical_strides(t) if isinstance(t, GlobalTensor) else t.stride()
     shape = tuple(t.shape)
     if any(isinstance(n, torch.SymInt) for n in shape + tuple(strides)):
