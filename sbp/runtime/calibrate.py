@@ -123,6 +123,12 @@ def measure(mesh: DeviceMesh, sizes: Sequence[int] = SIZES, repeats: int = 5,
     >>> sbp.testing.spmd(fn, (2, 2))
     [2, 2, 2, 2]
     """
+    if not isinstance(mesh, DeviceMesh):
+        raise SbpError(f"calibrate needs a bound sbp.DeviceMesh (sbp.init_mesh, or inside sbp.testing.spmd), got "
+                       f"{type(mesh).__name__}: {mesh!r}")
+    if not isinstance(sizes, (tuple, list)):
+        raise SbpError(f"calibrate sizes must be a tuple or list of ints >= 4 (bytes per member's piece), got "
+                       f"{sizes!r}")
     if mesh.binding is None:
         raise SbpError("calibrate needs a mesh bound to a communicator (sbp.init_mesh, or inside sbp.testing.spmd); "
                        f"got the plain value {mesh!r}")

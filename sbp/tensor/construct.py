@@ -127,11 +127,26 @@ def _distribute_described(tensor: torch.Tensor, mesh: tuple, placements) -> Glob
 _compiled_distribute = torch._dynamo.nonstrict_trace(_distribute_described)
 
 
+def check_dense(t: torch.Tensor, what: str) -> None:
+    """Refuse sparse, nested and other non-strided tensors: a global tensor's local is a dense strided block.
+
+    >>> check_dense(torch.eye(2).to_sparse(), "distribute")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.SbpError: distribute needs a dense (strided) tensor, got layout torch.sparse_coo; ...
+    """
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise SbpError(f"{what} needs a dense (strided) tensor, got {kind}; convert it first (t.to_dense())")
+
+
 def _distribute(tensor, mesh: DeviceMesh, placements, src: Optional[int],
                 requires_grad: Optional[bool]) -> GlobalTensor:
     _check_bound(mesh, "distribute")
     if isinstance(tensor, GlobalTensor):
         raise SbpError("distribute needs a plain torch.Tensor, got a GlobalTensor; use x.redistribute(placements)")
+    if isinstance(tensor, torch.Tensor):
+        check_dense(tensor, "distribute")
     if requires_grad is not None and not isinstance(requires_grad, bool):
         raise SbpError(f"distribute(requires_grad=...) must be None or a bool, got {requires_grad!r}")
     mesh_device(mesh, "distribute")
@@ -284,11 +299,14 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     _check_bound(mesh, "from_local")
     if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor):
         raise SbpError(f"from_local needs this rank's plain local torch.Tensor, got {type(local).__name__}")
+    check_dense(local, "from_local")
     check_local_device(local, mesh, "from_local")
     pls = normalize(placements, local.ndim, mesh.ndim)
     check_partial_dtype(pls, local.dtype, "from_local")
     coord = mesh.coord
     if global_shape is not None:
+        if not isinstance(global_shape, (tuple, list, torch.Size)):
+            check_global_shape(global_shape)   # (raises its ShapeError: an int, a float, ...)
         dynamic = symbolic.any_symbolic(global_shape)   # torch.compile with dynamic shapes
         global_shape = tuple(global_shape) if dynamic else check_global_shape(global_shape)
         _check_global_ndim(global_shape, local)

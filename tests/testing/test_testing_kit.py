@@ -112,3 +112,20 @@ def test_assert_layout_equivalent_fails_every_rank_when_a_plain_side_differs_bet
     messages = sbp.testing.spmd(fn, (2,))
     assert messages[0] is not None and "ranks [1] see a difference" in messages[0]
     assert messages[1] is not None and "max abs diff 1.0" in messages[1]
+
+
+def test_assert_layout_equivalent_is_exact_for_max_and_min_partials():
+    # before: every Partial used the float tolerance of sums, so a P(max) holding 1000.0 passed against 1000.001
+    # (float32) and a bfloat16 one holding 100 against 101; max and min are exact in any order
+    def fn(mesh):
+        out = []
+        for op, dtype, a, b in (("max", torch.float32, 1000.0, 1000.001), ("min", torch.bfloat16, 100.0, 101.0)):
+            x = sbp.distribute(torch.full((3,), a, dtype=dtype), mesh, f"P({op})")
+            try:
+                sbp.testing.assert_layout_equivalent(x, torch.full((3,), b, dtype=dtype))
+                out.append("passed")
+            except AssertionError:
+                out.append("failed")
+        return out
+
+    assert sbp.testing.spmd(fn, (2,)) == [["failed", "failed"]] * 2
