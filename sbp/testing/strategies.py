@@ -58,8 +58,8 @@ def placements(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
     """
     _count("placements(mesh_ndim, ...)", mesh_ndim, 1)
     _count("placements(..., tensor_ndim)", tensor_ndim, 0)
-    if isinstance(ops, str) or not all(op in REDUCE_OPS for op in ops):
-        raise SbpError(f"placements(ops=...) must be a sequence of reduce ops from {REDUCE_OPS}, got {ops!r}")
+    if not isinstance(ops, (tuple, list)) or not all(op in REDUCE_OPS for op in ops):
+        raise SbpError(f"placements(ops=...) must be a tuple or list of reduce ops from {REDUCE_OPS}, got {ops!r}")
     one: list[st.SearchStrategy] = [st.just(Broadcast())]
     if tensor_ndim > 0:
         one.append(st.integers(0, tensor_ndim - 1).map(Split))

@@ -247,3 +247,18 @@ def test_threads_rank_that_never_returns_is_reported(monkeypatch):
             sbp.testing.spmd(fn, (2,), timeout=0.5)
     finally:
         release.set()
+
+
+def _fails_while_one_rank_sleeps(mesh):
+    if mesh.coord == (1,):
+        time.sleep(20)   # never reaches the collective within the test (a daemon thread, left to finish)
+    return mesh.binding.all_reduce(torch.ones(1), (0,), "sum").item()
+
+
+def test_threads_stop_waiting_for_a_busy_rank_soon_after_another_fails():
+    # before: rank 0 failed at 1 s, but spmd waited for rank 1 until the timeout plus the 30 s job grace
+    from sbp.runtime.backends.threads import FAILURE_GRACE_S, spmd_threads
+    _, errors, order = spmd_threads(_fails_while_one_rank_sleeps, sbp.DeviceMesh((2,)), timeout=1)
+    assert order == [0, 1]
+    assert isinstance(errors[0], sbp.CommError)
+    assert f"did not finish within {FAILURE_GRACE_S:g} s of rank 0's error" in str(errors[1])

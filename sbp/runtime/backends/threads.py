@@ -166,6 +166,9 @@ class ThreadComm(BoundComm):
 JOB_GRACE_S = 30.0   # a job may compute this long beyond the collective timeout before it counts as hung
 
 
+FAILURE_GRACE_S = 5.0   # after a rank raised, how long the others may take to finish (a hung one is reported)
+
+
 def spmd_threads(fn: Any, mesh: DeviceMesh,
                  timeout: float) -> tuple[list[Any], list[BaseException | None], list[int]]:
     """Run `fn(bound mesh)` on one thread per rank.
@@ -193,10 +196,16 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout + JOB_GRACE_S   # as the gloo backend bounds a whole job
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        if order:   # a rank raised: the others get a few seconds to see the abort and finish, not the timeout
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        next(t for t in threads if t.is_alive()).join(min(0.05, max(deadline - time.monotonic(), 0)))
+    first = order[0] if order else None
     for rank, t in enumerate(threads):
-        t.join(max(deadline - time.monotonic(), 0))
         if t.is_alive():   # a rank that never returns (not in a collective): report it, free the others
-            errors[rank] = CommError(f"rank {rank} did not finish within {timeout:g} s (+{JOB_GRACE_S:g} s)")
+            errors[rank] = CommError(
+                f"rank {rank} did not finish within {timeout:g} s (+{JOB_GRACE_S:g} s)" if first is None else
+                f"rank {rank} did not finish within {FAILURE_GRACE_S:g} s of rank {first}'s error")
             order.append(rank)
             world.abort(f"rank {rank} did not finish")
     return results, errors, order
