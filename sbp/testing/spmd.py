@@ -161,6 +161,13 @@ class _Pool:
                     except EOFError:  # the worker died without a reply (a closed pipe stays readable:
                         errors[rank] = self._died(rank)  # it must leave `pending`, or `wait` spins on it)
                         continue
+                    except Exception as e:  # noqa: BLE001 - a reply that does not unpickle here (its bytes
+                        errors[rank] = (SbpError(  # are read: the pipe stays in step for the next call)
+                            f"rank {rank}'s reply (its result, or the error it raised) cannot be unpickled in "
+                            f"the calling process: {type(e).__name__}: {e}. Return plain values (tensors, "
+                            f"numbers, lists; a global tensor as x.to_local() or x.full()) and raise errors "
+                            f"that pickle"), "")
+                        continue
                     if status == "ok":
                         results[rank] = rest[0]
                     else:

@@ -129,3 +129,28 @@ def test_assert_layout_equivalent_is_exact_for_max_and_min_partials():
         return out
 
     assert sbp.testing.spmd(fn, (2,)) == [["failed", "failed"]] * 2
+
+
+class _TwoArgError(Exception):
+    def __init__(self, a, b):   # pickles as _TwoArgError(message): does not unpickle
+        super().__init__(f"{a} {b}")
+
+
+def _raises_unpicklable(mesh):
+    if mesh.coord == (1,):
+        raise _TwoArgError("a", "b")
+    return "first"
+
+
+def _says_second(mesh):
+    return "second"
+
+
+@pytest.mark.gloo
+def test_gloo_reply_that_does_not_unpickle_is_named_and_leaves_the_pool_in_step():
+    # before: the unpickling error escaped raw from the middle of the reply loop, and the next call returned
+    # rank 0's stale reply of this one (['first', 'second'])
+    with pytest.raises(sbp.testing.SpmdError, match="rank 1's reply .* cannot be unpickled") as info:
+        sbp.testing.spmd(_raises_unpicklable, (2,), backend="gloo", timeout=60)
+    assert info.value.rank == 1
+    assert sbp.testing.spmd(_says_second, (2,), backend="gloo", timeout=60) == ["second", "second"]
