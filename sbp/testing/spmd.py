@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
 from ..runtime.agreement import debug, is_enabled
-from ..runtime.backends.dist import init_mesh
+from ..runtime.backends.dist import MAX_TIMEOUT_S, init_mesh
 from ..runtime.backends.threads import spmd_threads
 from ..values.errors import CommError, MeshError, SbpError
 from ..values.mesh import DeviceMesh
@@ -71,9 +71,9 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
         raise SbpError(f"spmd backend must be one of {BACKENDS}, got {backend!r}")
     if not callable(fn):
         raise SbpError(f"spmd runs fn(mesh) on every rank; fn must be callable, got {type(fn).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise SbpError(f"spmd timeout must be a positive number of seconds (it bounds every collective), "
-                       f"got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise SbpError(f"spmd timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (it bounds "
+                       f"every collective), got {timeout!r}")
     mesh = DeviceMesh(mesh_shape, names)
     if backend == "threads":
         results, errors, order = spmd_threads(fn, mesh, timeout)

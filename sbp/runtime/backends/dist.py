@@ -103,6 +103,9 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
     return bound(mesh, DistComm(mesh, rank, {k: g for k, g in groups.items() if g is not None}, timeout))
 
 
+MAX_TIMEOUT_S = 1e8   # about three years: longer waits overflow the clocks that time them (timedelta, time_t)
+
+
 def as_timeout(timeout: "timedelta | float") -> timedelta:
     """A collective timeout from a `timedelta` or seconds; it must be positive.
 
@@ -112,11 +115,12 @@ def as_timeout(timeout: "timedelta | float") -> timedelta:
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
+        seconds = float(timeout) if not isinstance(timeout, int) or abs(timeout) < 2 ** 53 else float("inf")
     else:
         raise MeshError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if not seconds > 0 or seconds == float("inf"):
-        raise MeshError(f"timeout must be a positive, finite duration (collectives fail after it), got {timeout!r}")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise MeshError(f"timeout must be a positive, finite duration of at most {MAX_TIMEOUT_S:g} s (collectives "
+                        f"fail after it), got {timeout!r}")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
