@@ -24,19 +24,17 @@ compiled dropout runs) has a rule (`NATIVE_DROPOUT`) that draws its mask the sam
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import torch
 
 from ..runtime.traced import is_tracing
-from ..tensor.factories import agreed_seed
+from ..tensor.factories import DEFAULT_RNG, agreed_seed
 from ..tensor.global_tensor import local_from_full
 from ..values.placement import Split
 from .spec import PSUM, B, Call, OpSpec, Rule, Sig
 
 aten = torch.ops.aten
-_DEFAULT_RNG = threading.Lock()   # ranks of the threads backend share the process's default generator
 
 
 def is_random(func) -> bool:
@@ -99,7 +97,7 @@ def agreed_random_run(call: Call) -> Any:
         generator = torch.Generator(device=device).manual_seed(seed)
         return call.func(*call.args, **{**call.kwargs, "generator": generator})
     cuda = device.type == "cuda"
-    with _DEFAULT_RNG, torch.random.fork_rng(devices=[device] if cuda else []):   # restored after the call
+    with DEFAULT_RNG, torch.random.fork_rng(devices=[device] if cuda else []):   # restored after the call
         if cuda:
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)

@@ -13,7 +13,9 @@ everywhere (the exact, communication-free `B -> P` conversions).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -335,6 +337,11 @@ def _flat_indices(shape: tuple[int, ...], index: tuple[slice, ...], device: torc
     return flat.reshape(-1)
 
 
+# held around sbp's own uses of the process's default generator: the threads backend's ranks share it, and a
+# draw from it by one rank must not land inside another rank's draw from it seeded for agreement
+DEFAULT_RNG = threading.Lock()
+
+
 def agreed_seed(mesh: Optional[DeviceMesh], generator: Optional[torch.Generator]) -> int:
     """A seed drawn from `generator` (or the default one) on the mesh's first rank and all-gathered, so every
     rank of the mesh gets the same seed (one small collective); a pure mesh or a rank outside it draws alone.
@@ -346,7 +353,8 @@ def agreed_seed(mesh: Optional[DeviceMesh], generator: Optional[torch.Generator]
     """
     # drawn on the generator's own device (a CUDA generator draws only there)
     device = generator.device if generator is not None else torch.device("cpu")
-    drawn = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64, device=device)
+    with DEFAULT_RNG if generator is None else contextlib.nullcontext():   # not inside another rank's seeded draw
+        drawn = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64, device=device)
     if mesh is None or mesh.binding is None or mesh.coord is None:
         return int(drawn.item())
     drawn = drawn.to(comm_device(mesh))     # NCCL meshes need tensors on the rank's GPU
