@@ -221,12 +221,16 @@ class Unit:
         new one after ``model.double()`` / ``model.to(...)``, which swap it)."""
         return tuple((s.param._version, s.param._local._version, id(s.param._local)) for s in self.slots)
 
-    def unshard(self, phase: str) -> None:
-        """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
+    def drop_stale(self) -> None:
+        """Free a gather (done or on the way) issued before the stored parameters changed."""
         if self.state != "sharded" and self.versions != self.current_versions():
             if self.state == "gathering":   # a prefetch issued before the parameters changed: drop it
                 self._wait_gather()
             self.reshard()
+
+    def unshard(self, phase: str) -> None:
+        """Issue (if not yet) and wait for this unit's gather: every slot's gathered local holds values."""
+        self.drop_stale()
         self.issue_gather(phase)
         if self.state != "gathering":
             return
@@ -408,11 +412,6 @@ class Unit:
         """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
         return None if grad is None else pending.ready(self._summed_grad(s, grad, local)._local)
 
-    def hold_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool) -> None:
-        """A backward without gradient sync: add this rank's parts of the gradients to the held ones, no
-        communication (the tensor-parallel reductions a gradient needs aside)."""
-        self.held = self.with_held(grads, local)
-
     def with_held(self, grads: tuple[Optional[torch.Tensor], ...], local: bool) -> list[Optional[GlobalTensor]]:
         """The gradients plus the held ones (which are let go), each in its `P(sum)` layout."""
         held, self.held = self.held or [None] * len(self.slots), None
@@ -549,17 +548,13 @@ class _UnitGather(torch.autograd.Function):
             grads = tuple(torch.zeros_like(t) if g is None and not frozen else g
                           for g, t, frozen in zip(grads, like, ctx.frozen))
         grads = tuple(None if frozen else g for g, frozen in zip(grads, ctx.frozen))
-        if not unit.gradient_sync:   # held, reduced by a later backward with sync
-            unit.hold_grads(grads, ctx.local)
-            unit.reshard()
-            _place(unit)
-            return (None, None) + (None,) * len(grads)
-        if unit.held is not None:
-            grads = tuple(unit.with_held(grads, ctx.local))
-        out = unit.reduce_grads(grads, ctx.local)
+        if unit.gradient_sync:
+            out = unit.reduce_grads(grads if unit.held is None else tuple(unit.with_held(grads, ctx.local)), ctx.local)
+        else:   # held (this rank's parts, no communication), reduced by a later backward with sync
+            unit.held, out = unit.with_held(grads, ctx.local), None
         unit.reshard()
         _place(unit)   # the stored parameters again
-        return (None, None) + _store_grads(unit, out)
+        return (None, None) + ((None,) * len(grads) if out is None else _store_grads(unit, out))
 
 
 def _store_grads(unit: Unit, grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
@@ -832,8 +827,7 @@ class FullyShardedModule:
         """
         unit = unit_of(self)
         if async_op:
-            if unit.state == "gathered" and unit.versions != unit.current_versions():
-                unit.reshard()
+            unit.drop_stale()
             unit.issue_gather("unshard")
             return UnshardHandle(unit)
         unit.unshard("unshard")
