@@ -9,8 +9,11 @@ Pure: every rank computes the same plan.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -69,6 +72,18 @@ class CrossMeshPlan:
     op: Optional[str]
     lower_bound: int
     lower_bound_total: int
+    by_rank: dict[int, tuple[Piece, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """The pieces each world rank sends or receives (its own included), in plan order; others: none."""
+
+    def pieces_of(self, rank: int) -> tuple[Piece, ...]:
+        """The pieces `rank` sends or receives (or keeps), in plan order: what it packs and assembles.
+
+        >>> import sbp
+        >>> p = sbp.plan_cross_mesh((4,), sbp.DeviceMesh((2,)), "S(0)", sbp.DeviceMesh((2,), ranks=[2, 3]), "S(0)")
+        >>> [(x.src_rank, x.dst_rank, x.block) for x in p.pieces_of(3)]
+        [(1, 3, ((2, 4),))]
+        """
+        return self.by_rank.get(rank, ())
 
     @property
     def received(self) -> dict[int, int]:
@@ -162,21 +177,30 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
 
 @lru_cache(maxsize=1024)
 def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, itemsize) -> CrossMeshPlan:
-    land, post_needed = _landing(dst)
+    land, _ = _landing(dst)
     post = plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0)
-    candidates = []
     if any(isinstance(p, Partial) for p in src):
-        ops = {p.op for p in src if isinstance(p, Partial)}
-        if len(ops) == 1:  # send contributions as they are, reduce at the destination
-            candidates.append(_build(shape, src_mesh, src, src, dst_mesh, land, post, dst, itemsize,
-                                     plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
-        for mid in _reduced_states(src, len(shape)):
-            pre = plan_cached(shape, src_mesh.shape, src, mid, itemsize, 0)
-            candidates.append(_build(shape, src_mesh, src, mid, dst_mesh, land, post, dst, itemsize, pre))
+        # send contributions as they are (reduced at the destination), or reduce inside the source mesh first
+        mids = ([src] if len({p.op for p in src if isinstance(p, Partial)}) == 1 else []) \
+            + _reduced_states(src, len(shape))
     else:
-        candidates.append(_build(shape, src_mesh, src, src, dst_mesh, land, post, dst, itemsize,
-                                 plan_cached(shape, src_mesh.shape, src, src, itemsize, 0)))
-    return min(candidates, key=lambda p: (p.bytes_per_rank, p.num_collectives, p.transfer_bytes))
+        mids = [src]
+    # Each candidate's figures are known before its pieces are listed (`_costs`): only the cheapest is built.
+    pres = [plan_cached(shape, src_mesh.shape, src, mid, itemsize, 0) for mid in mids]
+    costs = [_costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) for mid, pre in zip(mids, pres)]
+    best = costs.index(min(costs))
+    return _build(shape, src_mesh, src, mids[best], dst_mesh, land, post, dst, itemsize, pres[best])
+
+
+def _costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) -> tuple[int, int, int]:
+    """(bytes_per_rank, num_collectives, transfer_bytes) of the plan `_build` makes through `mid`.
+
+    Exact, not an estimate: every destination rank receives its target block once per contribution of one
+    replica, less the piece of it that it holds itself (tests compare with the built plans).
+    """
+    parts = math.prod(n for n, p in zip(src_mesh.shape, mid) if isinstance(p, Partial))
+    worst, total = _receptions(shape, src_mesh, mid, dst_mesh, land, parts)
+    return pre.bytes_per_rank + worst * itemsize, pre.num_collectives + int(total > 0), total * itemsize
 
 
 CACHES = (("crossmesh.plan_cross_mesh", _cross_cached),)
@@ -209,40 +233,91 @@ def _build(shape, src_mesh, src, mid, dst_mesh, land, post, dst, itemsize, pre) 
     replica_axes = [a for a, p in enumerate(mid) if isinstance(p, Broadcast) and parts_axes and a < parts_axes[-1]]
     n_replicas = math.prod(src_mesh.shape[a] for a in replica_axes)
     n_parts = math.prod(src_mesh.shape[a] for a in parts_axes)
-
-    def index(coord, axes):
-        out = 0
-        for a in axes:
-            out = out * src_mesh.shape[a] + coord[a]
-        return out
-
-    # holders[(replica, part, tile)] -> world ranks holding that tile of that contribution
-    holders: dict[tuple[int, int, Block], list[int]] = {}
-    replica_of: dict[int, int] = {}
-    for coord in src_mesh.coords():
-        rank = src_mesh.rank_of(coord)
-        replica_of[rank] = index(coord, replica_axes)
-        key = (replica_of[rank], index(coord, parts_axes), block(shape, src_mesh.shape, mid, coord))
-        holders.setdefault(key, []).append(rank)
-    load: dict[int, int] = {}
+    sources = _Sources(shape, src_mesh, mid, replica_axes, parts_axes)
     pieces = []
     for i, coord in enumerate(dst_mesh.coords()):
         rank = dst_mesh.rank_of(coord)
         want = block(shape, dst_mesh.shape, land, coord)
-        replica = replica_of.get(rank, i % n_replicas)  # own replica when it holds one, else round-robin
-        for (rep, part, tile), who in holders.items():
-            piece = intersect(tile, want) if rep == replica else None
-            if piece is None:
-                continue
-            if rank in who:  # this rank already holds that piece of that contribution
-                pieces.append(Piece(rank, rank, piece, part))
-                continue
-            sender = min(who, key=lambda r: (load.get(r, 0), r))
-            load[sender] = load.get(sender, 0) + block_numel(piece)
-            pieces.append(Piece(sender, rank, piece, part))
+        replica = sources.replica_of.get(rank, i % n_replicas)  # own replica when it holds one, else round-robin
+        for key, piece in sources.meeting(replica, want):
+            if sources.key_of.get(rank) == key:  # this rank already holds that piece of that contribution
+                pieces.append(Piece(rank, rank, piece, key[1]))
+            else:
+                pieces.append(Piece(sources.least_loaded(key, block_numel(piece)), rank, piece, key[1]))
     worst, total = _lower_bounds(shape, src_mesh, src, dst_mesh, land, itemsize)
+    by_rank: dict[int, list[Piece]] = {}
+    for p in pieces:
+        by_rank.setdefault(p.src_rank, []).append(p)
+        if p.dst_rank != p.src_rank:
+            by_rank.setdefault(p.dst_rank, []).append(p)
     return CrossMeshPlan(shape, src_mesh, dst_mesh, src, dst, itemsize, pre, mid, tuple(pieces), land, post,
-                         n_parts, op, worst, total)
+                         n_parts, op, worst, total, {r: tuple(ps) for r, ps in by_rank.items()})
+
+
+class _Sources:
+    """The source tiles of one layout, found by the blocks they meet without scanning every tile.
+
+    A key is (replica, contribution, tile); its holders are the source ranks with that tile of that
+    contribution (several when Broadcast axes replicate it). Each source rank holds one key, so a sender's
+    load changes only through its own key: a heap per key hands out the least-loaded holder, as `min` over
+    the holders by (load, rank) would. Each mesh axis splits at most one dim, so the tiles are the product of
+    per-dim partitions: the tiles a block meets are the products of the ranges it meets per dim (found by
+    bisection), listed in the order the source coords first reach them (the order a scan would give).
+    """
+
+    def __init__(self, shape, mesh: DeviceMesh, mid, replica_axes, parts_axes) -> None:
+        def index(coord, axes):
+            out = 0
+            for a in axes:
+                out = out * mesh.shape[a] + coord[a]
+            return out
+
+        self.replica_of: dict[int, int] = {}
+        self.key_of: dict[int, tuple[int, int, Block]] = {}
+        holders: dict[tuple[int, int, Block], list[int]] = {}
+        for coord in mesh.coords():
+            rank = mesh.rank_of(coord)
+            self.replica_of[rank] = index(coord, replica_axes)
+            key = (self.replica_of[rank], index(coord, parts_axes), block(shape, mesh.shape, mid, coord))
+            self.key_of[rank] = key
+            holders.setdefault(key, []).append(rank)
+        self.order = {key: i for i, key in enumerate(holders)}
+        self.heaps = {key: [(0, r) for r in sorted(who)] for key, who in holders.items()}  # sorted: a valid heap
+        self.parts = sorted({k[1] for k in holders})
+        ranges = [sorted({t[d] for _, _, t in holders if t[d][0] < t[d][1]}) for d in range(len(shape))]
+        self.ranges = ranges
+        self.starts = [[lo for lo, _ in r] for r in ranges]
+
+    def meeting(self, replica: int, want: Block):
+        """(key, piece) for each source tile of `replica` that meets `want`, in first-reached order."""
+        per_dim = []
+        for (lo, hi), ranges, starts in zip(want, self.ranges, self.starts):
+            if lo >= hi:
+                return []
+            i = max(bisect.bisect_right(starts, lo) - 1, 0)
+            met = []
+            while i < len(ranges) and ranges[i][0] < hi:
+                if ranges[i][1] > lo:
+                    met.append(ranges[i])
+                i += 1
+            if not met:
+                return []
+            per_dim.append(met)
+        found = []
+        for tile in itertools.product(*per_dim):
+            for part in self.parts:
+                key = (replica, part, tile)
+                if key in self.order:
+                    found.append(key)
+        found.sort(key=self.order.__getitem__)
+        return [(key, intersect(key[2], want)) for key in found]
+
+    def least_loaded(self, key, numel: int) -> int:
+        """The holder of `key` with the least load so far (then the lowest rank); it takes `numel` more."""
+        heap = self.heaps[key]
+        load, rank = heap[0]
+        heapq.heapreplace(heap, (load + numel, rank))
+        return rank
 
 
 def _lower_bounds(shape, src_mesh, src, dst_mesh, land, itemsize) -> tuple[int, int]:
@@ -250,16 +325,26 @@ def _lower_bounds(shape, src_mesh, src, dst_mesh, land, itemsize) -> tuple[int, 
     over destination ranks of what they lack.
 
     A rank in both meshes already holds its source block; every other byte of its target must arrive.
-    Partial sources: every destination rank receives at least its target block once (or what it lacks
-    of it when it holds a contribution).
+    Partial sources: every destination rank receives at least its target block once.
+    """
+    worst, total = _receptions(shape, src_mesh, None if any(isinstance(p, Partial) for p in src) else src,
+                               dst_mesh, land, 1)
+    return worst * itemsize, total * itemsize
+
+
+def _receptions(shape, src_mesh, held, dst_mesh, land, copies: int) -> tuple[int, int]:
+    """Elements the busiest destination rank receives, and all destination ranks together, when each
+    receives `copies` times its block of `land` less the block of `held` (placements on the source mesh;
+    None: nothing) it holds itself.
     """
     worst = total = 0
+    src_coords = {} if held is None else dict(zip(src_mesh.ranks, src_mesh.coords()))
     for coord in dst_mesh.coords():
         rank = dst_mesh.rank_of(coord)
         want = block(shape, dst_mesh.shape, land, coord)
-        have = None
-        if rank in src_mesh.ranks and not any(isinstance(p, Partial) for p in src):
-            have = intersect(want, block(shape, src_mesh.shape, src, src_mesh.coord_of(rank)))
-        lack = block_numel(want) - (block_numel(have) if have else 0)
+        lack = copies * block_numel(want)
+        if rank in src_coords:
+            have = intersect(want, block(shape, src_mesh.shape, held, src_coords[rank]))
+            lack -= block_numel(have) if have else 0
         worst, total = max(worst, lack), total + lack
-    return worst * itemsize, total * itemsize
+    return worst, total

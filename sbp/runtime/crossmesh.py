@@ -28,7 +28,7 @@ def pack(plan: CrossMeshPlan, rank: int, local: Optional[torch.Tensor]) -> dict[
     if rank not in plan.src_mesh.ranks:
         return out
     have = block(plan.global_shape, plan.src_mesh.shape, plan.mid, plan.src_mesh.coord_of(rank))
-    for p in plan.pieces:
+    for p in plan.pieces_of(rank):
         if p.src_rank == rank and p.dst_rank != rank:
             out.setdefault(p.dst_rank, []).append(local[relative(p.block, have)])
     return out
@@ -37,7 +37,7 @@ def pack(plan: CrossMeshPlan, rank: int, local: Optional[torch.Tensor]) -> dict[
 def expected(plan: CrossMeshPlan, rank: int) -> dict[int, list[tuple[int, ...]]]:
     """The shapes `rank` receives, per source rank, in plan order."""
     out: dict[int, list[tuple[int, ...]]] = {}
-    for p in plan.pieces:
+    for p in plan.pieces_of(rank):
         if p.dst_rank == rank and p.src_rank != rank:
             out.setdefault(p.src_rank, []).append(block_shape(p.block))
     return out
@@ -56,7 +56,7 @@ def assemble(plan: CrossMeshPlan, rank: int, local: Optional[torch.Tensor], rece
         have = block(plan.global_shape, plan.src_mesh.shape, plan.mid, plan.src_mesh.coord_of(rank))
     parts: list[Optional[torch.Tensor]] = [None] * plan.parts
     cursor = {peer: 0 for peer in received}
-    for p in plan.pieces:
+    for p in plan.pieces_of(rank):
         if p.dst_rank != rank:
             continue
         if p.src_rank == rank:

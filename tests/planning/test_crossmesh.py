@@ -147,3 +147,44 @@ def test_cross_mesh_random(case):
     torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-12)
     if not any(isinstance(p, sbp.Partial) for p in src):
         assert plan.transfer_bytes == plan.lower_bound_total
+
+
+@given(cross_cases())
+@settings(max_examples=80, deadline=None)
+def test_every_candidate_is_ranked_by_its_built_figures(case):
+    # Only the cheapest candidate's pieces are listed; the others are ranked by `_costs`, which must be the
+    # figures their built plans would have.
+    from sbp.planning import crossmesh
+    from sbp.planning.search import plan_cached
+    from sbp.values.placement import normalize
+    shape, sm, src, dm, dst = case
+    src, dst = normalize(src, len(shape), sm.ndim), normalize(dst, len(shape), dm.ndim)
+    land, _ = crossmesh._landing(dst)
+    post = plan_cached(shape, dm.shape, land, dst, 8, 0)
+    mids = [src] + (crossmesh._reduced_states(src, len(shape)) if any(isinstance(p, sbp.Partial) for p in src) else [])
+    for mid in mids:
+        if len({p.op for p in mid if isinstance(p, sbp.Partial)}) > 1:
+            continue
+        pre = plan_cached(shape, sm.shape, src, mid, 8, 0)
+        built = crossmesh._build(shape, sm, src, mid, dm, land, post, dst, 8, pre)
+        assert crossmesh._costs(shape, sm, mid, pre, dm, land, 8) == \
+            (built.bytes_per_rank, built.num_collectives, built.transfer_bytes)
+        for r in built.ranks:
+            assert built.pieces_of(r) == tuple(p for p in built.pieces if r in (p.src_rank, p.dst_rank))
+
+
+@pytest.mark.parametrize("src_shape,src,dst,dst_size", [((1024,), "S(0)", "S(0)", 1024), ((1024,), "S(0)", "S(0)", 512),
+                                                        ((32, 32), "S(0), S(1)", "S(0)", 1024)])
+def test_planning_work_grows_with_the_pieces_not_with_ranks_squared(monkeypatch, src_shape, src, dst, dst_size):
+    # 1,024 source ranks, disjoint destination ranks: a plan intersects each destination block with the
+    # source tiles it meets (found by bisection per dim), not with all 1,024 of them.
+    from sbp.planning import crossmesh
+    calls = []
+    real = crossmesh.intersect
+    monkeypatch.setattr(crossmesh, "intersect", lambda a, b: calls.append(1) or real(a, b))
+    a = sbp.DeviceMesh(src_shape)
+    b = sbp.DeviceMesh((dst_size,), ranks=list(range(1024, 1024 + dst_size)))
+    sbp.planning.clear_caches()
+    plan = sbp.plan_cross_mesh((8192, 64), a, src, b, dst)
+    assert plan.transfer_bytes == plan.lower_bound_total
+    assert len(calls) <= 2 * len(plan.pieces) + 2 * dst_size < 1024 * dst_size // 8
