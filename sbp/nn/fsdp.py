@@ -11,8 +11,9 @@ forward, before    one all_gather on `axis` of the unit's shards, flattened into
 forward, after     the gathered copies are freed (`reshard_after_forward`; the root unit keeps them)
 backward, before   one all_gather again (when freed), the previous unit's issued ahead (prefetch)
 backward, after    one reduce_scatter on `axis` of the unit's gradients, flattened (HSDP: and one all_reduce
-                   on the replicate axes); the gathered copies are freed; leaf `.grad` has the stored
-                   placements, so `torch.optim` states are shards too
+                   on the replicate axes), with a "used" flag per trainable parameter (`.grad` is left alone
+                   where no rank's backward reached it, as FSDP2); the gathered copies are freed; leaf `.grad`
+                   has the stored placements, so `torch.optim` states are shards too
 =================  ==========================================================================================
 
 Every collective runs on the rank's ordered queue (`sbp.runtime.pending`): issuing returns at once and the
@@ -101,14 +102,36 @@ class _Group:
 @dataclass
 class _GradLayout:
     """The flat gradient buffer: the flat slots that take gradients (frozen ones send nothing), packed as the
-    gather buffer is (the even block first) -- member m's piece of slot k at ``m * width + offsets[k]``."""
+    gather buffer is (the even block first) -- member m's piece of slot k at ``m * width + offsets[k]`` --
+    then one "used" flag per trainable slot of the unit (flat or not) at ``m * width + data_width + j``:
+    every rank writes its flags into every member's piece, so the reduce_scatter hands each rank the flags
+    summed over the ranks (0: no rank's backward reached that parameter; see `Unit.reduce_grads`)."""
 
     live: list[tuple[int, _Slot]]          # (position in `slots`, slot), in buffer order
     offsets: dict[int, int]
-    width: int
+    width: int                             # data_width + len(flagged)
     even: list[tuple[int, _Slot]]          # the even-rows slots among them, packed first
     even_width: int
-    numels: list[int]                      # each member's elements in the buffer
+    numels: list[int]                      # each member's elements in the buffer (flags included)
+    data_width: int = 0                    # the gradients' columns (each slot padded to its longest piece)
+    flagged: list[int] = field(default_factory=list)   # positions in `slots` of the flags' slots, in order
+    ones: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)   # all used
+
+
+@dataclass
+class _Unused:
+    """The parameters a unit's backward did not reach on this rank, whose gradient went into the reduction as
+    zeros: they keep a gradient only where another rank's backward reached them (their summed flag is not 0)."""
+
+    flags: PendingTensor                   # this rank's piece of the reduced flags (summed over the ranks)
+    at: dict[int, int]                     # slot position -> its flag's index
+    values: Optional[list[float]] = None
+
+    def used(self, k: int) -> bool:
+        """Whether any rank's backward reached slot `k` (waits for the reduction, once)."""
+        if self.values is None:
+            self.values = pending.ready(self.flags).tolist()
+        return self.values[self.at[k]] != 0
 
 
 class Unit:
@@ -159,6 +182,7 @@ class Unit:
         # slot's this-rank part P(sum) on the axis) until a backward with sync reduces them with its own
         self.gradient_sync = True
         self.held: Optional[list[Optional[GlobalTensor]]] = None
+        self.held_used: Optional[list[bool]] = None   # which slots the held backwards reached (on this rank)
 
     # ---- gather --------------------------------------------------------------------------------
     def issue_gather(self, phase: str) -> None:
@@ -279,31 +303,55 @@ class Unit:
         self.state = "sharded"
 
     # ---- backward --------------------------------------------------------------------------------
-    def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool = False
-                     ) -> tuple[Optional[torch.Tensor], ...]:
+    def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool = False,
+                     used: Optional[list[bool]] = None
+                     ) -> tuple[tuple[Optional[torch.Tensor], ...], Optional[_Unused]]:
         """The gradients of the stored parameters from those of the gathered ones: one queued reduce_scatter
-        of the unit's flattened gradients on the axis (and an all_reduce on the replicate axes)."""
+        of the unit's flattened gradients on the axis (and an all_reduce on the replicate axes).
+
+        `used` (default: the slots whose gradient is given) says which slots this rank's backward reached.
+        Their "used" flags travel in the same buffer (`_GradLayout`); a flat slot not reached sends zeros.
+        Returns the stored gradients and, where this rank did not reach some trainable slot, the `_Unused`
+        record of those: their gradient is the reduced one only where the reduced flag says another rank
+        reached them (`_UnitGather.backward` decides, as FSDP2 leaves ``.grad`` None where no rank did)."""
         comm, n = self.mesh.binding, self.mesh.shape[self.axis]
         me = self.mesh.coord[self.axis]
         layout = self.grad_layout()
         flat, offsets, width, even = layout.live, layout.offsets, layout.width, layout.even
+        dw, flagged = layout.data_width, layout.flagged
         out: list[Optional[torch.Tensor]] = [None] * len(self.slots)
-        dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None), self.slots[0].param.dtype)
+        # (the gathered dtype where no gradient came: a dtype every rank agrees on)
+        dtype = self.reduce_dtype or self.param_dtype or next((g.dtype for g in grads if g is not None),
+                                                              self.slots[0].param.dtype)
+        device = comm_device_of(self.mesh)
+        if used is None:
+            used = [g is not None for g in grads]
+        unsure = {k: j for j, k in enumerate(flagged) if not used[k]}
+        flags = None
+        if flagged:   # (n, flags): this rank's flags, the same in every member's piece
+            flags = layout.ones.get((dtype, device))
+            if flags is None:
+                flags = layout.ones[(dtype, device)] = torch.ones(1, len(flagged), dtype=dtype,
+                                                                  device=device).expand(n, -1)
+            if unsure:
+                flags = torch.tensor([[0.0 if k in unsure else 1.0 for k in flagged]], dtype=dtype,
+                                     device=device).expand(n, -1)
         packed = bool(even) and all(grads[k] is not None for k, _ in even)
         if packed:   # split on dim 0 in equal pieces: member m's piece of each is the m-th run of its gradient
-            parts = torch.cat([self._grad_parts(s, grads[k], local).to(dtype).reshape(n, s.sizes[0])
-                               for k, s in even], dim=1)   # (n, even_width)
-        if packed and layout.even_width == width:
-            buf = parts.reshape(-1)
+            parts = [self._grad_parts(s, grads[k], local).to(dtype).reshape(n, s.sizes[0]) for k, s in even]
+        if packed and layout.even_width == dw:   # the gradients and the flags side by side: one op
+            buf = torch.cat(parts + ([flags] if flags is not None else []), dim=1).reshape(-1)
         else:
-            buf = torch.zeros(n * width, dtype=dtype, device=comm_device_of(self.mesh))
+            buf = torch.zeros(n * width, dtype=dtype, device=device)
             if packed:
-                buf.view(n, width)[:, :layout.even_width].copy_(parts)
+                buf.view(n, width)[:, :layout.even_width].copy_(torch.cat(parts, dim=1))
+            if flags is not None:
+                buf.view(n, width)[:, dw:].copy_(flags)
         for k, s in flat:
             if packed and s.even_rows:
                 continue
             g = self._grad_parts(s, grads[k], local)
-            if g is None:
+            if g is None:   # (not reached on this rank: zeros)
                 continue
             lo = offsets[k]
             if s.even_rows:   # split on dim 0 in equal pieces: member m's piece is the m-th run of the flat gradient
@@ -336,18 +384,22 @@ class Unit:
 
         seg = pending.submit(comm, run, (width,), dtype, buf.device)
         for k, s in flat:
-            if grads[k] is None:
+            if grads[k] is None and k not in unsure:
                 continue
             lo, shape, want = offsets[k], s.shapes[me], s.param.dtype
             local = seg.then(lambda v, lo=lo, shape=shape, want=want: v[lo:lo + int(torch.Size(shape).numel())]
                              .view(shape).to(want), shape, want)
             out[k] = GlobalTensor(local, self.mesh, s.stored, tuple(s.param.shape))
         self.schedule.log.append(("issue_reduce_scatter", self.name, "backward"))
-        return tuple(out)
+        unused = None
+        if unsure and flags is not None:
+            unused = _Unused(seg.then(lambda v: v[dw:], (len(flagged),)), unsure)
+        return tuple(out), unused
 
     def grad_layout(self) -> _GradLayout:
         """The flat gradient buffer's layout for the slots' current requires_grad flags (made once per flags;
-        the flags are the module's, the same on every rank)."""
+        the flags are the module's, the same on every rank). The "used" flags ride along where the unit
+        reduce-scatters gradients at all (some trainable flat slot holds elements): one per trainable slot."""
         key = tuple(s.param.requires_grad for s in self.slots)
         found = self.grad_layouts.get(key)
         if found is None:
@@ -356,10 +408,11 @@ class Unit:
             offsets, width = {}, 0
             for k, s in live:
                 offsets[k], width = width, width + max(s.sizes, default=0)
+            flagged = [k for k, s in enumerate(self.slots) if s.param.requires_grad] if width else []
             even = [(k, s) for k, s in live if s.even_rows]
-            numels = [sum(s.sizes[m] for _, s in live) for m in range(self.mesh.shape[self.axis])]
-            found = self.grad_layouts[key] = _GradLayout(live, offsets, width, even,
-                                                         sum(s.sizes[0] for _, s in even), numels)
+            numels = [sum(s.sizes[m] for _, s in live) + len(flagged) for m in range(self.mesh.shape[self.axis])]
+            found = self.grad_layouts[key] = _GradLayout(live, offsets, width + len(flagged), even,
+                                                         sum(s.sizes[0] for _, s in even), numels, width, flagged)
         return found
 
     def _reduce_group(self, g: _Group, grads: tuple[Optional[torch.Tensor], ...],
@@ -450,7 +503,10 @@ def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     ...     r = memory_report(m)
     ...     return r["params"], r["grads"], r["peak_gathered"]
     >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]        # 4 of 8 floats stored, the whole 8 gathered
-    (16, 16, 32)
+    (16, 20, 32)
+
+    (The gradient's 4 floats are a view of this rank's reduced piece, which ends with the unit's one "used"
+    flag per trainable parameter: 1 float here.)
     """
     unit = unit_of(module)
     pending.wait_all(unit.mesh.binding)
@@ -533,8 +589,8 @@ class _UnitGather(torch.autograd.Function):
     def forward(ctx, unit: Unit, local: bool, *stored: torch.Tensor):  # type: ignore[override]
         ctx.unit, ctx.local = unit, local
         out = unit.gathered(local)
-        # a frozen parameter's gathered copy takes no gradient (none computed, none reduced: as FSDP2), and
-        # the others' missing gradients are zeros made here (the reduction needs every rank's part)
+        # a frozen parameter's gathered copy takes no gradient (none computed, none reduced: as FSDP2); a
+        # trainable one the backward does not reach gets None here (see `backward`)
         ctx.frozen = tuple(not p.requires_grad for p in stored)
         ctx.mark_non_differentiable(*[g for g, frozen in zip(out, ctx.frozen) if frozen])
         ctx.set_materialize_grads(False)
@@ -542,42 +598,77 @@ class _UnitGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        # A trainable parameter this backward did not reach (None) takes part in the unit's reduction all the
+        # same -- ranks may differ in what they use (a mixture of experts) and every rank's collectives must
+        # match -- as zeros, with a "used" flag of 0 in the same buffer (`Unit.reduce_grads`): where no rank
+        # reached it its .grad is left alone (None, as FSDP2), else it gets the reduced gradient.
         unit: Unit = ctx.unit
-        if any(g is None and not frozen for g, frozen in zip(grads, ctx.frozen)):   # a parameter the graph missed
-            like = unit.gathered(ctx.local)
-            grads = tuple(torch.zeros_like(t) if g is None and not frozen else g
-                          for g, t, frozen in zip(grads, like, ctx.frozen))
         grads = tuple(None if frozen else g for g, frozen in zip(grads, ctx.frozen))
+        used = [g is not None for g in grads]
+        if unit.held_used is not None:   # reached in an earlier micro-batch (held, no sync) counts too
+            used = [a or b for a, b in zip(used, unit.held_used)]
+        if not all(used[k] or frozen for k, frozen in enumerate(ctx.frozen)):   # a parameter the graph missed
+            # a flat slot sends zeros from the buffer; the others (their own redistributions), or all where no
+            # flags travel (no trainable flat elements), take zeros made here, as every rank must send its part
+            flags = unit.grad_layout().width > 0
+            zeros = [g is None and not frozen and not (flags and s.flat)
+                     for g, frozen, s in zip(grads, ctx.frozen, unit.slots)]
+            if any(zeros):
+                like = unit.gathered(ctx.local)
+                grads = tuple(torch.zeros_like(t) if z else g for g, t, z in zip(grads, like, zeros))
         if unit.gradient_sync:
-            out = unit.reduce_grads(grads if unit.held is None else tuple(unit.with_held(grads, ctx.local)), ctx.local)
+            unit.held_used = None
+            out, unused = unit.reduce_grads(grads if unit.held is None else tuple(unit.with_held(grads, ctx.local)),
+                                            ctx.local, used)
         else:   # held (this rank's parts, no communication), reduced by a later backward with sync
-            unit.held, out = unit.with_held(grads, ctx.local), None
+            unit.held, unit.held_used, out, unused = unit.with_held(grads, ctx.local), used, None, None
         unit.reshard()
         _place(unit)   # the stored parameters again
-        return (None, None) + ((None,) * len(grads) if out is None else _store_grads(unit, out))
+        return (None, None) + ((None,) * len(grads) if out is None else _store_grads(unit, out, unused))
 
 
-def _store_grads(unit: Unit, grads: tuple[Optional[torch.Tensor], ...]) -> tuple[Optional[torch.Tensor], ...]:
+def _store_grads(unit: Unit, grads: tuple[Optional[torch.Tensor], ...], unused: Optional[_Unused] = None
+                 ) -> tuple[Optional[torch.Tensor], ...]:
     """Put the stored parameters' gradients into their ``.grad`` here, as FSDP2 does, and hand autograd None
     for them: autograd's own accumulation would detach each one (an op dispatch per parameter and step) and
     call its leaf hook. Only where that is all autograd would do -- a ``.backward()`` that accumulates into
     this leaf (not ``autograd.grad``), no ``create_graph``, no hooks on the parameter but sbp's layout rule
     (a no-op here: the gradients already have the stored placements) -- else the gradient goes back to
-    autograd as before. An existing ``.grad`` is added to in place, as autograd does."""
-    if torch.is_grad_enabled():   # create_graph: the gradients are part of a graph, autograd's to keep
-        return grads
+    autograd as before. An existing ``.grad`` is added to in place, as autograd does.
+
+    The `unused` slots (this rank's backward did not reach them) keep a gradient only where another rank's
+    did: known once the reduction has run, so where the unit would store them they are stored at the end of
+    the backward (`Schedule.finish_backward`: the reduction keeps running behind the rest of the backward);
+    where autograd takes the gradient, it is waited for here and is None where no rank reached the parameter."""
     out = list(grads)
-    for k, (s, g) in enumerate(zip(unit.slots, grads)):
+    if unused is not None:
+        task = torch._C._current_graph_task_id()
+        later = not torch.is_grad_enabled() and unit.schedule.finish_task == task
+        for k in unused.at:
+            g, s = out[k], unit.slots[k]
+            if g is None:
+                continue
+            if later and isinstance(g, GlobalTensor) and _accumulates_plainly(s):
+                unit.schedule.unused.append((task, s.param, g, unused, k))
+                out[k] = None
+            elif not unused.used(k):
+                out[k] = None
+    if torch.is_grad_enabled():   # create_graph: the gradients are part of a graph, autograd's to keep
+        return tuple(out)
+    for k, (s, g) in enumerate(zip(unit.slots, out)):
         if g is None or not isinstance(g, GlobalTensor) or not _accumulates_plainly(s):
             continue
-        p = s.param
-        if p.grad is None:
-            p.grad = g
-        else:
-            with torch.no_grad():
-                p.grad.add_(g)
+        _accumulate(s.param, g)
         out[k] = None
     return tuple(out)
+
+
+def _accumulate(p: torch.Tensor, g: GlobalTensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        with torch.no_grad():
+            p.grad.add_(g)
 
 
 def _accumulates_plainly(s: _Slot) -> bool:
@@ -623,6 +714,9 @@ class Schedule:
         self.finish_task = -1            # the backward (graph task id) `finish_backward` is queued to end
         # whether this step prefetches the next unit's gather (a batch the dp size divides, see `_even_batch`)
         self.prefetch = True
+        # (graph task, parameter, gradient, `_Unused`, slot): gradients of parameters a unit's backward did not
+        # reach on this rank, stored at the end of that backward where another rank reached them (`_store_grads`)
+        self.unused: list[tuple[int, torch.Tensor, GlobalTensor, _Unused, int]] = []
 
     def note_memory(self) -> None:
         """Update `peak_gathered` with the gathered copies held or being gathered now."""
@@ -681,7 +775,9 @@ class Schedule:
     def finish_backward(self) -> None:
         """When a backward ends: every unit holds its stored parameters again, its gathered copies freed. Units
         whose gradients came back did so themselves (`_UnitGather.backward`); this covers the others: a unit
-        with no trainable parameter, one ``autograd.grad`` did not reach, a prefetch the backward never used."""
+        with no trainable parameter, one ``autograd.grad`` did not reach, a prefetch the backward never used.
+        Then the gradients of parameters a unit's backward did not reach on this rank go into ``.grad`` where
+        another rank's did (their units' "used" flags, reduced with the gradients: `_store_grads`)."""
         for u in self.units:
             if u.state == "gathering":
                 u._wait_gather()
@@ -689,6 +785,11 @@ class Schedule:
                                             for (owner_id, name), s in u.tied.items()):
                 u.reshard()
                 _place(u)
+        if self.unused:   # (entries of a backward that raised before its end are dropped)
+            task, entries, self.unused = torch._C._current_graph_task_id(), self.unused, []
+            for t, p, g, unused, k in entries:
+                if t == task and unused.used(k):
+                    _accumulate(p, g)
 
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *,

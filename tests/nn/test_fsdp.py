@@ -184,8 +184,8 @@ def test_checkpointed_blocks_train_as_one_process(layout: str, reentrant: bool) 
 
 
 class Spare(nn.Module):
-    """A block with a parameter its forward never reads: its gradient arrives as zeros (autograd materializes
-    the unused output of the unit's gather), reduced with the others; it trains as on one process."""
+    """A block with a parameter its forward never reads: the unit's reduce_scatter carries zeros for it and a
+    "used" flag of 0 from every rank, so its .grad stays None (as on one process, and FSDP2) and Adam skips it."""
 
     def __init__(self, block: Block, d: int) -> None:
         super().__init__()
@@ -213,7 +213,8 @@ def _spare(mesh, local_batch):
         sbp.nn.fully_shard(block, mesh, "dp", local_batch=local_batch)
     sbp.nn.fully_shard(net, mesh, "dp")
     losses, _ = _train(net, *_SPARE[1:], mesh)
-    return losses, {n: p.full().detach() for n, p in net.named_parameters()}
+    spare = [p.grad for p in net.blocks[0].spare.parameters()]
+    return losses, {n: p.full().detach() for n, p in net.named_parameters()}, spare
 
 
 @pytest.mark.slow
@@ -222,7 +223,9 @@ def test_unused_parameter_trains_as_one_process(local_batch) -> None:
     net = copy.deepcopy(_SPARE[0])
     ref_losses, _ = _train(net, *_SPARE[1:])
     ref = dict(net.named_parameters())
-    for losses, params in sbp.testing.spmd(functools.partial(_spare, local_batch=local_batch), (4,), names=("dp",)):
+    for losses, params, spare in sbp.testing.spmd(functools.partial(_spare, local_batch=local_batch), (4,),
+                                                  names=("dp",)):
+        assert spare == [None, None]   # (was zeros)
         assert losses == pytest.approx(ref_losses, abs=1e-10, rel=0)
         for name, value in params.items():
             assert torch.allclose(value, ref[name].detach(), atol=1e-10, rtol=0), name

@@ -1,7 +1,9 @@
 """`sbp.nn.fully_shard` under training-loop patterns FSDP2 users rely on, each against one process (float64):
 blocks with buffers and batch norm, tied parameters (within the root and across units), a unit used twice in
 one backward, activation checkpointing of a unit (wrapped, and around its call), a unit skipped for a step (its
-prefetched gather must not go stale), and evaluation after the parameters change in place (`load_state_dict`).
+prefetched gather must not go stale), evaluation after the parameters change in place (`load_state_dict`), and
+trainable parameters a step does not use (`.grad` None where no rank used them, as FSDP2; the reduced gradient
+where some rank did, mixture-of-experts style, also with AdamW, accumulation and mixed precision).
 
 Threads backend, mesh (2,) named dp; the default `local_batch=None` unless a case says otherwise.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Optional
 
 import pytest
 import torch
@@ -444,13 +447,14 @@ def test_frozen_parameters_take_no_gradient_and_send_none():
     ref(x).pow(2).sum().backward()
     for grads, sent in sbp.testing.spmd(_adapted, (2,), names=("dp",)):
         for name, p in ref.named_parameters():
-            if p.grad is None and "unused" not in name:
+            if p.grad is None:   # frozen, or a trainable layer no rank used: None, as on one process (and FSDP2)
                 assert grads[name] is None, name
-            else:   # an unused trainable layer: zeros (ranks may differ in what they use; each sends its part)
-                want = torch.zeros_like(p) if p.grad is None else p.grad
-                assert torch.allclose(grads[name], want, atol=1e-12, rtol=0), name
-        # per block and rank: half of the adapter's (16 + 16) and the unused layer's (64 + 8) float64s
-        assert sent == [(16 + 16 + 64 + 8) // 2 * 8] * 2
+            else:
+                assert torch.allclose(grads[name], p.grad, atol=1e-12, rtol=0), name
+        # per block and rank: half of the adapter's (16 + 16) and the unused layer's (64 + 8) float64s (an unused
+        # layer takes part: ranks may differ in what they use), and the other rank's piece of the "used" flags,
+        # one per trainable parameter (down, up, unused.weight, unused.bias): 4 float64s
+        assert sent == [(16 + 16 + 64 + 8) // 2 * 8 + 4 * 8] * 2
 
 
 class _DictInput(nn.Module):
@@ -502,3 +506,206 @@ def test_a_dtype_conversion_after_an_evaluation_gathers_again():
     for got in sbp.testing.spmd(_converted_after_eval, (2,), names=("dp",)):
         assert got.dtype == torch.float64
         assert torch.allclose(got, want, atol=1e-12, rtol=0)
+
+
+# ---- parameters the backward does not reach: .grad None where no rank used them (FSDP2), safe where ranks differ --
+class _Routed(nn.Module):
+    """A block with an `expert` its forward uses only where a row it sees has a positive first feature (a mixture of
+    experts' routing: on plain local shares, `local_batch=True`, the ranks differ in what they use) and an `idle`
+    layer it never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.expert, self.idle = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.tanh(self.fc(x))
+        return y + self.expert(x) if bool((x[:, 0] > 0).any()) else y
+
+
+def _routed_model(dtype: torch.dtype = torch.float64) -> nn.Module:
+    with _BUILD:
+        torch.manual_seed(0)
+        return nn.Sequential(_Routed(), nn.Linear(4, 1)).to(dtype)
+
+
+# the expert used by every rank, by none, by rank 0 only (rows 0-2 are rank 0's share of the batch on (2,) dp)
+ROUTES = {"all": X.abs(), "none": -X.abs(), "rank0": torch.cat([X[:3].abs(), -X[3:].abs()])}
+
+
+def _routed_loss(m: nn.Module, route: str, shares: int = 1) -> torch.Tensor:
+    """One process: the loss of `shares` ranks each computing on its own share of the batch (the model's routing
+    decided per share, as on local shares), summed."""
+    return sum(m(x).pow(2).sum() for x in ROUTES[route].chunk(shares))
+
+
+def _routed_sharded(mesh, local_batch: Optional[bool], dtype: torch.dtype = torch.float64, **mixed) -> nn.Module:
+    m = _routed_model(dtype)
+    if "tp" in mesh.names:
+        sbp.nn.parallelize(m, mesh, {"0.fc": "colwise", "0.expert": "colwise", "0.idle": "colwise"}, tp_axis="tp")
+    sbp.nn.fully_shard(m[0], mesh, "dp", local_batch=local_batch, **mixed)
+    return sbp.nn.fully_shard(m, mesh, "dp", **mixed)
+
+
+def _grads(m: nn.Module) -> dict:
+    return {n: None if p.grad is None else _full(p.grad).detach().clone() for n, p in m.named_parameters()}
+
+
+def _routed_grads(mesh, route: str, local_batch: Optional[bool]):
+    m = _routed_sharded(mesh, local_batch)
+    _full(m(ROUTES[route])).pow(2).sum().backward()
+    calls = {e[1]: [(c.collective, c.sent) for c in e[3]] for e in sbp.nn.fsdp.schedule_log(m)
+             if e[0] == "reduce_scatter"}
+    return _grads(m), calls
+
+
+def _assert_grads(got: dict, want: dict, atol: float = 1e-12) -> None:
+    for name, g in want.items():
+        if g is None:
+            assert got[name] is None, name
+        else:
+            assert got[name] is not None and torch.allclose(got[name].to(g.dtype), g, atol=atol, rtol=0), name
+
+
+@pytest.mark.parametrize("route", ["all", "none", "rank0"])
+@pytest.mark.parametrize("layout, local_batch", [("dp", True), ("dp", False), ("dp_tp", False)],
+                         ids=["local", "global", "dp-tp"])
+def test_a_parameter_no_rank_uses_gets_no_gradient(route: str, layout: str, local_batch: Optional[bool]) -> None:
+    # before: every trainable parameter the backward missed got a zero .grad (FSDP2: None where no rank used it; an
+    # optimizer then skips it). Each rank still sends its part (zeros) in the unit's one reduce_scatter, with a "used"
+    # flag per trainable parameter in the same buffer: 0 summed over the ranks leaves .grad None. Where only rank 0
+    # used the expert (local shares) its gradient is rank 0's, reduced as before; the ranks' collectives match.
+    # dp-tp: the colwise biases move outside the flat buffer (their own redistribution); their flags ride in it.
+    ref = _routed_model()
+    _routed_loss(ref, route, 2 if local_batch else 1).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    mesh, names = ((2,), ("dp",)) if layout == "dp" else ((2, 2), ("dp", "tp"))
+    for got, calls in sbp.testing.spmd(functools.partial(_routed_grads, route=route, local_batch=local_batch), mesh,
+                                       names=names, timeout=60):
+        _assert_grads(got, want)
+        for unit in ("0", "<root>"):   # one collective per unit, as before
+            assert [c for c, _ in calls[unit]] == ["reduce_scatter"], calls
+        if layout == "dp":   # the other rank's half of fc's, expert's and idle's 3 x 20 float64s, and its 6 flags
+            assert calls["0"][0][1] == 3 * 20 // 2 * 8 + 6 * 8
+
+
+def _routed_adamw(mesh, route: str, steps: int):
+    m = _routed_sharded(mesh, True)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        _full(m(ROUTES[route])).pow(2).sum().backward()
+        opt.step()
+    return {n: _full(p).detach().clone() for n, p in m.named_parameters()}
+
+
+def test_adamw_leaves_a_parameter_no_rank_uses_unchanged() -> None:
+    # before: the unused layer's zero gradient made AdamW decay it (and count a step in its state); on one process
+    # (and under FSDP2) its .grad is None and AdamW skips it. The expert only rank 0 uses trains as on one process.
+    ref = _routed_model()
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        _routed_loss(ref, "rank0", 2).backward()
+        opt.step()
+    for params in sbp.testing.spmd(functools.partial(_routed_adamw, route="rank0", steps=2), (2,), names=("dp",)):
+        for name, p in ref.named_parameters():
+            assert torch.allclose(params[name], p.detach(), atol=1e-10, rtol=0), name
+        for name in ("0.idle.weight", "0.idle.bias"):
+            assert torch.equal(params[name], init[name]), name
+
+
+def _routed_micro_batches(mesh, routes: tuple[str, ...], hold: bool):
+    m = _routed_sharded(mesh, True)
+    for i, route in enumerate(routes):
+        if hold:   # gradients held unreduced but in the last micro-batch
+            m.set_requires_gradient_sync(i == len(routes) - 1)
+        _full(m(ROUTES[route])).pow(2).sum().backward()
+    return _grads(m)
+
+
+@pytest.mark.parametrize("routes", [("rank0", "none"), ("none", "rank0"), ("none", "none")],
+                         ids=["first", "second", "neither"])
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "synced"])
+def test_gradient_accumulation_keeps_a_gradient_any_micro_batch_made(routes: tuple[str, ...], hold: bool) -> None:
+    # the expert used (by rank 0) in one micro-batch of two: its .grad is that one's, as on one process, whether
+    # the first one's was held unreduced (set_requires_gradient_sync(False)) or stored; a micro-batch that used it
+    # nowhere adds nothing. Used in neither, and the idle layer: None (before: zeros)
+    ref = _routed_model()
+    for route in routes:
+        _routed_loss(ref, route, 2).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for got in sbp.testing.spmd(functools.partial(_routed_micro_batches, routes=routes, hold=hold), (2,),
+                                names=("dp",)):
+        _assert_grads(got, want)
+
+
+def _routed_mixed(mesh, reduce_dtype: torch.dtype):
+    m = _routed_sharded(mesh, True, torch.float32, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    _full(m(ROUTES["rank0"].float())).pow(2).sum().backward()
+    return _grads(m), {p.grad.dtype for p in m.parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_unused_parameters_under_mixed_precision(reduce_dtype: torch.dtype) -> None:
+    # gathered in bfloat16 and reduced in bfloat16 or float32: the flags travel in the reduce dtype (0 stays 0,
+    # a sum of ones stays positive); the expert only rank 0 uses gets its gradient, the idle layer None (before:
+    # zeros); .grad in the stored float32
+    ref = _routed_model()
+    _routed_loss(ref, "rank0", 2).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for got, dtypes in sbp.testing.spmd(functools.partial(_routed_mixed, reduce_dtype=reduce_dtype), (2,),
+                                        names=("dp",)):
+        assert dtypes == {torch.float32}
+        _assert_grads(got, want, atol=0.1)
+
+
+def _routed_fsdp2(route: str, send_zeros: bool = False) -> dict:
+    """PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) on the same model, each rank on its share of the batch:
+    .grad of every parameter, summed over the ranks (FSDP2 averages them: times 2, sbp's global loss's gradient).
+    `send_zeros`: FSDP2's ``set_reduce_scatter_unused_params(True)`` (every rank sends zeros for what it missed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tmesh = init_device_mesh("cpu", (2,))
+    m = _routed_model()
+    fully_shard(m[0], mesh=tmesh)
+    fully_shard(m, mesh=tmesh)
+    if send_zeros:
+        for unit in (m[0], m):
+            unit.set_reduce_scatter_unused_params(True)
+    m(ROUTES[route].chunk(2)[tmesh.get_rank()]).pow(2).sum().backward()
+    return {n: None if p.grad is None else 2 * p.grad.full_tensor() for n, p in m.named_parameters()}
+
+
+def _unused_on_gloo(mesh):
+    # FSDP2 where no rank's use differs (it leaves None where no rank used a parameter). Where rank 0 alone uses the
+    # expert, FSDP2's reduce_scatter would differ in size by rank (a hang), unless every rank sends zeros for what it
+    # did not use (`set_reduce_scatter_unused_params`, recent torch): then the idle layer gets zeros
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp2 = {route: _routed_fsdp2(route) for route in ("all", "none")}
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        fsdp2["rank0"] = _routed_fsdp2("rank0", send_zeros=True)
+    return fsdp2, {route: _routed_grads(mesh, route, True)[0] for route in ("all", "none", "rank0")}
+
+
+@pytest.mark.gloo
+def test_a_parameter_no_rank_uses_gets_no_gradient_as_under_fsdp2_on_gloo() -> None:
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) needs torch >= 2.6")
+    for fsdp2, got in sbp.testing.spmd(_unused_on_gloo, (2,), names=("dp",), backend="gloo", timeout=120):
+        for route in ("all", "none", "rank0"):
+            ref = _routed_model()
+            _routed_loss(ref, route, 2).backward()
+            want = {n: p.grad for n, p in ref.named_parameters()}
+            _assert_grads(got[route], want)
+            if route == "rank0" and route in fsdp2:   # FSDP2 sending zeros: the same where sbp has a gradient
+                assert all(torch.equal(g, torch.zeros_like(g)) for n, g in fsdp2[route].items() if want[n] is None)
+                _assert_grads({n: g for n, g in got[route].items() if g is not None}, {
+                    n: g for n, g in fsdp2[route].items() if got[route][n] is not None})
+            elif route in fsdp2:   # FSDP2's own: None exactly where sbp's is
+                assert {n for n, g in fsdp2[route].items() if g is None} == {n for n, g in want.items() if g is None}
+                _assert_grads(got[route], fsdp2[route])
