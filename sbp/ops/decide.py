@@ -29,7 +29,7 @@ from . import table as rules
 from .apply import Decision, index_bounds
 from .cache import SPEC_TOKENS
 from .random import agreed_random_run, draws_over, is_random
-from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, default_run
+from .spec import ANY, FLOAT, B, Choice, OpSpec, Ref, Rule, TensorMeta, contiguous_run
 
 MAX_COMBOS = 512    # whole-mesh signature combinations priced before pruning per axis
 
@@ -267,7 +267,7 @@ def _fallback(spec: OpSpec, paths: list[tuple], writes: list) -> Decision:
     all_b = (B,) * len(spec.mesh_shape)
     spec.outputs = ()
     choice = Choice(tuple(all_b for _ in spec.inputs), ())
-    run = agreed_random_run if is_random(spec.func) else default_run   # random ops: the same draws everywhere
+    run = agreed_random_run if is_random(spec.func) else contiguous_run   # random ops: the same draws everywhere
     # a draw over its input's shape (`normal_`, `bernoulli_(p)`, `rand_like`): the input is made, not gathered
     blank = spec.inputs[0].is_global and draws_over(spec.func)
     return Decision(spec, choice, run, paths, writes, fallback=True, blank=blank)

@@ -195,6 +195,35 @@ def default_run(call: Call) -> Any:
     return call.default()
 
 
+def contiguous_run(call: Call) -> Any:
+    """The fallback's local computation: the op on local tensors laid out as global tensors report themselves.
+
+    A global tensor's strides are contiguous whatever its local's (a transposed gradient, a view laid out
+    anew), so torch code that makes an argument contiguous before a kernel that relies on it -- autograd's
+    formula for ``weight_norm`` calls ``grad.contiguous()`` -- finds nothing to do on the wrapper, and the
+    kernel would misread a strided local. Arguments the op writes or returns a view of stay as they are.
+
+    >>> call = Call(torch.ops.aten.mul.Tensor, [torch.ones(2, 3).t(), 2.0], {}, None, None, None, ())
+    >>> contiguous_run(call).is_contiguous()
+    True
+    """
+    schema = call.func._schema.arguments
+    args = [_contiguous(a) if i >= len(schema) or schema[i].alias_info is None else a
+            for i, a in enumerate(call.args)]
+    names = {a.name: a for a in schema}
+    kwargs = {k: v if k in names and names[k].alias_info is not None else _contiguous(v)
+              for k, v in call.kwargs.items()}
+    return call.func(*args, **kwargs)
+
+
+def _contiguous(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_contiguous() else value.contiguous()
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_contiguous(v) for v in value)
+    return value
+
+
 SigFn = Callable[[OpSpec, int], Sequence[Sig]]
 CheckFn = Callable[[OpSpec, Choice], bool]
 RunFn = Callable[[Call], Any]

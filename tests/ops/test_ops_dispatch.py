@@ -213,3 +213,37 @@ def test_scalar_kinds_do_not_share_decisions():
         return (x * 0).dtype, (x * 0.0).dtype, (b + True).dtype, (b + 1).dtype
 
     assert sbp.testing.spmd(fn, (2,))[0] == (torch.int64, torch.float32, torch.bool, torch.int64)
+
+
+@pytest.mark.parametrize("mesh_shape,plan", [((1,), None), ((2,), None), ((2,), "colwise")])
+def test_fallback_kernels_see_locals_laid_out_as_the_global_tensors_report(mesh_shape, plan):
+    # A global tensor reports contiguous strides whatever its local's. Autograd's weight_norm formula makes
+    # the (transposed) weight gradient contiguous before a kernel that relies on it: a no-op on the wrapper,
+    # so the fallback kernel must get contiguous locals (it read the strided local as contiguous: grads off
+    # by up to 15).
+    import copy
+
+    from torch.nn.utils.parametrizations import weight_norm
+    torch.manual_seed(0)
+    ref = weight_norm(torch.nn.Linear(4, 6).double())
+    x = torch.randn(3, 4, dtype=torch.double)
+    ref(x).tanh().sum().backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+
+    def fn(mesh):
+        m = copy.deepcopy(ref)
+        m.zero_grad(set_to_none=True)
+        if plan is None:
+            for name, p in list(m.named_parameters()):
+                owner = m.parametrizations.weight if "original" in name else m
+                setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(sbp.distribute(p.detach(), mesh, "B")))
+        else:
+            sbp.nn.parallelize(m, mesh, {"": plan})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            m(x).tanh().sum().backward()
+        return {n: p.grad.full() if isinstance(p.grad, sbp.GlobalTensor) else p.grad for n, p in m.named_parameters()}
+
+    for got in sbp.testing.spmd(fn, mesh_shape):
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-12, atol=1e-12, msg=name)
