@@ -70,7 +70,8 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
             raise AssertionError(f"not the same logical tensor on every rank: {what}: ranks {failed} see a difference "
                                  f"(a plain tensor that differs between ranks?)")
     if not same:
-        raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: {_where(fx, fy)}")
+        raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: "
+                             f"{_where(fx, fy, exact, rtol, atol)}")
 
 
 def _same(fx: torch.Tensor, fy: torch.Tensor, exact: bool, rtol: Optional[float], atol: Optional[float]) -> bool:
@@ -105,16 +106,42 @@ def _check_tolerances(rtol, atol) -> None:
             raise SbpError(f"assert_layout_equivalent({name}=...) must be a number >= 0, got {value!r}")
 
 
-def _where(fx: torch.Tensor, fy: torch.Tensor) -> str:
+def _where(fx: torch.Tensor, fy: torch.Tensor, exact: bool, rtol: Optional[float], atol: Optional[float]) -> str:
+    """The worst mismatching element, by the rule `_same` used: equal values (NaN matching NaN, an infinity
+    matching the same infinity, as in assert_close), or close under the tolerances. Non-finite mismatches
+    (a NaN against a number, an infinity against a finite value or the opposite infinity) come first."""
     if fx.numel() == 0:
         return "empty tensors differ"  # pragma: no cover - equal shapes make empty tensors equal
-    diff = (fx.double() - fy.double()).abs() if not fx.dtype.is_complex else (fx - fy).abs()
-    diff = torch.where(torch.isnan(fx) & torch.isnan(fy), torch.zeros_like(diff), diff)
-    diff = torch.nan_to_num(diff, nan=float("inf"))
-    flat = int(diff.reshape(-1).argmax())
+    bad = _mismatched(fx, fy, exact, rtol, atol)
+    wide = torch.complex128 if fx.dtype.is_complex else torch.float64
+    diff = (fx.to(wide) - fy.to(wide)).abs()          # inf for inf vs finite or +inf vs -inf, nan with a NaN
+    rank = torch.where(bad, torch.nan_to_num(diff, nan=float("inf"), posinf=float("inf")),
+                       torch.full_like(diff, -1.0))   # matching elements never win, even equal infinities
+    flat = int(rank.reshape(-1).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), fx.shape)) if fx.ndim else ()
-    return (f"max abs diff {diff.reshape(-1)[flat].item()} at index {index} "
-            f"(x={fx[index].item()}, y={fy[index].item()})")
+    a, b = fx[index].item(), fy[index].item()
+    # integers exactly (a float64 difference rounds past 2**53); floats as computed: inf or nan where due
+    floating = fx.dtype.is_floating_point or fx.dtype.is_complex
+    figure = diff.reshape(-1)[flat].item() if floating else abs(int(a) - int(b))
+    return f"max abs diff {figure} at index {index} (x={a}, y={b})"
+
+
+def _mismatched(fx: torch.Tensor, fy: torch.Tensor, exact: bool, rtol: Optional[float],
+                atol: Optional[float]) -> torch.Tensor:
+    """Element by element, where `_same`'s comparison fails (never empty when `_same` is False)."""
+    unequal = fx != fy                     # inf == inf and -0.0 == 0.0, as in torch.equal
+    if fx.dtype.is_floating_point or fx.dtype.is_complex:
+        unequal &= ~(torch.isnan(fx) & torch.isnan(fy))
+    if exact:
+        return unequal
+    if rtol is None or atol is None:
+        try:    # what assert_close(rtol=None, atol=None) uses: the dtype's defaults
+            from torch.testing._comparison import default_tolerances
+            rtol, atol = default_tolerances(fx)
+        except Exception:  # noqa: BLE001 - a private helper: without it, name any unequal element
+            return unequal  # pragma: no cover
+    far = ~torch.isclose(fx, fy, rtol=rtol, atol=atol, equal_nan=True)
+    return far if bool(far.any()) else unequal
 
 
 def _fmt(pls) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import pickle
+import signal
 import time
 import traceback
 from datetime import timedelta
@@ -110,6 +111,16 @@ class _RemoteError(Exception):
     """Stands in for a worker's exception that could not be pickled back."""
 
 
+class _WorkerDied(CommError):
+    """A gloo worker process ended without replying (`os._exit`, a crash, a kill): the root cause of the
+    other ranks' broken collectives, not one of them. `exitcode` is the process's, None if unknown."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+        self.status = _exit_status(exitcode)
+        super().__init__(f"rank {rank}'s worker process died without replying ({self.status})")
+
+
 class _Pool:
     """`size` worker processes joined in one gloo world through a TCPStore hosted by this process."""
 
@@ -182,8 +193,8 @@ class _Pool:
 
     def _died(self, rank: int) -> tuple[CommError, str]:
         proc = self.procs[rank]
-        proc.join(timeout=1.0)
-        return CommError(f"rank {rank}'s worker process died (exit code {proc.exitcode})"), ""
+        proc.join(timeout=1.0)  # a closed pipe can come a moment before the exit status
+        return _WorkerDied(rank, proc.exitcode), ""
 
     def close(self, force: bool = False) -> None:
         """Stop the workers: politely (they leave their process group), or at once after a failure,
@@ -202,6 +213,18 @@ class _Pool:
                 proc.join()
         for conn in self.conns:
             conn.close()
+
+
+def _exit_status(code: int | None) -> str:
+    """`Process.exitcode` in words: a code, a signal (negative codes), or unknown (still exiting)."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _context() -> mp.context.BaseContext:
@@ -237,7 +260,13 @@ class _Pools:
             pool.close(force=True)
         rank = _first_cause(errors)
         exc, text = errors[rank]
-        message = f"rank {rank} of {size} raised {type(exc).__name__}: {exc}"
+        if isinstance(exc, _WorkerDied):
+            message = f"rank {rank} of {size} died: its worker process ended without replying ({exc.status})"
+            others = sorted(r for r in errors if r != rank)
+            if others:  # knock-on failures (a broken collective), or their own: named, the first is chained
+                message += f"; ranks {others} failed too"
+        else:
+            message = f"rank {rank} of {size} raised {type(exc).__name__}: {exc}"
         if text:
             message += f"\n--- traceback on rank {rank} ---\n{text}"
         raise SpmdError(message, rank) from exc
@@ -249,8 +278,13 @@ class _Pools:
 
 
 def _first_cause(errors: dict[int, tuple], fallback: int | None = None) -> int:
-    """The rank to blame: the lowest one whose error is not a CommError (those are usually knock-on);
-    else `fallback` (the first to fail) or the lowest rank."""
+    """The rank to blame: the lowest one whose worker process died (the others' collectives broke
+    because of it, and may surface as any exception, e.g. a raw torch.distributed error); else the lowest
+    one whose error is not a CommError (those are usually knock-on); else `fallback` (the first to fail)
+    or the lowest rank."""
+    dead = [r for r, (e, _) in errors.items() if isinstance(e, _WorkerDied)]
+    if dead:
+        return min(dead)
     own = [r for r, (e, _) in errors.items() if not isinstance(e, CommError)]
     if own:
         return min(own)

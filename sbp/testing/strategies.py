@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from hypothesis import strategies as st
@@ -30,20 +29,36 @@ def _count(name: str, value, least: int) -> int:
 def meshes(*, min_axes: int = 1, max_axes: int = 3, max_axis_size: int = 4, max_size: int = 8) -> st.SearchStrategy:
     """Mesh shapes with `min_axes`..`max_axes` axes of size 1..`max_axis_size`, at most `max_size` ranks.
 
+    Every bound combination the arguments allow can be met (axes of size 1 fit any `max_size`), and every
+    drawn shape meets them: the sizes are drawn within what the axes drawn so far leave, never filtered.
+
     >>> from hypothesis import find
     >>> find(meshes(), lambda shape: len(shape) == 3 and 2 in shape)
     (1, 1, 2)
+    >>> find(meshes(min_axes=3, max_axes=3, max_size=1), lambda shape: True)
+    (1, 1, 1)
     """
     _count("meshes(min_axes=...)", min_axes, 1)
     _count("meshes(max_axes=...)", max_axes, min_axes)
     _count("meshes(max_axis_size=...)", max_axis_size, 1)
     _count("meshes(max_size=...)", max_size, 1)
+    return _meshes(min_axes, max_axes, max_axis_size, max_size)
 
-    def fits(shape: tuple[int, ...]) -> bool:
-        return math.prod(shape) <= max_size
 
-    sizes = st.integers(1, max_axis_size)
-    return st.lists(sizes, min_size=min_axes, max_size=max_axes).map(tuple).filter(fits)
+@st.composite
+def _meshes(draw, min_axes: int, max_axes: int, max_axis_size: int, max_size: int) -> tuple[int, ...]:
+    # Each axis draws from 1 up to what the product so far leaves (the other axes can always be 1). The axes
+    # fill in a drawn order, so no axis is the one that always gets the room first (an order shrinks to
+    # 0, 1, ...); the number of axes and every size shrink to their least.
+    ndim = draw(st.integers(min_axes, max_axes))
+    order = draw(st.permutations(range(ndim)))
+    shape = [1] * ndim
+    ranks = 1
+    for axis in order:
+        room = min(max_axis_size, max_size // ranks)
+        shape[axis] = draw(st.integers(1, room))
+        ranks *= shape[axis]
+    return tuple(shape)
 
 
 def placements(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,

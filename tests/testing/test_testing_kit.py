@@ -3,6 +3,7 @@ equal logical tensors in any layouts and explains a difference; the example in d
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
@@ -154,3 +155,155 @@ def test_gloo_reply_that_does_not_unpickle_is_named_and_leaves_the_pool_in_step(
         sbp.testing.spmd(_raises_unpicklable, (2,), backend="gloo", timeout=60)
     assert info.value.rank == 1
     assert sbp.testing.spmd(_says_second, (2,), backend="gloo", timeout=60) == ["second", "second"]
+
+
+def _pid(mesh):
+    return os.getpid()
+
+
+def _rank_1_exits_while_rank_0_all_reduces(mesh):
+    if mesh.rank == 1:
+        os._exit(3)
+    return mesh.binding.all_reduce(torch.ones(1), (0,), "sum").item()
+
+
+@pytest.mark.gloo
+def test_gloo_worker_that_dies_is_named_and_the_pool_restarts():
+    # before: rank 0's broken all_reduce (a CommError, like "worker died") was blamed, as the lowest rank
+    # with a CommError: "rank 0 of 2 raised CommError: all_reduce(sum) ... Connection reset by peer"
+    before = sbp.testing.spmd(_pid, (2,), backend="gloo", timeout=60)
+    with pytest.raises(sbp.testing.SpmdError, match=r"^rank 1 of 2 died: .*\(exit code 3\)") as info:
+        sbp.testing.spmd(_rank_1_exits_while_rank_0_all_reduces, (2,), backend="gloo", timeout=60)
+    assert info.value.rank == 1 and info.value.__cause__.exitcode == 3
+    after = sbp.testing.spmd(_pid, (2,), backend="gloo", timeout=60)     # a fresh pool: new workers
+    assert len(set(after)) == 2 and not set(after) & set(before)
+    assert sbp.testing.spmd(_says_second, (2,), backend="gloo", timeout=60) == ["second", "second"]
+
+
+def test_first_cause_blames_a_dead_worker_before_the_ranks_it_broke():
+    # a survivor's broken collective may surface as any exception (a raw torch.distributed error from the
+    # user's own call, not only sbp's CommError): the dead rank is still the cause
+    from sbp.testing.spmd import _first_cause, _WorkerDied
+    from sbp.values.errors import CommError
+    assert _first_cause({0: (CommError("reset by peer"), ""), 2: (_WorkerDied(2, -9), ""),
+                         1: (RuntimeError("gloo: connection closed"), "")}) == 2
+    assert _first_cause({0: (CommError("reset by peer"), ""), 1: (RuntimeError("own"), "")}) == 1
+    assert str(_WorkerDied(2, -9)) == "rank 2's worker process died without replying (killed by signal 9 (SIGKILL))"
+
+
+def _mismatch(x, y, **kw):
+    try:
+        assert_layout_equivalent(x, y, **kw)
+    except AssertionError as e:
+        return str(e).split("): ")[-1]
+    return None
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_assert_layout_equivalent_message_names_a_real_mismatch_among_infinities(exact):
+    # before: inf - inf is nan, which was ranked worst (an equal infinity named as the mismatch), and
+    # nan_to_num turned an infinite difference into 1.8e308
+    inf, nan = float("inf"), float("nan")
+    cases = [([inf, 1., 2.], [inf, 1., 3.], "max abs diff 1.0 at index (2,) (x=2.0, y=3.0)"),
+             ([-inf, 1., 2.], [-inf, 1., 3.], "max abs diff 1.0 at index (2,) (x=2.0, y=3.0)"),
+             ([1., inf], [1., 5.], "max abs diff inf at index (1,) (x=inf, y=5.0)"),
+             ([-inf, 0.], [inf, 0.], "max abs diff inf at index (0,) (x=-inf, y=inf)"),
+             ([inf, 1.], [inf, nan], "max abs diff nan at index (1,) (x=1.0, y=nan)"),
+             ([inf, 7., 1.], [inf, 9., -inf], "max abs diff inf at index (2,) (x=1.0, y=-inf)")]
+    for x, y, message in cases:
+        assert _mismatch(torch.tensor(x), torch.tensor(y), exact=exact) == message, (x, y)
+    same = torch.tensor([inf, -inf, nan, 1.])
+    assert _mismatch(same, same.clone(), exact=exact) is None            # equal infinities are equal
+    assert _mismatch(torch.tensor([inf, 1.]), torch.tensor([inf, 1. + 1e-7]), exact=exact) == (
+        "max abs diff 1.1920928955078125e-07 at index (1,) (x=1.0, y=1.0000001192092896)" if exact else None)
+
+
+def test_assert_layout_equivalent_message_names_an_element_outside_the_tolerance_and_exact_integers():
+    # the close path names the worst element that is not close, not the largest difference (within rtol here)
+    assert _mismatch(torch.tensor([1000., 1.]), torch.tensor([1000.01, 1.001]), exact=False, rtol=1e-4,
+                     atol=0.0) == "max abs diff 0.001000046730041504 at index (1,) (x=1.0, y=1.0010000467300415)"
+    # integers differ exactly (a float64 difference of these is 0.0)
+    assert _mismatch(torch.tensor([2 ** 62, 5]), torch.tensor([2 ** 62 + 1, 5])) == (
+        f"max abs diff 1 at index (0,) (x={2 ** 62}, y={2 ** 62 + 1})")
+
+
+def _partial_with_infinities(mesh):
+    inf = float("inf")
+    x = sbp.distribute(torch.tensor([[inf, 1.], [-inf, 2.]]), mesh, "P(sum), S(0)")
+    return (_mismatch(x, torch.tensor([[inf, 1.], [-inf, 2.]])),
+            _mismatch(x, torch.tensor([[inf, 1.], [-inf, 2.5]])))
+
+
+def test_assert_layout_equivalent_with_infinities_across_a_mesh():
+    for ok, message in sbp.testing.spmd(_partial_with_infinities, (2, 2)):
+        assert ok is None and message == "max abs diff 0.5 at index (1, 1) (x=2.0, y=2.5)"
+
+
+TIGHT_MESH_BOUNDS = [dict(min_axes=3, max_axes=3, max_size=1),                   # only (1, 1, 1)
+                     dict(min_axes=3, max_axes=5, max_axis_size=4, max_size=2),
+                     dict(min_axes=4, max_axes=6, max_axis_size=8, max_size=4),
+                     dict(min_axes=2, max_axes=8, max_axis_size=16, max_size=3),
+                     dict(min_axes=2, max_axes=4, max_axis_size=16, max_size=6)]
+
+
+def _all_meshes(min_axes=1, max_axes=3, max_axis_size=4, max_size=8):
+    def grow(shapes, room_of):   # one more axis on each shape, of every size its product leaves room for
+        return [s + (k,) for s in shapes for k in range(1, min(max_axis_size, room_of(s)) + 1)]
+
+    shapes, out = [()], set()
+    for n in range(1, max_axes + 1):
+        shapes = grow(shapes, lambda s: max_size // math.prod(s))
+        if n >= min_axes:
+            out.update(shapes)
+    return out
+
+
+@pytest.mark.parametrize("bounds", TIGHT_MESH_BOUNDS, ids=lambda b: "-".join(f"{k}={v}" for k, v in b.items()))
+def test_meshes_meet_tight_bounds_without_filtering(bounds):
+    # before: sizes were drawn then filtered on the product, and every one of these bounds failed Hypothesis'
+    # filter_too_much health check at max_examples=50 (min_axes=3, max_size=1 passes one list in 4**3)
+    everything = _all_meshes(**bounds)
+    drawn = set()
+
+    def run(examples):
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=())
+        @given(meshes(**bounds))
+        def check(shape):
+            assert shape in everything
+            drawn.add(shape)
+
+        check()
+
+    run(50)
+    run(300)
+    if len(everything) <= 60:           # a small space is covered whole: the fewest and most axes, all sizes
+        assert drawn == everything
+    else:                               # both ends of the range, and the room going to any axis
+        assert {min(map(math.prod, drawn)), max(map(math.prod, drawn))} == {1, bounds["max_size"]}
+        assert {len(s) for s in drawn} == set(range(bounds["min_axes"], bounds["max_axes"] + 1))
+        assert {s.index(max(s)) for s in drawn if max(s) > 1} >= set(range(bounds["min_axes"]))
+
+
+def test_meshes_cover_the_default_range_and_shrink():
+    drawn = set()
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(meshes())
+    def check(shape):
+        drawn.add(shape)
+
+    check()
+    assert drawn == _all_meshes()      # all 42 shapes, from (1,) to (2, 2, 2) and (4, 2, 1)
+    big = find(meshes(max_axes=4, max_axis_size=8, max_size=16), lambda s: math.prod(s) >= 12)
+    assert len(big) == 2 and math.prod(big) == 12, big     # (2, 6) or (3, 4): as few axes, as small as fits
+    assert find(meshes(min_axes=3, max_axes=3, max_axis_size=8), lambda s: 8 in s) == (1, 1, 8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_axes=3, max_axes=2), "meshes(max_axes=...) must be an int >= 3, got 2"),
+    (dict(max_size=0), "meshes(max_size=...) must be an int >= 1, got 0"),
+    (dict(max_axis_size=0), "meshes(max_axis_size=...) must be an int >= 1, got 0")])
+def test_meshes_refuse_impossible_bounds_when_created(kwargs, message):
+    # sizes are >= 1, so any max_size >= 1 fits any number of axes; what cannot be met is refused at once
+    with pytest.raises(sbp.SbpError, match=re.escape(message)):
+        meshes(**kwargs)
