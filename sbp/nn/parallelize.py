@@ -42,7 +42,7 @@ from torch import nn
 from ..ops.matmul import SplitBatchMatmul
 from ..runtime.symbolic import SizeMap
 from ..runtime.traced import traced_here
-from ..tensor.autograd import from_local_autograd, leaf_grad
+from ..tensor.autograd import from_full_autograd, from_local_autograd, leaf_grad, redistribute
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
 from ..values.errors import SbpError
@@ -505,7 +505,8 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
 
     def compiled_pure(mod: nn.Module) -> bool:
         return (pure and torch.compiler.is_compiling() and traced_here()
-                and isinstance(mod._parameters["weight"], GlobalTensor) and not _computes_locally(mod))
+                and isinstance(mod._parameters.get("weight"), GlobalTensor) and "bias" in mod._parameters
+                and not _computes_locally(mod))
 
     def forward(mod: nn.Linear, input: torch.Tensor) -> Any:
         if not (compiled_pure(mod) and isinstance(input, torch.Tensor)):
@@ -529,19 +530,24 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
                 mod._parameters["bias"] = tp_local.move(bias, ctx.mesh, ctx.tp_axis, tuple(bias.shape), Broadcast(),
                                                         Partial())
             return (x,) + tuple(args[1:])
-        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(mod._parameters["weight"], GlobalTensor):
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        params = mod._parameters
+        weight = params.get("weight")
+        if weight is None or "bias" not in params:   # parametrized (register_parametrization, weight_norm): the
+            return global_pre(mod, args)             # forward computes it, no parameter to swap: the op's rules
+        if not isinstance(weight, GlobalTensor):
             return None
         if torch.compiler.is_compiling() and traced_here():
             prepare = compiled_prepare
         else:
-            weight = mod._parameters["weight"]
             if not weight.is_leaf or weight.placements != w_pls:   # e.g. fully_shard's: it manages the weight
                 return global_pre(mod, args)
             prepare = lambda x, w: _rowwise_operands(x, w, style, mod, ctx)  # noqa: E731
-        x, x_local, w_local = prepare(args[0], mod._parameters["weight"])
-        saved.append((mod._parameters["weight"], mod._parameters.get("bias"), x))
-        mod._parameters["weight"] = w_local
-        mod._parameters["bias"] = None
+        x, x_local, w_local = prepare(args[0], weight)
+        saved.append((weight, params["bias"], x))
+        params["weight"] = w_local
+        params["bias"] = None
         return (x_local,) + tuple(args[1:])
 
     def post(mod: nn.Module, args: tuple, out: Any) -> Any:
@@ -817,6 +823,10 @@ class _ReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
+            if not isinstance(grad, GlobalTensor):
+                return from_full_autograd(grad, ctx.mesh, ctx.pls)
+            return grad if grad.placements == ctx.pls else redistribute(grad, ctx.pls)
         if not isinstance(grad, GlobalTensor):
             return GlobalTensor(local_from_full(grad, ctx.mesh, ctx.pls), ctx.mesh, ctx.pls, ctx.shape)
         return redistribute_raw(grad, ctx.pls)
@@ -858,26 +868,11 @@ def _is_plain(t: Any) -> bool:
 
 
 def _from_full(t: torch.Tensor, ctx: _Context, pls: Optional[tuple[Placement, ...]] = None) -> GlobalTensor:
-    """A plain tensor (the full value, equal on every rank) as a global tensor; differentiable."""
+    """A plain tensor (the full value, equal on every rank) as a global tensor (slices, no communication);
+    differentiable: the gradient of the plain tensor is the full gradient on every rank (a planned
+    redistribution of the global gradient to all-`B`; differentiable again under create_graph)."""
     if pls is None:
         pls = normalize(ctx.input_placements(Broadcast(), t.ndim), t.ndim, ctx.mesh.ndim)
     if any(isinstance(p, Partial) for p in pls):
         raise SbpError(f"a plain input is a full value; it cannot enter as {pls} (valid: Split or Broadcast)")
-    return _FromFull.apply(t, ctx.mesh, pls)
-
-
-class _FromFull(torch.autograd.Function):
-    """Full plain tensor -> global tensor (slices, no communication). The gradient of the plain tensor is
-    the full gradient on every rank (a planned redistribution of the global gradient to all-`B`)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh: DeviceMesh,  # type: ignore[override]
-                pls: tuple[Placement, ...]) -> GlobalTensor:
-        ctx.mesh, ctx.shape = mesh, tuple(t.shape)
-        return GlobalTensor(local_from_full(t.detach(), mesh, pls), mesh, pls, tuple(t.shape))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if isinstance(grad, GlobalTensor):
-            grad = redistribute_raw(grad, (Broadcast(),) * ctx.mesh.ndim)._local
-        return grad, None, None
+    return from_full_autograd(t, ctx.mesh, pls)

@@ -235,9 +235,12 @@ def decide_by_class(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Deci
 
 def _plain_grad_hook(t: torch.Tensor) -> None:
     """A plain tensor mixed into an op is Broadcast, so its gradient is the full gradient, as a plain
-    tensor equal on every rank (DESIGN: Autograd): convert the global gradient the rules produce."""
+    tensor equal on every rank (DESIGN: Autograd): convert the global gradient the rules produce (with
+    `full`, differentiably, in a create_graph backward: a gradient penalty on the plain tensor)."""
     def to_plain(grad: torch.Tensor) -> Optional[torch.Tensor]:
         if isinstance(grad, GlobalTensor):
+            if _grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
+                return grad.full()
             return redistribute_raw(grad, (B,) * grad._mesh.ndim)._local
         return None
 

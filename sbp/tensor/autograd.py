@@ -42,9 +42,12 @@ if TYPE_CHECKING:
 
 def _as_global(grad: torch.Tensor, mesh: DeviceMesh, global_shape: tuple[int, ...],
                like: tuple[Placement, ...]) -> GlobalTensor:
-    """A gradient as a GlobalTensor; a plain gradient is the full value on every rank (Broadcast)."""
+    """A gradient as a GlobalTensor; a plain gradient is the full value on every rank (Broadcast),
+    differentiably so in a create_graph backward (`from_full`)."""
     if isinstance(grad, gt.GlobalTensor):
         return grad
+    if torch.is_grad_enabled() and grad.requires_grad:
+        return _FromFull.apply(grad, mesh, like, global_shape)
     return gt.GlobalTensor(gt.local_from_full(grad, mesh, like), mesh, like, global_shape)
 
 
@@ -100,13 +103,7 @@ class _Full(torch.autograd.Function):
         ctx.src = x._placements
         ctx.mesh = x._mesh
         ctx.global_shape = tuple(x.shape)
-        if x.ndim == 0 and x._mesh.coord is None:
-            # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
-            # runs here too (and this rank takes its part in the backward of a cross-mesh move)
-            return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
-        out = gt.redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
-        # already Broadcast: not x's own local tensor, which autograd would give this node as its grad_fn
-        return out.view_as(out) if out is x._local else out
+        return _full_local(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -114,7 +111,37 @@ class _Full(torch.autograd.Function):
         want = gt.grad_placements(ctx.src)
         if isinstance(grad, gt.GlobalTensor):  # pragma: no cover - full() returns a plain tensor
             return redistribute(grad, want)
+        if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
+            return _FromFull.apply(grad, ctx.mesh, want, ctx.global_shape)
         return gt.GlobalTensor(gt.local_from_full(grad, ctx.mesh, want), ctx.mesh, want, ctx.global_shape)
+
+
+def _full_local(x: GlobalTensor) -> torch.Tensor:
+    """The whole logical tensor of `x` as this rank's plain tensor (no autograd): `_Full`'s forward."""
+    if x.ndim == 0 and x._mesh.coord is None:
+        # outside the mesh: no value, but a 0-d tensor, so that the SPMD step `loss.full().backward()`
+        # runs here too (and this rank takes its part in the backward of a cross-mesh move)
+        return x._local.new_full((), float("nan") if x.dtype.is_floating_point or x.dtype.is_complex else 0)
+    out = gt.redistribute_raw(x, (Broadcast(),) * x._mesh.ndim)._local
+    # already Broadcast: not x's own local tensor, which autograd would give this node as its grad_fn
+    return out.view_as(out) if out is x._local else out
+
+
+class _FromFull(torch.autograd.Function):
+    """A plain full value, equal on every rank, as a global tensor laid out as `pls` (a local slice, no
+    communication): the inverse of `_Full`, and its backward in a create_graph backward. The plain tensor's
+    gradient is the whole gradient on every rank (`full` of it: differentiable again under create_graph)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
+                global_shape: tuple[int, ...]) -> GlobalTensor:
+        return gt.GlobalTensor(gt.local_from_full(t, mesh, pls), mesh, pls, global_shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if isinstance(grad, gt.GlobalTensor):
+            grad = _Full.apply(grad) if torch.is_grad_enabled() and grad.requires_grad else _full_local(grad)
+        return grad, None, None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -128,7 +155,10 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
-            return _FromLocal.apply(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape, ctx.grad_pls), None
+            # the local gradients are parts of the logical gradient where grad_pls is Partial: the gradient
+            # of a sum with respect to each part is the whole incoming gradient, `B` there
+            return _FromLocal.apply(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape,
+                                    gt.grad_placements(ctx.grad_pls)), None
         return gt.GlobalTensor(grad, ctx.mesh, ctx.grad_pls, ctx.global_shape), None
 
 
@@ -145,6 +175,10 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         want = gt.grad_placements(ctx.pls) if ctx.grad_pls is None else ctx.grad_pls
         g = _as_global(grad, ctx.mesh, ctx.global_shape, want)
+        if torch.is_grad_enabled() and g.requires_grad:   # create_graph: differentiable again (double backward)
+            # the local gradient's own gradient is laid out as the forward's local was: a `B` local is a copy
+            # each rank computed alike (counts once), a `P` local one rank's own part (its gradients add up)
+            return to_local(redistribute(g, want), _sum_parts(ctx.pls)), None, None, None, None
         return redistribute(g, want).to_local(), None, None, None, None
 
 
@@ -190,6 +224,23 @@ def full(x: GlobalTensor) -> torch.Tensor:
     [[0.0, 2.0], [4.0, 6.0]]
     """
     return _Full.apply(x)
+
+
+def from_full_autograd(t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...]) -> GlobalTensor:
+    """Differentiable: plain `t`, the whole value on every rank, as a global tensor laid out as `pls`
+    (normalised placements; a local slice, no communication). The gradient of `t` is the whole gradient,
+    equal on every rank (one planned redistribution to all-`B`; `full` of it in a create_graph backward).
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     t = torch.arange(4.).requires_grad_()
+    ...     x = from_full_autograd(t, mesh, (sbp.S(0),))
+    ...     (x * x).sum().full().backward()
+    ...     return x.to_local().tolist(), t.grad.tolist()
+    >>> sbp.testing.spmd(fn, (2,))
+    [([0.0, 1.0], [0.0, 2.0, 4.0, 6.0]), ([2.0, 3.0], [0.0, 2.0, 4.0, 6.0])]
+    """
+    return _FromFull.apply(t, mesh, pls, tuple(t.shape))
 
 
 def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:

@@ -297,3 +297,109 @@ def test_backward_of_an_in_place_write_into_a_view_with_a_split_gradient(write, 
     for mesh in [(2,), (4,)]:
         for grad in spmd(fn, mesh):
             assert torch.allclose(grad, ref.grad, atol=1e-12, rtol=0), mesh
+
+
+# ---- double backward (create_graph=True): gradient penalties as on one device --------------------------------
+
+DBL_TOL = dict(rtol=0, atol=1e-12)
+_GEN = torch.Generator().manual_seed(7)
+W0, X0 = torch.randn(5, 4, generator=_GEN, dtype=torch.float64), torch.randn(5, 4, generator=_GEN, dtype=torch.float64)
+
+
+def _plain(t):
+    return t.full() if isinstance(t, GlobalTensor) else t
+
+
+def _weight_penalty(mesh, pls, act, through_full):
+    """d/dW of |d loss / dW|^2 (create_graph=True), the loss and the penalty read through `.full()`."""
+    w = W0.clone().requires_grad_() if mesh is None else sbp.distribute(W0, mesh, pls, requires_grad=True)
+    f = _plain if through_full else (lambda t: t)
+    loss = f(act(torch.nn.functional.linear(X0, w))).pow(2).sum()
+    g, = torch.autograd.grad(loss, w, create_graph=True)
+    f(g).pow(2).sum().backward()
+    return _plain(w.grad)
+
+
+@pytest.mark.parametrize("act", [torch.tanh, lambda t: t], ids=["tanh", "linear"])
+@pytest.mark.parametrize("mesh_shape, pls", [((1,), "B"), ((2,), "S(0)"), ((2,), "S(1)"), ((2,), "B"),
+                                             ((2, 2), "S(0), S(1)"), ((2, 2), "B, S(0)"), ((2, 2), "S(1), B")])
+def test_full_is_differentiable_twice(mesh_shape, pls, act):
+    # full()'s backward wrapped the plain gradient in a new global tensor: the graph was cut there, and a
+    # penalty on a gradient through .full() was wrong (tanh) or refused ("does not require grad", linear)
+    ref = _weight_penalty(None, None, act, False)
+    for grad in spmd(functools.partial(_weight_penalty, pls=pls, act=act, through_full=True), mesh_shape):
+        torch.testing.assert_close(grad, ref, **DBL_TOL)
+
+
+def _partial_sums_penalty(mesh, w_pls, x_pls, y_pls):
+    """A rowwise matmul on local blocks, its partial sums wrapped by from_local(P(sum)); penalty on W's grad."""
+    w = W0.clone().requires_grad_() if mesh is None else sbp.distribute(W0, mesh, w_pls, requires_grad=True)
+    if mesh is None:
+        y = X0 @ w.t()
+    else:
+        local = sbp.distribute(X0, mesh, x_pls).to_local() @ w.to_local().t()
+        y = sbp.from_local(local, mesh, y_pls, global_shape=(5, 5))
+    g, = torch.autograd.grad(torch.tanh(y).pow(2).sum().full() if mesh else torch.tanh(y).pow(2).sum(), w,
+                             create_graph=True)
+    (g.pow(2).sum().full() if mesh else g.pow(2).sum()).backward()
+    return _plain(w.grad)
+
+
+@pytest.mark.parametrize("mesh_shape, w_pls, x_pls, y_pls", [
+    ((2,), "S(1)", "S(1)", "P(sum)"),
+    ((2, 2), "S(1), S(1)", "S(1), S(1)", "P(sum), P(sum)"),
+    ((2, 2), "S(1), S(0)", "S(1), B", "P(sum), S(1)"),
+])
+def test_from_local_partial_sums_are_differentiable_twice(mesh_shape, w_pls, x_pls, y_pls):
+    # the local gradient of from_local(P(sum)) is the whole gradient on every rank, and each rank uses it
+    # for its own part: its gradient (double backward) is a P(sum) part, it was taken as Broadcast
+    ref = _partial_sums_penalty(None, None, None, None)
+    for grad in spmd(functools.partial(_partial_sums_penalty, w_pls=w_pls, x_pls=x_pls, y_pls=y_pls), mesh_shape):
+        torch.testing.assert_close(grad, ref, **DBL_TOL)
+
+
+def _data_parallel_penalty(mesh, batch):
+    """Data parallel on local blocks: each rank's rows times the whole W, W's local gradient a P(sum) part."""
+    w = W0.clone().requires_grad_() if mesh is None else sbp.distribute(W0, mesh, (sbp.B,) * mesh.ndim,
+                                                                         requires_grad=True)
+    if mesh is None:
+        y = X0 @ w.t()
+    else:
+        grad_pls = tuple(Partial() for _ in range(mesh.ndim))
+        local = sbp.distribute(X0, mesh, batch).to_local() @ w.to_local(grad_placements=grad_pls).t()
+        y = sbp.from_local(local, mesh, batch, global_shape=(5, 5))
+    g, = torch.autograd.grad(_plain(torch.tanh(y).pow(2).sum()), w, create_graph=True)
+    _plain(g.pow(2).sum()).backward()
+    return _plain(w.grad)
+
+
+@pytest.mark.parametrize("mesh_shape, batch", [((2,), "S(0)"), ((2, 2), "S(0), S(0)"), ((4,), "S(0)")])
+def test_to_local_partial_grad_placements_are_differentiable_twice(mesh_shape, batch):
+    # to_local(grad_placements=P(sum))'s local gradients are parts of W's gradient: in the double backward
+    # every part's gradient is the whole incoming one, it was laid out P(sum) (on coord 0 only)
+    ref = _data_parallel_penalty(None, None)
+    for grad in spmd(functools.partial(_data_parallel_penalty, batch=batch), mesh_shape):
+        torch.testing.assert_close(grad, ref, **DBL_TOL)
+
+
+def _input_penalty(mesh, pls):
+    """A plain input mixed into ops on a global W: d/dW of |d loss / dx|^2 (an input-gradient penalty)."""
+    w = W0.clone().requires_grad_() if mesh is None else sbp.distribute(W0, mesh, pls, requires_grad=True)
+    x = X0.clone().requires_grad_()
+    gx, = torch.autograd.grad(_plain(torch.tanh(torch.nn.functional.linear(x, w)).pow(2).sum()), x,
+                              create_graph=True)
+    tracked = type(gx) is torch.Tensor and gx.requires_grad
+    gx.pow(2).sum().backward()
+    return tracked, gx.detach(), _plain(w.grad)
+
+
+@pytest.mark.parametrize("mesh_shape, pls", [((1,), "B"), ((2,), "S(0)"), ((2,), "S(1)"), ((2,), "B"),
+                                             ((2, 2), "S(0), S(1)"), ((2, 2), "P(sum), S(0)")])
+def test_plain_input_gradient_is_differentiable_twice(mesh_shape, pls):
+    # the plain input's gradient hook gathered the global gradient without autograd: autograd.grad(...,
+    # create_graph=True) gave a gradient that did not require grad, and the penalty's W.grad was None
+    _, ref_gx, ref = _input_penalty(None, None)
+    for tracked, gx, grad in spmd(functools.partial(_input_penalty, pls=pls), mesh_shape):
+        assert tracked
+        torch.testing.assert_close(gx, ref_gx, **DBL_TOL)
+        torch.testing.assert_close(grad, ref, **DBL_TOL)
