@@ -41,7 +41,7 @@ from torch import nn
 
 from ..ops.matmul import SplitBatchMatmul
 from ..runtime.symbolic import SizeMap
-from ..runtime.traced import traced_here
+from ..runtime.traced import traced_here, traced_without_dynamo
 from ..tensor.autograd import from_full_autograd, from_local_autograd, leaf_grad, redistribute
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, local_from_full, mesh_description, redistribute_raw
@@ -260,7 +260,9 @@ class _CompiledLeaves:
         self.wrap = torch._dynamo.nonstrict_trace(lambda params: [leaf_grad(p) for p in params])
 
     def enter(self, module: nn.Module, *_: Any) -> None:
-        if not (torch.compiler.is_compiling() and traced_here()):
+        # (dynamo only: torch.export traces no backward, and skips the exit that restores the parameters when
+        # the forward raises)
+        if not (torch.compiler.is_compiling() and traced_here()) or traced_without_dynamo():
             return
         slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
                  if isinstance(p, GlobalTensor) and p.requires_grad]
@@ -303,14 +305,18 @@ class _MatmulMode:
         if not (torch.compiler.is_compiling() and traced_here()):
             self.exit()
 
+    # Not under torch.export's trace, which skips the always_call exit when the forward raises: the mode
+    # would stay on the stack, and export's own modes would pop it in place of theirs (later eager calls broke).
     def enter(self, *_: Any) -> None:
+        if torch.compiler.is_compiling() and traced_without_dynamo():
+            return
         if self.depth == 0:
             self.mode = SplitBatchMatmul()
             self.mode.__enter__()
         self.depth += 1
 
     def exit(self, *_: Any) -> None:
-        if self.depth == 0:
+        if self.depth == 0 or torch.compiler.is_compiling() and traced_without_dynamo():
             return
         self.depth -= 1
         if self.depth == 0 and self.mode is not None:

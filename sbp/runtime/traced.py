@@ -91,6 +91,19 @@ def traced_here() -> bool:
     return _dynamo_compiling() or TracingContext.try_get() is not None
 
 
+def traced_without_dynamo() -> bool:
+    """While torch's compiling flag is up: whether the calling thread runs real Python under a trace that is
+    not dynamo's (torch.export's non-strict trace). There `nn.Module` skips its ``always_call`` forward hooks
+    when a forward raises, so what a forward-pre hook enters would outlive a failed trace. Call it as
+    ``torch.compiler.is_compiling() and traced_without_dynamo()``.
+
+    >>> import torch
+    >>> torch.compiler.is_compiling() and traced_without_dynamo()   # eager code
+    False
+    """
+    return not _dynamo_compiling() and TracingContext.try_get() is not None
+
+
 def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]]:
     """(process group name, group size, member index at each group rank) of this rank's group along
     `axes`; the member order is the mesh's row-major order, the group's is ascending ranks.

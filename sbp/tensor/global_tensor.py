@@ -115,11 +115,40 @@ class GlobalTensor(torch.Tensor):
             raise ShapeError(f".item() needs a global tensor with exactly one element, got global shape "
                              f"{tuple(self.shape)} ({self.numel()} elements) with placements "
                              f"{_fmt(self._placements)}")
-        if self._mesh.coord is None:
-            raise MeshError(f".item() on rank {self._mesh.binding.rank}, which is outside the tensor's mesh (ranks "
-                            f"{list(self._mesh.ranks)}): it holds no value; call it on the mesh's ranks, or "
-                            f"redistribute the tensor onto a mesh that includes this rank")
+        self._on_mesh("item")
         return super().item()
+
+    def tolist(self) -> Any:
+        """The logical tensor as (nested) Python lists, the same on every rank (every rank calls it: a planned
+        gather, as `full()`).
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.arange(3.), mesh, "S(0)").tolist(), (2,))
+        [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+        """
+        return self._whole("tolist").tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The logical tensor as a NumPy array, the same on every rank (every rank calls it: a planned gather,
+        as `full()`; ``np.asarray(x)`` too). As torch's, refused for a tensor that requires grad unless `force`.
+
+        >>> import sbp, sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: sbp.distribute(torch.arange(3.), mesh, "S(0)").numpy().tolist(), (2,))
+        [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+        """
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self._whole("numpy").detach().numpy(force=force)
+
+    def _whole(self, what: str) -> torch.Tensor:
+        self._on_mesh(what)
+        return self.full()
+
+    def _on_mesh(self, what: str) -> None:
+        if self._mesh.coord is None:
+            raise MeshError(f".{what}() on rank {self._mesh.binding.rank}, which is outside the tensor's mesh "
+                            f"(ranks {list(self._mesh.ranks)}): it holds no value; call it on the mesh's ranks, or "
+                            f"redistribute the tensor onto a mesh that includes this rank")
 
     @property
     def data(self) -> "GlobalTensor":

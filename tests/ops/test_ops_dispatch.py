@@ -215,7 +215,7 @@ def test_scalar_kinds_do_not_share_decisions():
     assert sbp.testing.spmd(fn, (2,))[0] == (torch.int64, torch.float32, torch.bool, torch.int64)
 
 
-@pytest.mark.parametrize("mesh_shape,plan", [((1,), None), ((2,), None), ((2,), "colwise")])
+@pytest.mark.parametrize("mesh_shape,plan", [((1,), None), ((2,), None), ((2,), "colwise"), ((2,), "rowwise")])
 def test_fallback_kernels_see_locals_laid_out_as_the_global_tensors_report(mesh_shape, plan):
     # A global tensor reports contiguous strides whatever its local's. Autograd's weight_norm formula makes
     # the (transposed) weight gradient contiguous before a kernel that relies on it: a no-op on the wrapper,

@@ -443,3 +443,23 @@ def test_partial_sum_kept_reduction_is_not_pickled():
         return "_reduced" in b.__dict__, b.placements, torch.equal(b.to_local(), a.to_local())
 
     assert spmd(rank, (2,)) == [(False, (Partial("sum"),), True)] * 2
+
+
+@pytest.mark.parametrize("pls", ["S(0), S(1)", "P, S(0)", "B, P(max)"])
+def test_tolist_and_numpy_give_the_logical_tensor(pls):
+    # torch refuses both for tensor subclasses; a global tensor gives its logical value on every rank, as
+    # .item() does (every rank calls them: one planned gather).
+    import numpy as np
+    full = torch.arange(15.).reshape(5, 3)
+
+    def fn(mesh):
+        x = sbp.distribute(full, mesh, pls)
+        w = sbp.distribute(full, mesh, "S(0), B").requires_grad_()
+        with pytest.raises(RuntimeError, match="requires grad"):
+            w.numpy()
+        return x.tolist(), x.numpy(), np.asarray(x), w.tolist(), w.numpy(force=True)
+
+    for listed, array, asarray, grad_listed, forced in sbp.testing.spmd(fn, (2, 2)):
+        assert listed == grad_listed == full.tolist()
+        for a in (array, asarray, forced):
+            assert isinstance(a, np.ndarray) and a.tolist() == full.tolist()
