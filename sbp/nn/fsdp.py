@@ -1011,6 +1011,14 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
         if not isinstance(param.placements[a], Broadcast):
             raise SbpError(f"fully_shard: parameter {path!r} has placement {param.placements[a]!r} on axis {a}, which "
                            f"fully_shard would split; the data-parallel axis must hold it Broadcast (valid: B there)")
+        before = next((i for i in range(a) if not isinstance(param.placements[i], Broadcast)), None)
+        if before is not None:   # the axes before `axis` are replicate axes (HSDP): gradients all_reduced there
+            name = mesh.names[before] if mesh.names else before
+            raise SbpError(f"fully_shard: parameter {path!r} has placement {param.placements[before]!r} on mesh axis "
+                           f"{name!r}, which comes before the sharding axis {mesh.names[a] if mesh.names else a!r}: "
+                           f"the axes before it are data-parallel replicate axes (HSDP), where parameters are "
+                           f"Broadcast; put the tensor-parallel axis after the data-parallel ones (e.g. names=('dp', "
+                           f"'tp'), parallelize(..., tp_axis='tp'))")
         base = param.placements
     else:
         base = tuple(Broadcast() for _ in range(mesh.ndim))

@@ -808,8 +808,11 @@ def _bad(mesh, case: str):
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
         sbp.nn.fully_shard(net.blocks[1], mesh, "rep")  # ... sharded on another axis there
     elif case == "local_tp":
-        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="rep")
-        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch=True)   # TP parameters: not plain-computable
+        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="dp")
+        sbp.nn.fully_shard(net.blocks[0], mesh, "rep", local_batch=True)   # TP parameters: not plain-computable
+    elif case == "tp_first":
+        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="rep")   # the tp axis before the sharding axis: a
+        sbp.nn.fully_shard(net, mesh, "dp")                     # replicate axis (HSDP) to fully_shard
     elif case == "deepcopy":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
         copy.deepcopy(net)   # the unit's hooks and gathers would be shared with the original
@@ -830,6 +833,7 @@ def _bad(mesh, case: str):
     ("local_batch_str", "local_batch='False'.: needs None"),
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
+    ("tp_first", "on mesh axis 'rep', which comes before the sharding axis 'dp'"),
 ])
 def test_bad_input(case: str, message: str) -> None:
     with pytest.raises(sbp.SbpError, match=message) as info:
