@@ -70,11 +70,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)        # (B, T, C); under TP each rank's local heads
-        b, t = q.shape[:2]                                # shapes of the tensor itself: local under TP
-        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))  # (B, h, T, hd)
+        b, t, c = q.shape                                 # shapes of the tensor itself: local under TP
+        h = c // self.head_dim                            # (not -1: a rank's share of a small batch may be empty)
+        q, k, v = (z.reshape(b, t, h, self.head_dim).transpose(1, 2) for z in (q, k, v))  # (B, h, T, hd)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)                          # (B, h, T, T)
         att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, -1)                                    # (B, T, h*hd)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)                                     # (B, T, h*hd)
         return self.proj(y)
 
 

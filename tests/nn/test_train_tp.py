@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import sbp
 import sbp.nn
@@ -62,3 +63,20 @@ def test_script_on_gloo_with_check():
 def test_script_bad_arguments(argv, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_batch_smaller_than_the_dp_size_runs_as_one_process():
+    # batch 1 on dp=2: one dp rank's share is empty, and its local heads are a (0, T, C/n) plain tensor (the
+    # example's attention names its head count: reshape(b, t, -1, hd) has no answer for 0 elements)
+    data, vocab = EX.encode()
+    cfg = EX.Config(vocab=vocab, block=4, dim=8, heads=2, layers=1, mlp_ratio=1)
+    model = EX.build(cfg, seed=0, dtype=torch.float64)
+    idx, targets = next(EX.batches(data, 1, 4, 1, seed=1))
+
+    def fn(mesh):
+        m = copy.deepcopy(model)
+        sbp.nn.parallelize(m, mesh, EX.tp_plan(), tp_axis="tp")
+        return EX.scalar(m(idx, targets)).item()
+
+    want = model(idx, targets).item()
+    assert sbp.testing.spmd(fn, (2, 2), names=("dp", "tp")) == pytest.approx([want] * 4, rel=1e-12, abs=1e-12)
