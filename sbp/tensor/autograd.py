@@ -135,7 +135,7 @@ class _FromFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
                 global_shape: tuple[int, ...]) -> GlobalTensor:
-        return gt.GlobalTensor(gt.local_from_full(t, mesh, pls), mesh, pls, global_shape)
+        return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
