@@ -223,6 +223,10 @@ def _rehook(module: nn.Module, mesh: DeviceMesh, tp_axis: int, dp_bucket_bytes: 
 
 def _install_hooks(module: nn.Module, ctx: _Context, planned: dict[str, nn.Module],
                    dp_bucket_bytes: Optional[int]) -> None:
+    layouts = tuple((path, name, p.placements) for path, owner in module.named_modules()
+                    for name, p in owner._parameters.items() if isinstance(p, GlobalTensor))
+    module.register_load_state_dict_post_hook(
+        lambda mod, incompatible: _lay_out_assigned(mod, ctx.mesh, layouts))
     for sub in planned.values():
         style = sub.__dict__[tp_local.STYLE]
         if isinstance(style, Packed):
@@ -247,6 +251,18 @@ def _install_hooks(module: nn.Module, ctx: _Context, planned: dict[str, nn.Modul
     leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
     module.register_forward_pre_hook(leaves.enter, prepend=True)
     module.register_forward_hook(leaves.exit, always_call=True)
+
+
+def _lay_out_assigned(module: nn.Module, mesh: DeviceMesh, layouts: tuple) -> None:
+    """After ``load_state_dict(..., assign=True)`` gave the model plain tensors (a single-device state dict):
+    each parameter is laid out again as parallelize laid it out (the assigned value's slices, as a new
+    parameter: assign's semantics), so the model stays tensor-parallel. Assigned global tensors stay."""
+    for path, name, pls in layouts:
+        owner = module.get_submodule(path)
+        value = owner._parameters.get(name)
+        if value is not None and not isinstance(value, GlobalTensor):
+            owner._parameters[name] = nn.Parameter(distribute(value.detach(), mesh, pls),
+                                                   requires_grad=value.requires_grad)
 
 
 class _CompiledLeaves:

@@ -46,8 +46,9 @@ from torch.utils.hooks import RemovableHandle
 from ..values.errors import SbpError
 
 # the module dicts forward hooks live in; the with_kwargs / always_called ones are keyed by the same ids
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_HOOK_DICTS = _FORWARD_HOOK_DICTS + ("_load_state_dict_post_hooks",)
 _RECIPE = "_sbp_rebuild"
 _SHALLOW = copy.copy.__code__
 
@@ -116,11 +117,11 @@ def foreign_hooks(module: nn.Module, own: "frozenset[int] | set[int]" = frozense
     >>> foreign_hooks(m), foreign_hooks(m.register_forward_hook(lambda *a: None) and m)
     (False, True)
     """
-    return bool(_hook_ids(module) - _OWN.get(module, (frozenset(), False))[0] - set(own))
+    return bool(_hook_ids(module, _FORWARD_HOOK_DICTS) - _OWN.get(module, (frozenset(), False))[0] - set(own))
 
 
-def _hook_ids(module: nn.Module) -> set[int]:
-    return {k for name in _HOOK_DICTS for k in module.__dict__.get(name, ())}
+def _hook_ids(module: nn.Module, dicts: tuple[str, ...] = _HOOK_DICTS) -> set[int]:
+    return {k for name in dicts for k in module.__dict__.get(name, ())}
 
 
 def _reduce(module: nn.Module) -> Any:

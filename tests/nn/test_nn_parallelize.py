@@ -639,3 +639,32 @@ def test_gradient_penalties_match_single_device_gloo():
         torch.testing.assert_close(xgrad, ref_xgrad, **TOL)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, **TOL)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_load_state_dict_assign_keeps_the_model_parallel(mesh_shape):
+    # assign=True with a single-device state dict put plain full tensors in place of the global parameters:
+    # the model silently stopped being sharded (colwise) or failed with a misleading fully_shard message
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5)).double()
+    other = copy.deepcopy(base)
+    for p in other.parameters():
+        p.data.mul_(-2)
+    idx = torch.tensor([[1, 2, 6], [0, 3, 5]])
+
+    def fn(mesh):
+        m = sbp.nn.parallelize(copy.deepcopy(base), mesh, {"0": "embedding", "1": "colwise", "3": "rowwise"})
+        before = {n: p.placements for n, p in m.named_parameters()}
+        m.load_state_dict(other.state_dict(), assign=True)
+        after = {n: p.placements if isinstance(p, sbp.GlobalTensor) else None for n, p in m.named_parameters()}
+        out = m(idx)
+        out.full().sum().backward()
+        return before == after, out.full(), {n: p.grad.full() for n, p in m.named_parameters()}
+
+    want = other(idx)
+    want.sum().backward()
+    for same, out, grads in sbp.testing.spmd(fn, mesh_shape):
+        assert same
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for n, p in other.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-12)
