@@ -123,11 +123,21 @@ def _on_inputs(spec: OpSpec) -> str:
 def _input_error(spec: OpSpec, e: Exception) -> DTypeError | ShapeError:
     """The `sbp.SbpError` for torch refusing the op on meta tensors of the global shapes: `DTypeError` when
     torch's message is about dtypes, `ShapeError` otherwise (shapes, dims, indices); torch's text kept, and
-    torch's class too (`sbp.values.errors.torch_alike`: ``except RuntimeError`` still catches it)."""
+    torch's class too (`sbp.values.errors.torch_alike`: ``except RuntimeError`` still catches it). Some meta
+    kernels are torch's Python decompositions, which refuse with an ``AssertionError`` (``nll_loss_backward``'s
+    "size mismatch") where torch's own kernel raises a ``RuntimeError``: read as the ``RuntimeError``.
+
+    >>> from sbp.values.errors import SbpError
+    >>> x = TensorMeta((4, 3), torch.float32, (B,))
+    >>> e = _input_error(OpSpec(torch.ops.aten.neg.default, (2,), {}, (x,)), AssertionError("size mismatch"))
+    >>> type(e).__name__, isinstance(e, SbpError), isinstance(e, RuntimeError)
+    ('ShapeError', True, True)
+    """
     text = str(e)
     words = ("dtype", "scalar type", "result type", "promotion", "be cast")
     kind = DTypeError if any(w in text.lower() for w in words) else ShapeError
-    return torch_alike(kind, f"{_on_inputs(spec)}: {text}", e)   # also torch's IndexError / RuntimeError
+    alike = RuntimeError if isinstance(e, AssertionError) else e
+    return torch_alike(kind, f"{_on_inputs(spec)}: {text}", alike)   # also torch's IndexError / RuntimeError
 
 
 _SAME_DTYPE = {"mm", "addmm", "bmm", "baddbmm", "dot", "mv", "addmv"}
@@ -161,7 +171,7 @@ def _check_on_meta(func, args: tuple, kwargs: dict, spec: OpSpec) -> None:
         meta_outputs(func, args, kwargs)
     except NotImplementedError:
         return
-    except IndexError as e:
+    except (IndexError, AssertionError) as e:   # AssertionError: a decomposition refusing the input
         raise _input_error(spec, e) from e
     except RuntimeError as e:
         if "meta" in str(e).lower():
@@ -251,7 +261,7 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
             spec.outputs = meta_outputs(func, args, kwargs)
         except NotImplementedError:
             raise   # no meta kernel: not the user's input
-        except (RuntimeError, IndexError) as e:
+        except (RuntimeError, IndexError, AssertionError) as e:   # AssertionError: a decomposition refusing
             raise _input_error(spec, e) from e
     try:
         choice = select(rule, spec, {k: i for i, k in writes if k is not None})

@@ -13,8 +13,10 @@ dim (redistributes an input along it, other than cutting each rank's block:
 `sbp.runtime.symbolic.narrows`), or a class that is neither (a fallback, a choice that differs),
 specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
 sizes), and it is decided as any call with int sizes -- or, where only some symbols break the made-up
-sizes or change the choice, those alone are pinned and the call is tried again. A symbolic float argument
-is pinned alone.
+sizes or change the choice, those alone are pinned and the call is tried again. Made-up sizes break a call
+where deciding it there fails (whatever torch or sbp raises) or gives output sizes other than torch's
+symbolic ones taken at those sizes (they lie outside torch's guards: a slice bound that is a symbol of its
+own, moved past the end of a static dim). A symbolic float argument is pinned alone.
 """
 from __future__ import annotations
 
@@ -80,18 +82,20 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
     key = (key, tuple(map(symbolic.is_symbolic, values)))
     record = DECISIONS.class_get(key)
     if record is None or record.state in ("candidate", "priced?", "shaped?"):   # not yet shown: decide cold
-        record = _decide_class(func, args, kwargs, mesh, key, values, record)
-        if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
-            if retry and _pin_breaking(func, args, kwargs, mesh, values):
-                return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)
-            return _specialized(func, args, kwargs, leaves, mesh)
-    if record.state == "exact" and retry and not record.decision.fallback \
-            and _pin_breaking(func, args, kwargs, mesh, values, compare=True):   # a choice some symbols change
-        return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)   # (a split's pieces)
+        record = _decide_class(func, args, kwargs, mesh, key, values, record, outputs)
     decision = None
-    if record.state in ("generic", "priced"):
+    if record is not None and record.state in ("generic", "priced"):
         decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
-    elif record.state == "shaped" and outputs is not None and len(outputs) == len(record.decision.spec.outputs) \
+        if decision is not None and not _fits(decision, outputs):   # the class's formula is not this call's
+            record = None   # (``x[:, 0:6:k]`` with a symbolic step k: 1 column at both made-up k)
+    if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
+        if retry and _pin_breaking(func, args, kwargs, mesh, values, outputs):
+            return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)
+        return _specialized(func, args, kwargs, leaves, mesh)
+    if record.state == "exact" and retry and not record.decision.fallback \
+            and _pin_breaking(func, args, kwargs, mesh, values, outputs, compare=True):   # a choice some symbols
+        return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)   # change (a split's pieces)
+    if record.state == "shaped" and outputs is not None and len(outputs) == len(record.decision.spec.outputs) \
             and (record.free or _at_hints(func, args, kwargs, mesh).choice == record.decision.choice):
         known = [n for t in leaves if isinstance(t, torch.Tensor) for n in t.shape] + values
         shapes = tuple(None if meta is None else symbolic.canonical(meta.shape, known) for meta in outputs)
@@ -101,11 +105,20 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
     return _specialized(func, args, kwargs, leaves, mesh)
 
 
-def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
-                  record: Optional[DecisionClass]) -> Optional[DecisionClass]:
+def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, record: Optional[DecisionClass],
+                  outputs: Optional[tuple] = None) -> Optional[DecisionClass]:
     """The call's class record after two cold decisions at made-up sizes (each symbol at its hint plus a
     distinct large multiple of the rank count), kept under `key`; None where made-up sizes break what the
-    call's constants hold (``x.view(30, 8)`` of a symbolic (B, T, 8))."""
+    call's constants hold (``x.view(30, 8)`` of a symbolic (B, T, 8); a static plain tensor's size that a
+    guard ties the symbols to: cross-entropy's targets of (B x T) logits).
+
+    Any error of a decision at made-up sizes means they break the call, whatever torch raises for it (a
+    `sbp.SbpError` from sbp's checks, or torch's own: its Python decompositions refuse with an
+    ``AssertionError``): the caller pins the symbols that break it, or all, and decides at the call's hint
+    sizes, where an error that is the user's is raised as it is eagerly. So does a decision whose output
+    sizes are not those torch's meta kernels gave for the call's symbolic shapes (`outputs`), taken at the
+    made-up sizes (`_fits`).
+    """
     m = math.prod(mesh.shape)
     symbols = _symbols(_call_sizes(values, args, kwargs))
     for k in (1, 2):
@@ -113,7 +126,9 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         try:
             made = decide(func, cargs, ckwargs, cleaves, mesh)
-        except SbpError:
+        except Exception:   # noqa: BLE001 -- any failure at made-up sizes: they break the call (see the docstring)
+            return None
+        if not _fits(made, outputs, assign):
             return None
         ints = [_value(v, assign) for v in values]
         if record is None:
@@ -124,11 +139,14 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list,
     return record
 
 
-def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: bool = False) -> bool:
+def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, outputs: Optional[tuple] = None,
+                  compare: bool = False) -> bool:
     """Pin (by guards) each symbol whose made-up size alone, the others at their hints, breaks the call
     (``x.view(B, 3, 2, 8)`` of a symbolic (B, T, 8): torch checks ``T == 6`` at run time without pinning
-    it, so T breaks and B does not) or, with `compare`, changes its choice from the one at the hints
-    (``x.split(4, 1)``: T sets the number of pieces). Whether some but not all symbols were pinned."""
+    it, so T breaks and B does not; a slice bound of its own, which the made-up value moves past the
+    end of the dim: `_fits` with torch's symbolic `outputs`) or, with `compare`, changes its choice from the
+    one at the hints (``x.split(4, 1)``: T sets the number of pieces). Whether some but not all symbols
+    were pinned."""
     sizes = _call_sizes(values, args, kwargs)
     symbols = _symbols(sizes)
     hints = dict(symbols)
@@ -143,16 +161,50 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, compare: 
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         try:
             made = decide(func, cargs, ckwargs, cleaves, mesh)
-        except SbpError:
+        except Exception:   # noqa: BLE001 -- as in `_decide_class`
             breaking.append(s)
             continue
-        if compare and made.choice != choice:
+        if (compare and made.choice != choice) or not _fits(made, outputs, assign):
             breaking.append(s)
     if not breaking or len(breaking) == len(symbols):
         return False
     for n in sizes:
         if symbolic.is_symbolic(n) and any(s in n.node.expr.free_symbols for s in breaking):
             int(n)   # records the guard that pins it
+    return True
+
+
+def _fits(made: Decision, outputs: Optional[tuple], assign: Optional[dict] = None) -> bool:
+    """Whether `made`'s output sizes are those torch's meta kernels gave for the call's symbolic shapes
+    (`outputs`, `_torch_guards`), with each symbol at its value in `assign` (made-up sizes) or, without it,
+    at its hint (`made` is the call's own decision).
+
+    Where they differ, the made-up sizes lie outside what torch's guards on the call hold, and the
+    decision is of no call the graph can take: ``x[:, a:b]`` with bounds that are symbols of their own (a
+    view input's bounds, replayed by torch.compile on the fake base) moves them past the end of a static
+    dim, and the slice comes out empty at every made-up size -- a class whose formula gave every call of
+    it an empty dim. At the hints it catches a class that two made-up calls misjudge though they fit: a
+    symbolic step k of ``x[:, 0:6:k]`` gives 1 column at both made-up values of k, a constant to the class.
+    A size torch's expression does not give at `assign` (a symbol of no size) is not compared; nor is
+    anything where torch gave no outputs or `made` is a fallback.
+    """
+    if outputs is None or made.fallback:
+        return True
+    for meta, torch_meta in zip(made.spec.outputs, outputs):
+        if meta is None or torch_meta is None:
+            continue
+        if len(meta.shape) != len(torch_meta.shape):
+            return False
+        for n, want in zip(meta.shape, torch_meta.shape):
+            if assign is None:
+                n, want = symbolic.hint(n), symbolic.hint(want)
+            elif symbolic.is_symbolic(want):
+                try:
+                    want = int(want.node.expr.xreplace(assign))
+                except (TypeError, ValueError, ZeroDivisionError):   # symbols left, or no number there
+                    continue
+            if int(n) != int(want):
+                return False
     return True
 
 

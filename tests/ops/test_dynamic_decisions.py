@@ -88,3 +88,110 @@ def test_new_lengths_decide_as_cold_decisions(monkeypatch):
     for per_rank in results:
         for (loss, grad), (want_loss, want_grad) in zip(per_rank, expected):
             assert abs(loss - want_loss) < 1e-5 and abs(grad - want_grad) < 1e-4
+
+
+# ---- calls with symbolic sizes (torch.compile's dynamic shapes), decided on fake tensors ----------------------
+def _fake_env():
+    """A shape environment and fake-tensor mode, as torch.compile traces with, and a maker of fake tensors
+    whose sizes are symbols where `dynamic` says (the other sizes static)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(t: torch.Tensor, dynamic=()) -> torch.Tensor:
+        kinds = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=kinds))
+
+    return env, mode, fake
+
+
+def _nll_backward_of_symbolic_rows(targets: int, mesh):
+    """``nll_loss_backward`` of symbolic (B x T, 16) logits and a static plain target of `targets` rows, as the
+    backward of ``F.cross_entropy(logits.flatten(0, 1), target.flatten())`` compiled with B, T dynamic:
+    the result's global shape, or the error's class names and whether it is a RuntimeError."""
+    from sbp.tensor.global_tensor import GlobalTensor
+
+    env, mode, fake = _fake_env()
+    x = fake(torch.randn(4, 6, 16, dtype=torch.float64), dynamic=(0, 1))
+    target = fake(torch.zeros(targets, dtype=torch.long))
+    one = fake(torch.ones((), dtype=torch.float64))
+    with mode:
+        rows = x.view(x.shape[0] * x.shape[1], 16)   # (B x T, 16): no symbol of its own, torch guards B x T == 24
+        logits = GlobalTensor(rows, mesh, (sbp.B,), tuple(rows.shape))
+        grad = GlobalTensor(one, mesh, (sbp.B,), ())
+        try:
+            out = torch.ops.aten.nll_loss_backward.default(grad, logits, target, None, 1, -100, one)
+        except Exception as e:   # noqa: BLE001 -- compared below
+            return [c.__name__ for c in type(e).__mro__], isinstance(e, RuntimeError), str(e)
+    return tuple(int(n) for n in out.shape), out.placements
+
+
+def test_made_up_sizes_that_torch_refuses_with_an_assertion_are_pinned():
+    # logits (B x T, 16) of symbolic B and T and a static target of 24 rows: torch guards B x T == 24 and
+    # keeps both symbolic. sbp decides the call's shape class at made-up sizes, where nll_loss_backward's
+    # decomposition refuses the rows with an AssertionError (not a RuntimeError): it escaped from torch.compile
+    # ("size mismatch (got input: torch.Size([8176960, 16]), target: torch.Size([24]))"). Such made-up
+    # sizes break the call like any other: the sizes are pinned and the call decided at its own
+    assert sbp.testing.spmd(lambda mesh: _nll_backward_of_symbolic_rows(24, mesh), (2,)) == [((24, 16), (sbp.B,))] * 2
+    # a real mismatch (30 targets for 24 rows) still raises, as eagerly: sbp's ShapeError, a RuntimeError as torch's
+    for names, is_runtime, text in sbp.testing.spmd(lambda mesh: _nll_backward_of_symbolic_rows(30, mesh), (2,)):
+        assert "ShapeError" in names and "SbpError" in names and is_runtime, names
+        assert "size mismatch" in text and "(24, 16), (30,)" in text, text
+
+
+def test_an_assertion_of_a_decomposition_is_a_shape_error_eagerly():
+    # eagerly too: nll_loss_backward's meta kernel (a decomposition) asserts, torch's CPU kernel raises a
+    # RuntimeError; sbp raised the bare AssertionError
+    def fn(mesh):
+        logits = sbp.distribute(torch.zeros(24, 16, dtype=torch.float64), mesh, "B")
+        grad, weight = sbp.distribute(torch.ones((), dtype=torch.float64), mesh, "B"), torch.tensor(30.0)
+        try:
+            torch.ops.aten.nll_loss_backward.default(grad, logits, torch.zeros(30, dtype=torch.long), None, 1, -100,
+                                                     weight.double())
+        except sbp.ShapeError as e:
+            return isinstance(e, RuntimeError), "size mismatch" in str(e)
+    assert sbp.testing.spmd(fn, (2,)) == [(True, True)] * 2
+
+
+def _slice_with_symbolic_bounds(bounds, mesh):
+    """``x[:, a:b]`` of a global (R, 6) ``S(0)`` tensor of symbolic R, with bounds that are symbols of their own
+    (torch.compile replays a view input ``x[:, 1:4]`` on its fake base so): the output's global shape, and
+    which sizes are still symbolic."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._dynamo.source import EphemeralSource
+
+    from sbp.runtime.symbolic import hint, is_symbolic
+    from sbp.tensor.global_tensor import GlobalTensor
+
+    env, mode, fake = _fake_env()
+    full = fake(torch.randn(6, 6, dtype=torch.float64), dynamic=(0,))
+    local = fake(torch.randn(3, 6, dtype=torch.float64), dynamic=(0,))
+
+    def symbol(v: int) -> torch.SymInt:
+        source = EphemeralSource("symint_visitor_fn")
+        return env.create_symintnode(env.create_symbol(v, source, positive=None), hint=v, source=source)
+
+    with mode, enable_python_dispatcher():   # as torch.compile replays a view
+        x = GlobalTensor(local, mesh, (sbp.S(0),), tuple(full.shape))
+        out = torch.ops.aten.slice.Tensor(x, 1, *map(symbol, bounds))
+        return tuple(map(hint, out.shape)), [is_symbolic(n) for n in out.shape]
+
+
+def test_slice_bounds_that_are_symbols_of_their_own_keep_their_values():
+    # the shape class is decided at made-up values of every symbol, the bounds' too: 2 + 4036 and 5 + 6054
+    # lie past the end of the static dim of 6, the slice came out empty at both made-up calls, and the class
+    # gave every call an empty dim ((R, 0): torch.compile's check of a replayed view input failed, "Expected
+    # cond to be True"). Made-up sizes whose outputs are not torch's symbolic ones break the call: the bounds
+    # are pinned, the rows stay symbolic
+    for found in sbp.testing.spmd(lambda mesh: _slice_with_symbolic_bounds((2, 5), mesh), (2,)):
+        assert found == ((6, 3), [True, False]), found
+
+
+def test_a_class_whose_formula_is_not_the_calls_is_not_used():
+    # x[:, 0:6:k] with a symbolic step k (2 here): at both made-up values of k (huge) the slice has one column,
+    # which the class took for a constant, though the made-up calls fit torch's symbolic output (6 + k - 1) // k.
+    # A class whose output sizes are not torch's at the call's own sizes is not used
+    for found in sbp.testing.spmd(lambda mesh: _slice_with_symbolic_bounds((0, 6, 2), mesh), (2,)):
+        assert found[0] == (6, 3), found
