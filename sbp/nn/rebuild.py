@@ -132,7 +132,8 @@ def _reduce(module: nn.Module) -> Any:
         raise SbpError(recipe)
     if (recipe is None and module not in _OWN) or sys._getframe(1).f_code is _SHALLOW:
         return module.__reduce_ex__(4)   # (copy.copy: a shallow copy shares the hooks, as in torch)
-    state = dict(module.__dict__)
+    state = module.__getstate__()   # the class's own (torch's parametrized modules refuse to pickle there)
+    state = dict(state if isinstance(state, dict) else module.__dict__)
     state.pop(_RECIPE, None)
     ids, bound = _OWN.get(module, (frozenset(), False))
     for name in _HOOK_DICTS:
