@@ -192,26 +192,28 @@ def _type_name(v: Any) -> str:
 def _not_json(value: Any) -> str:
     """Why JSON would not give `value` back as it is: its first part whose type is not JSON's own (a numpy
     scalar or an IntEnum is written as a number and reads back as a plain int or float; a tuple subclass
-    other than a namedtuple or ``torch.Size`` as a plain list).
+    other than a namedtuple or ``torch.Size`` as a plain list), and where it is inside `value`.
 
     >>> _not_json([0.1, {"lr": 0.1, 3: "a"}])
-    'dict key 3 is a int: dict keys must be strings'
+    'at [1]: dict key 3 is a int: dict keys must be strings'
     """
-    pending = [value]
+    pending: list[tuple[Any, str]] = [(value, "")]
     while pending:
-        v = pending.pop()
+        v, path = pending.pop()
+        at = f"at {path}: " if path else ""
         if isinstance(v, (list, tuple)) and not _kept_sequence(type(v)):
             base = "tuple" if isinstance(v, tuple) else "list"
-            return (f"{v!r:.80} is a {_type_name(v)}, a {base} subclass that reads back as a plain list (valid "
+            return (f"{at}{v!r:.80} is a {_type_name(v)}, a {base} subclass that reads back as a plain list (valid "
                     f"sequences: {SEQUENCES})")
-        if isinstance(v, (dict, list, tuple)):
-            if isinstance(v, dict):
-                bad = [k for k in v if type(k) is not str]
-                if bad:
-                    return f"dict key {bad[0]!r} is a {type(bad[0]).__name__}: dict keys must be strings"
-            pending.extend(reversed(list(v.values() if isinstance(v, dict) else v)))
+        if isinstance(v, dict):
+            bad = [k for k in v if type(k) is not str]
+            if bad:
+                return f"{at}dict key {bad[0]!r} is a {type(bad[0]).__name__}: dict keys must be strings"
+            pending.extend(reversed([(x, f"{path}[{k!r}]") for k, x in v.items()]))
+        elif isinstance(v, (list, tuple)):
+            pending.extend(reversed([(x, f"{path}[{i}]") for i, x in enumerate(v)]))
         elif v is not None and type(v) not in (bool, int, float, str):
-            return f"{v!r:.80} is a {_type_name(v)}, not a JSON type (valid: {JSON_TYPES})"
+            return f"{at}{v!r:.80} is a {_type_name(v)}, not a JSON type (valid: {JSON_TYPES})"
     return f"JSON cannot write it (valid: {JSON_TYPES})"
 
 

@@ -398,9 +398,10 @@ class Mode(enum.IntEnum):
                        "np.float64(0.25) is a numpy.float64, not a JSON type"),
     (Mode.TRAIN, "entry 'v' would not come back as it is from JSON (<Mode.TRAIN: 1> reads back as 1): "
                  "<Mode.TRAIN: 1> is a tests.io.test_checkpoint.Mode, not a JSON type"),
-    ({"k": [np.int64(3)]}, "entry 'v' cannot be held by a checkpoint: np.int64(3) is a numpy.int64, not a JSON type"),
+    ({"k": [np.int64(3)]}, "entry 'v' cannot be held by a checkpoint: at ['k'][0]: np.int64(3) is a numpy.int64, "
+                           "not a JSON type"),
     ({"k": {2: "a"}}, "entry 'v' would not come back as it is from JSON ({'k': {2: 'a'}} reads back as "
-                      "{'k': {'2': 'a'}}): dict key 2 is a int: dict keys must be strings"),
+                      "{'k': {'2': 'a'}}): at ['k']: dict key 2 is a int: dict keys must be strings"),
 ], ids=["numpy scalar", "IntEnum", "nested numpy", "int key"])
 def test_a_value_json_would_change_is_named_with_its_type(tmp_path, value, message):
     with pytest.raises(CheckpointError) as info:
@@ -480,6 +481,6 @@ def test_namedtuples_and_sizes_come_back_in_the_state_dicts_types(tmp_path, fmt)
     with pytest.raises(CheckpointError) as info:
         sbp.save({"w": torch.ones(2), "p": {"pair": Pair((1, 2))}}, tmp_path / "c", format=fmt)
     assert str(info.value) == (
-        "entry 'p' would not come back as it is from JSON ({'pair': (1, 2)} reads back as {'pair': [1, 2]}): (1, 2) "
-        "is a tests.io.test_checkpoint.Pair, a tuple subclass that reads back as a plain list (valid sequences: "
+        "entry 'p' would not come back as it is from JSON ({'pair': (1, 2)} reads back as {'pair': [1, 2]}): at "
+        "['pair']: (1, 2) is a tests.io.test_checkpoint.Pair, a tuple subclass that reads back as a plain list (valid sequences: "
         "list, tuple, a namedtuple or torch.Size (rebuilt in the type the loading state_dict holds))")
