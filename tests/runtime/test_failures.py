@@ -131,7 +131,8 @@ def test_gloo_stall_mid_redistribution_names_collective_and_axis(tmp_path):
 
 @pytest.mark.gloo
 def test_gloo_rank_that_exits_mid_redistribution(tmp_path):
-    with pytest.raises(sbp.testing.SpmdError, match=r"rank 3 of 4 died: its worker process ended without replying \(exit code 3\)"):
+    died = r"rank 3 of 4 died: its worker process ended without replying \(exit code 3\)"
+    with pytest.raises(sbp.testing.SpmdError, match=died):
         sbp.testing.spmd(functools.partial(_gloo_misbehave, outdir=str(tmp_path), exit_code=3), (2, 2),
                          backend="gloo", names=NAMES, timeout=1.5)
     seen = _reports(tmp_path, range(3))
