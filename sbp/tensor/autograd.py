@@ -111,9 +111,7 @@ class _Full(torch.autograd.Function):
         want = gt.grad_placements(ctx.src)
         if isinstance(grad, gt.GlobalTensor):  # pragma: no cover - full() returns a plain tensor
             return redistribute(grad, want)
-        if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: differentiable again (double backward)
-            return _FromFull.apply(grad, ctx.mesh, want, ctx.global_shape)
-        return gt.GlobalTensor(gt.local_from_full(grad, ctx.mesh, want), ctx.mesh, want, ctx.global_shape)
+        return _as_global(grad, ctx.mesh, ctx.global_shape, want)   # (differentiable again under create_graph)
 
 
 def _full_local(x: GlobalTensor) -> torch.Tensor:
