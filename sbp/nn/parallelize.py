@@ -73,6 +73,8 @@ class _Context:
     # the conversions the hooks make as opaque calls under torch.compile, by key (see `opaque`)
     serial: int = field(default_factory=lambda: next(_SERIALS))
     opaque_fns: dict[str, Any] = field(default_factory=dict)
+    # the parameters' stand-ins under torch.compile (installed on the root module)
+    leaves: "_CompiledLeaves" = field(default_factory=lambda: _CompiledLeaves())
 
     def __post_init__(self) -> None:
         _CONTEXTS[self.serial] = self
@@ -248,9 +250,9 @@ def _install_hooks(module: nn.Module, ctx: _Context, planned: dict[str, nn.Modul
             sub.register_forward_hook(matmuls.exit_eager, always_call=True)
     if ctx.dp_axes and "" not in planned:
         module.register_forward_pre_hook(_root_hook(ctx), with_kwargs=True)
-    leaves = _CompiledLeaves()   # under torch.compile, parameter gradients are laid out in the compiled backward
-    module.register_forward_pre_hook(leaves.enter, prepend=True)
-    module.register_forward_hook(leaves.exit, always_call=True)
+    # under torch.compile, parameter gradients are laid out in the compiled backward
+    module.register_forward_pre_hook(ctx.leaves.enter, prepend=True)
+    module.register_forward_hook(ctx.leaves.exit, always_call=True)
 
 
 def _lay_out_assigned(module: nn.Module, mesh: DeviceMesh, layouts: tuple) -> None:
@@ -269,10 +271,16 @@ class _CompiledLeaves:
     """Under torch.compile, from the root module's forward-pre hook to its forward hook, every global parameter
     that requires grad is swapped for `sbp.tensor.autograd.leaf_grad` of itself: the leaf rule's
     redistribution of its gradient (e.g. `P(sum)` -> `B`) then runs in the compiled backward graph, as
-    functional collectives, and the leaf's own hook has nothing left to do. Eager forwards are untouched."""
+    functional collectives, and the leaf's own hook has nothing left to do. Eager forwards are untouched.
+
+    Where dynamo breaks the graph inside the root's forward, the code between graphs runs eagerly on the
+    twins (`is_twin`): a rowwise layer computes on a twin's local block as on its leaf's, so a block that
+    activation checkpointing recomputes in the backward (with the leaves back in place) runs the very ops
+    its forward ran."""
 
     def __init__(self) -> None:
-        self.saved: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
+        # per forward in progress: (module, name, leaf, twin) for each swapped parameter
+        self.saved: list[list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]] = []
         self.wrap = torch._dynamo.nonstrict_trace(lambda params: [leaf_grad(p) for p in params])
 
     def enter(self, module: nn.Module, *_: Any) -> None:
@@ -287,14 +295,22 @@ class _CompiledLeaves:
             if not any(q is p for q in unique):   # a tied parameter gets one identity
                 unique.append(p)
         wrapped = self.wrap(unique) if unique else []
+        swapped = []
         for m, name, p in slots:
-            m._parameters[name] = next(w for q, w in zip(unique, wrapped) if q is p)
-        self.saved.append(slots)
+            twin = next(w for q, w in zip(unique, wrapped) if q is p)
+            m._parameters[name] = twin
+            swapped.append((m, name, p, twin))
+        self.saved.append(swapped)
+
+    def is_twin(self, value: torch.Tensor) -> bool:
+        """Whether `value` is the stand-in of a parameter in the compiled forward in progress (seen eagerly
+        after a graph break)."""
+        return any(value is twin for swapped in self.saved for _, _, _, twin in swapped)
 
     def exit(self, *_: Any) -> None:
         if not self.saved:
             return
-        for m, name, p in self.saved.pop():
+        for m, name, p, _ in self.saved.pop():
             m._parameters[name] = p
 
 
@@ -563,7 +579,9 @@ def _hook_rowwise(module: nn.Linear, style: Rowwise, ctx: _Context) -> None:
         if torch.compiler.is_compiling() and traced_here():
             prepare = compiled_prepare
         else:
-            if not weight.is_leaf or weight.placements != w_pls:   # e.g. fully_shard's: it manages the weight
+            # a weight not ours to swap (e.g. fully_shard's: it manages the weight); after a graph break inside a
+            # compiled forward, a parameter's twin is ours as its leaf is (_CompiledLeaves.is_twin)
+            if not (weight.is_leaf or ctx.leaves.is_twin(weight)) or weight.placements != w_pls:
                 return global_pre(mod, args)
             prepare = lambda x, w: _rowwise_operands(x, w, style, mod, ctx)  # noqa: E731
         x, x_local, w_local = prepare(args[0], weight)

@@ -51,8 +51,8 @@ def run_compiled(name, how, mesh):
         for layer in compiled.model.layers:
             layer.compile(backend="aot_eager")
         run = {id(m): (lambda m=m: m(input_ids=ids, labels=ids, use_cache=False).loss) for m in (eager, compiled)}
-    else:
-        whole = torch.compile(_shifted_loss, backend=rec.backend, fullgraph=True)
+    else:   # "loose": the whole model without fullgraph (graph breaks allowed)
+        whole = torch.compile(_shifted_loss, backend=rec.backend, fullgraph=how == "whole")
         run = {id(eager): lambda: _shifted_loss(eager, ids), id(compiled): lambda: whole(compiled, ids)}
     diffs, eager_calls = [], []
     for _ in range(2):
@@ -99,6 +99,17 @@ def test_transformers_model_compiles_without_graph_breaks(name, how, graphs) -> 
         assert breaks == 0 and made == graphs, (rank, made, breaks)
         if how.startswith("whole"):
             assert traced == eager, (rank, traced, eager)
+
+
+def test_checkpointed_transformers_model_with_graph_breaks_trains_as_eager() -> None:
+    # transformers 5.25 with the `kernels` package breaks the graph inside each checkpointed decoder layer (see
+    # above); the layers then run eagerly on the compiled forward's parameter twins and are recomputed on the
+    # leaves in the backward. Before: "Recomputed values ... have different metadata" (a rowwise layer took
+    # the twin's global path and the leaf's local one). Without `kernels` there is no break, and this is the
+    # fullgraph case above
+    for rank, (loss_diff, grad_diff, _, _, _) in enumerate(
+            spmd(functools.partial(run_compiled, "qwen2", "loose-checkpointed"), (2,))):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
 
 
 def _skip_unless_one_device_compiles_checkpointed(name: str) -> None:
