@@ -2,7 +2,8 @@
 
 What it does, in order:
 
-1. match every plan pattern (`fnmatch` globs over `named_modules()` paths) to modules -- or, when it matches
+1. match every plan pattern (globs over `named_modules()` paths: `*` within one path component, as DTensor's
+   `parallelize_module` and transformers match; `**` across components) to modules -- or, when it matches
    no module, to parameters (transformers' parameter entries: ``"layers.*.self_attn.sinks": "colwise"``
    lays out that parameter only); a pattern that matches nothing, a module matched twice, or a style on a
    module type it cannot shard is an `SbpError`. ``plan="auto"`` is a `transformers` model's own plan
@@ -28,8 +29,9 @@ All communication is what the placements imply; nothing here calls a collective 
 """
 from __future__ import annotations
 
-import fnmatch
+import functools
 import itertools
+import re
 import types
 import warnings
 import weakref
@@ -358,6 +360,39 @@ class _MatmulMode:
 
 # ---- matching --------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1024)
+def _path_glob(pattern: str) -> "re.Pattern[str]":
+    """A plan pattern as a regex over whole dotted paths: `*` and `?` stay within one path component
+    (``"layers.*.mlp"`` names each layer's ``mlp`` and not ``layers.0.attn.mlp``), as DTensor's
+    `parallelize_module` and transformers match; ``**`` spans components (``"**.q_proj"``); ``[qkv]`` /
+    ``[!0]`` are character classes, as in `fnmatch`.
+
+    >>> bool(_path_glob("layers.*.mlp").match("layers.0.mlp")), bool(_path_glob("layers.*.mlp").match("layers.0.a.mlp"))
+    (True, False)
+    >>> bool(_path_glob("**.q").match("model.layers.3.attn.q"))
+    True
+    """
+    parts, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            parts.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            parts.append(r"[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            parts.append(r"[^.]")
+            i += 1
+        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) != -1:   # fnmatch's class: ']' may come first
+            body = pattern[i + 1:end].replace("\\", "\\\\")
+            parts.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            parts.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(parts) + r"\Z", re.DOTALL)
+
+
 def _match(module: nn.Module, plan: Mapping[str, "str | Style"], optional: bool = False
            ) -> tuple[dict[str, tuple[Style, nn.Module]], dict[str, tuple[nn.Module, str, Placement]]]:
     """({module path: (style, module)}, {parameter path: (owner, name, tp placement)}) for the plan entries.
@@ -377,10 +412,11 @@ def _match(module: nn.Module, plan: Mapping[str, "str | Style"], optional: bool 
         if not isinstance(pattern, str):
             raise SbpError(f"plan keys must be module paths (str), got {pattern!r}")
         style = style_for(value, pattern)
-        hits = [p for p in modules if p == pattern or (p and fnmatch.fnmatchcase(p, pattern))]
+        glob = _path_glob(pattern)
+        hits = [p for p in modules if p == pattern or (p and glob.match(p))]
         if not hits:
             for path, param in module.named_parameters(remove_duplicate=False):
-                if path == pattern or fnmatch.fnmatchcase(path, pattern):
+                if path == pattern or glob.match(path):
                     owner_path, _, name = path.rpartition(".")
                     params[path] = (modules[owner_path], name, _param_entry(style, name, param.ndim))
                     hits.append(path)

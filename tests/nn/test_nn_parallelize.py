@@ -404,6 +404,37 @@ def test_bad_plans(plan, message):
     assert message in str(info.value.__cause__)
 
 
+class _BertLikeLayer(nn.Module):
+    """BERT's naming: ``output.dense`` both right under the layer and under ``attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.ModuleDict({"output": nn.ModuleDict({"dense": nn.Linear(4, 4)})})
+        self.intermediate = nn.ModuleDict({"dense": nn.Linear(4, 8)})
+        self.output = nn.ModuleDict({"dense": nn.Linear(8, 4)})
+
+
+def _layouts(mesh, plan):
+    model = nn.ModuleDict({"layer": nn.ModuleList([_BertLikeLayer(), _BertLikeLayer()])})
+    sbp.nn.parallelize(model, mesh, plan)
+    return {path: p.placements for path, p in model.named_parameters() if path.endswith("weight")}
+
+
+def test_star_matches_one_path_component():
+    # as DTensor's parallelize_module and transformers: 'layer.*.output.dense' names each layer's own
+    # output.dense, not attention.output.dense (which `*` across dots also matched: sharded a module the plan
+    # does not name, and the full Megatron plan below was refused as matching one module twice)
+    mlp_plan = {"layer.*.intermediate.dense": "colwise", "layer.*.output.dense": "rowwise"}
+    got = sbp.testing.spmd(functools.partial(_layouts, plan=mlp_plan), (2,))[0]
+    assert got["layer.1.attention.output.dense.weight"] == (sbp.B,)
+    assert got["layer.1.output.dense.weight"] == (sbp.S(1),)
+    full = sbp.testing.spmd(functools.partial(_layouts, plan={**mlp_plan, "layer.*.attention.output.dense": "rowwise"}),
+                            (2,))[0]
+    assert full["layer.0.attention.output.dense.weight"] == (sbp.S(1),) == full["layer.0.output.dense.weight"]
+    deep = sbp.testing.spmd(functools.partial(_layouts, plan={"**.intermediate.dense": "colwise"}), (2,))[0]
+    assert deep["layer.1.intermediate.dense.weight"] == (sbp.S(0),)
+
+
 def test_bad_style_options():
     with pytest.raises(sbp.SbpError, match="must be one placement"):
         Colwise(output_placement="S(0), B")
