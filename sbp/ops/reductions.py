@@ -108,11 +108,14 @@ def _run_mean(call: Call) -> Any:
     return total / count if count else total * math.nan
 
 
-def _run_extreme(op: str) -> Callable[[Call], Any]:
-    """amax/amin/max/min: an empty local piece contributes the identity of `op` instead of failing."""
+def _run_extreme(op: str, along: Along) -> Callable[[Call], Any]:
+    """amax/amin/max/min: a local piece empty along a reduced dim the global tensor is not empty along (an
+    empty shard) contributes the identity of `op` instead of failing; where the global reduction itself has
+    nothing to reduce, every rank fails as torch does."""
     def run(call: Call) -> Any:
-        x = call.args[0]
-        if x.numel() == 0 and call.spec.inputs[0].shape and math.prod(call.spec.inputs[0].shape) > 0:
+        x, whole = call.args[0], call.spec.inputs[0].shape
+        dims, _ = along(call.spec)
+        if any(x.shape[d] == 0 for d in dims) and all(whole[d] > 0 for d in dims):
             return torch.full(call.out_shape(0), identity(op, x.dtype), dtype=x.dtype, device=x.device)
         return call.default()
     return run
@@ -122,10 +125,12 @@ SUM = AlongDims(_dim_keep(), PSUM, (PSUM,), doc="S(d in dims)->P(sum); S(other)-
 SUM_ALL = AlongDims(_all_dims, PSUM, (PSUM,), doc="S->P(sum); P(sum)->P(sum)")
 MEAN = AlongDims(_dim_keep(), PSUM, (PSUM,), _run_mean, doc="as sum; divides by the global count")
 MEAN_ALL = AlongDims(_all_dims, PSUM, (PSUM,), _run_mean, doc="S->P(sum) (divided by the global numel)")
-AMAX = AlongDims(_dim_keep(), PMAX, (PMAX,), _run_extreme("max"), doc="S(d in dims)->P(max); P(max)->P(max)")
-AMIN = AlongDims(_dim_keep(), PMIN, (PMIN,), _run_extreme("min"), doc="S(d in dims)->P(min); P(min)->P(min)")
-MAX_ALL = AlongDims(_all_dims, PMAX, (PMAX,), _run_extreme("max"), doc="S->P(max); P(max)->P(max)")
-MIN_ALL = AlongDims(_all_dims, PMIN, (PMIN,), _run_extreme("min"), doc="S->P(min); P(min)->P(min)")
+AMAX = AlongDims(_dim_keep(), PMAX, (PMAX,), _run_extreme("max", _dim_keep()),
+              doc="S(d in dims)->P(max); P(max)->P(max)")
+AMIN = AlongDims(_dim_keep(), PMIN, (PMIN,), _run_extreme("min", _dim_keep()),
+              doc="S(d in dims)->P(min); P(min)->P(min)")
+MAX_ALL = AlongDims(_all_dims, PMAX, (PMAX,), _run_extreme("max", _all_dims), doc="S->P(max); P(max)->P(max)")
+MIN_ALL = AlongDims(_all_dims, PMIN, (PMIN,), _run_extreme("min", _all_dims), doc="S->P(min); P(min)->P(min)")
 ALONG_DIM = AlongDims(_dim_keep(), doc="S(d not in dims)->S; dims must not be split")
 ALONG_ALL = AlongDims(_all_dims, doc="B only")
 SCAN = AlongDims(_same_shape("dim"), partial_in=(PSUM,), doc="S(d != dim)->S(d); P(sum)->P(sum)")

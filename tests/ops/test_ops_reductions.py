@@ -99,6 +99,31 @@ def test_amax_with_empty_shards():
         assert torch.equal(got, full.amax(0))
 
 
+@pytest.mark.parametrize("op", [lambda x: x.amax(0, keepdim=True), lambda x: x.amin((0, 1)), lambda x: x.amax(1),
+                                lambda x: x.max()], ids=["amax-dim0", "amin-dims01", "amax-dim1", "max"])
+def test_extremes_of_a_tensor_with_a_zero_size_dim(op):
+    """(1, 0) split on dim 0 over 2 ranks: rank 1's shard (0, 0) is empty along the reduced dim 0 that the
+    tensor is not empty along (before: rank 1 raised IndexError, rank 0 returned); where torch refuses the
+    reduction itself (the zero-size dim 1 reduced), every rank refuses it."""
+    full = torch.zeros(1, 0)
+    try:
+        want = op(full)
+    except (IndexError, RuntimeError) as e:
+        want = type(e)
+
+    def fn(mesh):
+        try:
+            return op(make_global(full, mesh, (S(0),))).full()
+        except (IndexError, RuntimeError) as e:
+            return type(e)
+
+    for got in sbp.testing.spmd(fn, (2,)):
+        if isinstance(want, type):
+            assert isinstance(got, type), (got, want)
+        else:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want), (got, want)
+
+
 # ---- rules DTensor has: pad / roll / repeat keep a split they leave alone; count_nonzero like sum -------------
 _KEEP = {
     "pad_last_dim_S0": (lambda x: F.pad(x, (1, 2)), "S(0)", (S(0),)),
