@@ -33,7 +33,7 @@ from .cache import SPEC_TOKENS, WARNED_OPS
 from .random import is_random
 from .spec import B, Call, Choice, OpSpec, default_run
 from .strict import is_strict
-from .through import can_write_through, refuse_write, write_through
+from .through import can_write_through, own_copies, refuse_write, write_through
 
 
 def _substitute(args: tuple, kwargs: dict, paths: list[tuple], locals_: list) -> tuple[list, dict]:
@@ -140,6 +140,8 @@ class Decision:
             self._complain()
         if self.bounds is not None:
             check_bounds(self.bounds, leaves)
+        if self.writes:
+            own_copies(func, leaves, self.writes)
         through = [leaves[i] for i, _ in self.writes if isinstance(leaves[i], GlobalTensor) and is_detached(leaves[i])]
         for view in through:   # views laid out anew: the write goes on into the base (`sbp.ops.through`)
             if not can_write_through(view):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, get_op_handler, is_detached
+from ..tensor.global_tensor import GlobalTensor, get_op_handler
 from .apply import mesh_coord
 from .cache import DECISIONS
 from .dispatch import float_key, handle, tensor_key
@@ -124,6 +124,9 @@ def _inplace(name: str, op) -> Callable:
     return _named(method, name)
 
 
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)   # sbp.ops.through.own_copies
+
+
 def _direct_inplace(op, local_method: Callable, a: GlobalTensor, b: Any, alpha: Any) -> Any:
     """``a.op_(b, alpha=alpha)`` with autograd off, by a cached decision that writes `a` in its own layout
     and moves nothing (`Decision.fast_inplace`): the op on the locals, `a`'s version counter bumped as the
@@ -140,8 +143,10 @@ def _direct_inplace(op, local_method: Callable, a: GlobalTensor, b: Any, alpha: 
     if decision is None or not decision.fast_inplace:
         return _MISS
     mesh = a._mesh
-    if (kind is GlobalTensor and b._mesh is not mesh) or mesh_coord(mesh) is None or is_detached(a):
-        return _MISS   # the handler's way: it refuses mixed meshes and writes into detached views
+    notes = a._notes
+    if (kind is GlobalTensor and b._mesh is not mesh) or mesh_coord(mesh) is None or (
+            notes is not None and (notes.detached or (notes.view is not None and notes.view[0] in _RESHAPES))):
+        return _MISS   # the handler's way: mixed meshes, writes into detached views and into reshape's copies
     other = b._local if kind is GlobalTensor else b
     if type(alpha) is int and alpha == 1:
         local_method(a._local, other)

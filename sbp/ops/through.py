@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, full_local, meta_like
+from ..tensor.global_tensor import GlobalTensor, contiguous_strides, full_local, meta_like
 from ..tensor.setitem import write_blocks
 from ..values.errors import SbpError
 
@@ -69,6 +69,28 @@ def _a_copy(made: tuple) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def own_copies(func, leaves: list, writes: list) -> None:
+    """Before an in-place op: a written tensor that ``reshape`` copied on one device (`_a_copy`: the wrapper's
+    contiguous strides made reshape call ``aten.view``) gets a local of its own, so the write stays in it, as
+    in torch (before, where its local was a view of its base's, ``x.t().reshape(-1).mul_(3)`` on an `S(1)`
+    `x` wrote into `x`). Under autograd such a write is refused: torch tracks the tensor as a view of its
+    base and would replay the view on the gradient in the backward, where it is a copy, and the write's
+    gradient would be lost (``x.grad`` 1 for 3)."""
+    for i, _ in writes:
+        t = leaves[i]
+        if not (isinstance(t, GlobalTensor) and t._notes is not None and t._notes.view is not None
+                and _a_copy(t._notes.view)):
+            continue
+        if t._is_view() and torch.is_grad_enabled() and any(isinstance(u, torch.Tensor) and u.requires_grad
+                                                             for u in leaves):
+            raise SbpError(f"{func} writes in place, with autograd recording, into a tensor that reshape copied "
+                           f"(on one device its input's strides admit no view, e.g. x.t().reshape(-1)) but that "
+                           f"autograd tracks as a view of its base here: the write's gradient would be lost. "
+                           f"Call .contiguous() before the reshape, or .clone() its result, then write")
+        t.__dict__["_local"] = t._local.clone()
+        t._notes.view, t._notes.detached, t._notes.strides = None, False, contiguous_strides(tuple(t.shape))
 
 
 def write_through(view: GlobalTensor) -> None:

@@ -224,6 +224,33 @@ def test_in_place_through_views():
         assert torch.allclose(y, ry) and torch.allclose(grad, ref.grad)
 
 
+@pytest.mark.parametrize("pls", ["B", "S(0)", "S(1)"])
+def test_in_place_on_a_reshape_that_copies(pls):
+    """``x.t().reshape(-1)`` copies on one device, but the wrapper's contiguous strides make torch record a
+    view: under autograd a write into it is refused (before: the write's gradient was lost, x.grad 1 for 3);
+    with .contiguous() before the reshape or .clone() after it the gradients are torch's, and without
+    autograd the write stays in the copy, as in torch."""
+    full = torch.arange(6.0, dtype=torch.float64).view(3, 2)
+
+    def fn(mesh):
+        x = sbp.distribute(full, mesh, pls, requires_grad=True)
+        with pytest.raises(sbp.SbpError, match="reshape copied"):
+            (x * 1).t().reshape(-1).mul_(3)
+        grads = []
+        for fix in (lambda h: h.t().contiguous().reshape(-1), lambda h: h.t().reshape(-1).clone()):
+            x.grad = None
+            fix(x * 1).mul_(3).sum().full().backward()
+            grads.append(x.grad.full())
+        with torch.no_grad():
+            y = x.t().reshape(-1)
+            y.mul_(3)
+            return grads, y.full(), x.full()
+
+    for grads, y, x in sbp.testing.spmd(fn, (2,)):
+        assert all(torch.equal(g, torch.full((3, 2), 3.0, dtype=torch.float64)) for g in grads), grads
+        assert torch.equal(y, full.t().reshape(-1) * 3) and torch.equal(x, full)
+
+
 @pytest.mark.parametrize("pls", [("B",), ("S(0)",), ("S(1)",), ("P(sum)",)])
 def test_vector_matrix_product_has_the_vector_shape(pls):
     """torch builds ``v @ M`` as unsqueeze -> mm -> squeeze_: the in-place squeeze must shrink the global
