@@ -95,13 +95,15 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
         return   # outside the mesh: no block (and no part in gathering a global value)
     v = _value(value, x, region, index)
     local_entries, value_entries = _local_entries(entries, shape, block(shape, x._mesh.shape, x._placements, coord))
-    if local_entries is None:
-        return   # the region misses this rank's block
-    writes = all(c == 0 for c, p in zip(coord, x._placements) if isinstance(p, Partial) and p.op == "sum")
-    part = v[value_entries] if writes else v.new_zeros(()).expand(v[value_entries].shape)
-    with torch.no_grad():
-        x._local[local_entries] = part
-    torch.autograd.graph.increment_version(x)   # the wrapper was written: saved-tensor checks see it
+    if local_entries is not None:   # (else the region misses this rank's block)
+        writes = all(c == 0 for c, p in zip(coord, x._placements) if isinstance(p, Partial) and p.op == "sum")
+        part = v[value_entries] if writes else v.new_zeros(()).expand(v[value_entries].shape)
+        with torch.no_grad():
+            x._local[local_entries] = part
+    # the wrapper was written, on every rank alike: saved-tensor checks see it, and so does the check of a kept
+    # reduction (before, only the ranks whose block the region met counted the write: they dropped x's kept
+    # P(sum) reduction and moved x exactly, the others reused it, and the ranks ran different collectives)
+    torch.autograd.graph.increment_version(x)
 
 
 def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:

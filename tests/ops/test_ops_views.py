@@ -3,6 +3,7 @@ unsqueeze/squeeze, expand, slice, select, split, cat, stack; values and gradient
 splits that can be tracked stay local."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -249,6 +250,35 @@ def test_in_place_on_a_reshape_that_copies(pls):
     for grads, y, x in sbp.testing.spmd(fn, (2,)):
         assert all(torch.equal(g, torch.full((3, 2), 3.0, dtype=torch.float64)) for g in grads), grads
         assert torch.equal(y, full.t().reshape(-1) * 3) and torch.equal(x, full)
+
+
+def _write_through_partial(case, mesh):
+    if case == "reshape-unsqueeze":   # (1, 2, 5) P(sum), S(2) on (2, 3): rank 5's block of the reshape is empty
+        x = sbp.distribute(torch.arange(10.0, dtype=torch.float64).view(1, 2, 5), mesh, "P(sum), S(2)")
+        y = x.reshape(5, 2, 1)
+        y.unsqueeze(0).mul_(2)
+        return y.full(), x.full()
+    full = torch.arange(6.0, dtype=torch.float64).view(1, 6)   # S(1), P(max) on (2, 2), under autograd
+    local = full[sbp.local_slices((1, 6), mesh, "S(1), B", mesh.coord)].clone().requires_grad_()
+    h = sbp.from_local(local, mesh, "S(1), P(max)", global_shape=(1, 6)) * 1
+    h[:, :3].diagonal().fill_(2.5)
+    return h.full(), None
+
+
+@pytest.mark.filterwarnings("ignore::sbp.FallbackWarning")   # diagonal has no rule: it runs on B
+@pytest.mark.parametrize("case, mesh_shape", [("reshape-unsqueeze", (2, 3)), ("diagonal-of-slice", (2, 2))])
+def test_writes_through_views_of_partial_tensors_keep_ranks_in_step(case, mesh_shape):
+    """A write through a view laid out anew reaches only the ranks whose block the region meets; every rank
+    must still count it as a write of the base (its version), or the base's kept P reduction was dropped on
+    some ranks and reused on others, and the ranks ran different collectives (RankMismatchError / a hang)."""
+    if case == "reshape-unsqueeze":
+        want_x = torch.arange(10.0, dtype=torch.float64).view(1, 2, 5) * 2
+        want = want_x.reshape(5, 2, 1)
+    else:
+        want, want_x = torch.arange(6.0, dtype=torch.float64).view(1, 6), None
+        want[:, :3].diagonal().fill_(2.5)
+    for y, x in sbp.testing.spmd(functools.partial(_write_through_partial, case), mesh_shape, timeout=30):
+        assert torch.equal(y, want) and (x is None or torch.equal(x, want_x)), (y, x)
 
 
 @pytest.mark.parametrize("pls", [("B",), ("S(0)",), ("S(1)",), ("P(sum)",)])
