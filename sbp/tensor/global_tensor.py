@@ -660,7 +660,9 @@ def mesh_of(description: tuple) -> DeviceMesh:
     [True, True]
     """
     shape, names, ranks, device_type = description
-    return live_mesh(shape, names or None, ranks, device_type)
+    # under torch.compile dynamo may hand the description's ints in as symbols (dynamic=True, or a mesh argument
+    # that changed between calls): the mesh is a constant of the graph, so each is specialized to its value
+    return live_mesh(tuple(int(n) for n in shape), names or None, tuple(int(r) for r in ranks), device_type)
 
 
 # dynamo does not trace sbp's planning Python; it records one call that AOTAutograd traces with fake tensors,

@@ -540,6 +540,37 @@ def test_factories_in_compiled_code_equal_eager(mesh_shape) -> None:
         assert all(per_rank.values()), {k: v for k, v in per_rank.items() if not v}
 
 
+def _constructors(t, local, m):
+    return (sbp.from_local(local, m, "S(0)", global_shape=(4, 3)), sbp.distribute(t, m, "S(1)"),
+            sbp.zeros((4, 3), m, "S(0)") + t.sum())
+
+
+def run_constructors_with_symbolic_mesh_ints(mesh):
+    """from_local / distribute / zeros compiled where dynamo makes the mesh description's ints symbols: under
+    dynamic=True, and with the mesh an argument of the compiled function called with a second mesh of the
+    same shape (other rank order; automatic dynamic). Each result equals eager's."""
+    other = sbp.testing.submesh(mesh, (2,), ranks=[1, 0])
+    t = torch.arange(12.0).reshape(4, 3)
+    local = t[sbp.local_slices((4, 3), mesh, "S(0)", mesh.coord)[0]]
+    same = []
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: _constructors(a, b, mesh), backend="aot_eager", fullgraph=True, dynamic=True)
+    same += [torch.equal(g.full(), w.full()) for g, w in zip(f(t, local), _constructors(t, local, mesh))]
+    torch._dynamo.reset()
+    g = torch.compile(_constructors, backend="aot_eager", fullgraph=True)
+    for m in (mesh, other):
+        mine = t[sbp.local_slices((4, 3), m, "S(0)", m.coord)[0]]
+        same += [torch.equal(x.to_local(), y.to_local()) for x, y in zip(g(t, mine, m), _constructors(t, mine, m))]
+    return same
+
+
+def test_constructors_compile_with_symbolic_mesh_ints() -> None:
+    # before: "Unsupported output type for nonstrict_trace-ed function" (the opaque call rebuilt the mesh from
+    # a description holding symbols, and DeviceMesh refused them: MeshError inside dynamo)
+    for same in spmd(run_constructors_with_symbolic_mesh_ints, (2,)):
+        assert all(same) and len(same) == 9, same
+
+
 def run_item_between_graphs(mesh):
     """``.item()`` on a global tensor breaks the graph (as on a plain tensor); the code around it compiles and
     the whole equals eager. dynamo must not compile sbp's dispatch as a frame of its own."""
