@@ -26,6 +26,7 @@ from ..tensor.global_tensor import (
     notes_of,
     redistribute_raw,
 )
+from ..tensor.setitem import refuse_shared_memory
 from ..values.errors import SbpError, ShapeError, UnsupportedOpError, torch_alike
 from ..values.mesh import DeviceMesh
 from ..values.placement import Split
@@ -213,11 +214,7 @@ class Decision:
             return  # written in place, in its own layout
         result = GlobalTensor(locals_[i], mesh, layout, self.spec.inputs[i].shape)
         if isinstance(original, GlobalTensor):
-            if torch._debug_has_internal_overlap(original._local) == 1:   # an expand's local: elements share memory
-                raise SbpError(f"{self.spec.func} writes into a global tensor whose elements share memory (an "
-                               f"expand: global shape {tuple(original.shape)}, placements "
-                               f"{original._placements}), computed in another layout; the result cannot be "
-                               f"copied back into it. Write into the tensor before the expand, or .clone() it first")
+            refuse_shared_memory(original, f"{self.spec.func}: copying its result (computed in another layout) into")
             original._local.copy_(redistribute_raw(result, current)._local)
         else:
             original.copy_(redistribute_raw(result, (B,) * mesh.ndim)._local)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..values.errors import DTypeError, ShapeError, torch_alike
+from ..values.errors import DTypeError, SbpError, ShapeError, torch_alike
 from ..values.layout import block, splitters
 from ..values.placement import Partial
 
@@ -83,6 +83,16 @@ def narrows_a_split_dim(x, entries: tuple) -> bool:
     return False
 
 
+def refuse_shared_memory(x, what: str) -> None:
+    """Refuse `what` into global tensor `x` whose local's elements share memory (an ``expand``): sbp writes
+    blocks of the local, which torch refuses there (its raw "more than one element of the written-to tensor
+    refers to a single memory location"). The same on every rank: the locals are expanded alike."""
+    if torch._debug_has_internal_overlap(x._local) == 1:
+        raise SbpError(f"{what} a global tensor whose elements share memory (an expand: global shape "
+                       f"{tuple(x.shape)}, placements {x._placements}) is not supported: write into the tensor "
+                       f"before the expand, or .clone() the expanded tensor first")
+
+
 def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
     """Write `value` into the region `entries` of global tensor `x`: each rank its own block's part."""
     shape = tuple(x.shape)
@@ -95,6 +105,7 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
         return   # outside the mesh: no block (and no part in gathering a global value)
     v = _value(value, x, region, index)
     local_entries, value_entries = _local_entries(entries, shape, block(shape, x._mesh.shape, x._placements, coord))
+    refuse_shared_memory(x, "writing into part of")
     if local_entries is not None:   # (else the region misses this rank's block)
         writes = all(c == 0 for c, p in zip(coord, x._placements) if isinstance(p, Partial) and p.op == "sum")
         part = v[value_entries] if writes else v.new_zeros(()).expand(v[value_entries].shape)

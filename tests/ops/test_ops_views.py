@@ -480,13 +480,16 @@ def test_an_invalid_view_in_a_known_shape_class_is_torchs_error():
 @pytest.mark.filterwarnings("ignore::sbp.FallbackWarning")   # index_put_ on a split dim: no rule, runs on B
 @pytest.mark.parametrize("pls", ["S(1)", "P(sum)"])
 def test_a_write_computed_elsewhere_into_an_expand_is_refused(pls):
-    """torch writes into an expanded tensor's shared memory (deprecated); here the write is computed on B and
-    cannot be copied back into an expand's local: an SbpError naming it (before: torch's raw "more than one
-    element of the written-to tensor refers to a single memory location")."""
+    """torch writes into an expanded tensor's shared memory; here a write computed on B cannot be copied back
+    into an expand's local, nor a write through a view laid out anew written into it: an SbpError naming it
+    (before: torch's raw "more than one element of the written-to tensor refers to a single memory location")."""
     def fn(mesh):
         x = sbp.distribute(torch.arange(3.0).view(1, 3), mesh, pls).expand(3, 3)
         with pytest.raises(sbp.SbpError, match="share memory"):
             x[[1]] = x[[1]] + 1
+        y = sbp.distribute(torch.arange(6.0).view(1, 6), mesh, pls) + 2
+        with pytest.raises(sbp.SbpError, match="share memory"):   # written through the diagonal into the expand
+            y.expand(3, 6).diagonal().fill_(5)
         return True
 
     assert all(sbp.testing.spmd(fn, (2,)))
