@@ -33,6 +33,7 @@ data-parallel axes); pass `sbp.from_local(my_share, mesh, ...)` to give each ran
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from torch._dynamo import compiled_autograd
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..runtime import pending
+from ..runtime import agreement, pending
 from ..runtime.pending import PendingTensor
 from ..tensor.autograd import from_local_autograd
 from ..tensor.construct import distribute, from_local
@@ -168,6 +169,7 @@ class Unit:
         self.computing_local = False   # the forward in progress runs on plain local tensors
         self.forward_local = False     # how the last forward with autograd ran (its recompute runs the same way)
         self.probe = False             # the forward in progress is compared against a local run
+        self.inputs_checked = False    # the root's first eager forward compared its plain inputs across ranks
         self.batch_lengths: dict[int, int] = {}   # local -> global batch length seen at the forward's inputs
         self.owners: dict[int, nn.Module] = {}
         self.hook_ids: frozenset[int] = frozenset()   # the ids of the unit's own forward hooks (`_install_hooks`)
@@ -1386,6 +1388,9 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Plain tensors entering the root, also inside lists, tuples and dicts (``model({"x": x})``): the full
     batch, `S(0)` on the axis and the replicate axes (B after); floating ones cast to `param_dtype`."""
     mesh = unit.mesh
+    if (not unit.inputs_checked or agreement.is_enabled()) and not torch.compiler.is_compiling():
+        _check_full_batch(unit, args, kwargs)
+        unit.inputs_checked = True
 
     def convert(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -1400,6 +1405,23 @@ def _root_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return distribute(t, mesh, pls)
 
     return tree_map(convert, args), tree_map(convert, kwargs)
+
+
+def _check_full_batch(unit: Unit, args: tuple, kwargs: dict) -> None:
+    """The root's first forward (every forward under `sbp.debug()`): one all_gather of a digest of the plain
+    tensors entering it, so ranks passing each their own share (FSDP2's habit) get a `RankMismatchError`
+    instead of training on a mix of their batches."""
+    plain = [t for t in tree_flatten((args, kwargs))[0]
+             if isinstance(t, torch.Tensor) and not isinstance(t, GlobalTensor) and t.ndim > 0]
+    data = hashlib.blake2b(digest_size=8)
+    for t in plain:
+        data.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    gather, members = agreement.mesh_gather(unit.mesh)
+    agreement.agree(gather, members, "fully_shard: a plain tensor entering the root is the full batch, equal on "
+                    "every rank (pass each rank's own share as sbp.from_local(share, mesh, \"S(0)\"))",
+                    {"input shapes": [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in plain],
+                     "input values": f"digest {data.hexdigest()}"},
+                    device=comm_device_of(unit.mesh))
 
 
 def _cast_inputs(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -841,6 +841,33 @@ def test_bad_input(case: str, message: str) -> None:
     assert isinstance(info.value.__cause__, sbp.SbpError)
 
 
+def _own_shares(mesh, later: bool, debug: bool):
+    """Each rank passes a plain batch of its own (FSDP2's habit), at the root's first forward or a later one."""
+    net, x, _ = _model(EVEN)
+    _shard(net, mesh, "fsdp_auto")
+    with sbp.debug(debug):
+        if later:
+            net(x).sum().backward()    # the same full batch everywhere: fine
+        net(x + mesh.rank).sum().backward()
+    return "trained"
+
+
+@pytest.mark.parametrize("later, debug", [(False, False), (True, True)], ids=["first-forward", "debug-later"])
+def test_ranks_passing_their_own_plain_batches_are_refused(later: bool, debug: bool) -> None:
+    # a plain tensor entering the root is the full batch: ranks passing different ones trained on a mix of their
+    # batches' rows; the root's first forward (every forward under sbp.debug()) compares a digest of them
+    with pytest.raises(sbp.SbpError, match=r"a plain tensor entering the root is the full batch.*from_local"
+                       r".*ranks disagree on input values") as info:
+        sbp.testing.spmd(functools.partial(_own_shares, later=later, debug=debug), (4,), names=("dp",))
+    assert isinstance(info.value.__cause__, sbp.RankMismatchError)
+
+
+def test_a_later_different_batch_is_not_checked_without_debug() -> None:
+    # the check costs one all_gather at the root's first forward only: afterwards the ranks are trusted
+    assert sbp.testing.spmd(functools.partial(_own_shares, later=True, debug=False), (4,), names=("dp",)) \
+        == ["trained"] * 4
+
+
 @pytest.mark.gloo
 def test_training_on_gloo() -> None:
     _check_training("fsdp_auto", UNEVEN, backend="gloo")   # step 1 global (verified on gloo), then local shares
