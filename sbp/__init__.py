@@ -5,7 +5,8 @@ and load here at once, so ``python -m sbp plan`` and ``import sbp.planning`` nev
 names of the torch layers (``sbp.distribute``, ``sbp.init_mesh``, ``sbp.nn``, ...) load on first use:
 `load_torch_layers` imports them and wires the operator rules into `GlobalTensor` dispatch
 (``sbp.ops.install()``) and registers sbp's types for ``torch.load(weights_only=True)``, once. A program
-that imported torch before sbp gets them at ``import sbp``.
+that imported torch before sbp gets them at ``import sbp``; importing a torch layer directly (``import sbp.nn``,
+``import sbp.testing``, ``import sbp.ops``) installs the rules and registers the types as well.
 
 >>> import sbp
 >>> sbp.placements("S(0), B")

@@ -46,3 +46,7 @@ def is_installed() -> bool:
 
 __all__ = ["ANY", "Call", "Choice", "DECISIONS", "OpSpec", "Rule", "Sig", "TABLE", "clear_cache", "handle", "install",
            "is_installed", "is_strict", "lookup", "register", "strict"]
+
+# importing the rule table is using it: `import sbp.nn` (which imports this) right after `import sbp` reaches
+# sbp's torch layers without going through `sbp.<name>`, and ops on global tensors must work there too
+install()

@@ -552,7 +552,7 @@ def rebuild_global_tensor(local: torch.Tensor, mesh: DeviceMesh, placements: tup
 
 def register_safe_globals() -> None:
     """Allow sbp's types in ``torch.load(..., weights_only=True)``: the global-tensor rebuild, meshes and
-    placements (plain values; no code runs on load). `sbp.load_torch_layers` calls it.
+    placements (plain values; no code runs on load). Importing this module calls it.
 
     >>> register_safe_globals(); rebuild_global_tensor in torch.serialization.get_safe_globals()
     True
@@ -1091,3 +1091,7 @@ for _code in (GlobalTensor.__torch_dispatch__.__func__.__code__, GlobalTensor.__
               GlobalTensor.__coerce_same_metadata_as_tangent__.__code__, GlobalTensor.__setattr__.__code__,
               _LeafHook.__call__.__code__):
     _never_compiled(_code)
+
+# a process that imports any torch layer of sbp (`import sbp.testing`, `import sbp.nn`) may `torch.load` global
+# tensors (weights_only by default) before it uses any `sbp.<name>`
+register_safe_globals()

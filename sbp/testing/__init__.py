@@ -11,6 +11,7 @@ True
 """
 import importlib as _importlib
 
+from .. import ops as _ops  # noqa: F401  (the rule table: a function run on the ranks may use any op)
 from .asserts import assert_layout_equivalent
 from .spmd import SpmdError, spmd, submesh
 

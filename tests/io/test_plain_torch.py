@@ -202,7 +202,7 @@ def test_a_pending_async_result_copies_and_pickles_its_value(backend):
 @pytest.mark.slow
 def test_loading_with_no_mesh_bound_names_the_mesh(tmp_path):
     file = tmp_path / "x.pt"
-    sbp.testing.spmd(lambda mesh: torch.save(sbp.distribute(values((4,)), mesh, "S(0)"), file)
+    sbp.testing.spmd(lambda mesh: torch.save(sbp.distribute(torch.arange(4.), mesh, "S(0)"), file)
                      if mesh.rank == 0 else None, (2,), names=("tp",))
     code = textwrap.dedent(f"""
         import torch, sbp
@@ -215,6 +215,31 @@ def test_loading_with_no_mesh_bound_names_the_mesh(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "MeshError: cannot load a global tensor of DeviceMesh((2,), names=('tp',))" in out.stdout
     assert "sbp.init_mesh((2,), names=('tp',), device_type='cpu')" in out.stdout
+
+
+@pytest.mark.slow
+def test_sbp_imported_before_torch_runs_ops_and_loads(tmp_path):
+    # `import sbp` before `import torch` (isort's order), then `import sbp.nn, sbp.testing`: these reach the torch
+    # layers without an `sbp.<name>`, so nothing had installed the rule table (ops on global tensors raised
+    # "operator rules are not installed") nor registered sbp's types for torch.load(weights_only=True)
+    sbp.testing.spmd(lambda mesh: torch.save(sbp.distribute(torch.arange(4.), mesh, "S(0)"),
+                                             tmp_path / f"x{mesh.rank}.pt"), (2,))
+    code = textwrap.dedent(f"""
+        import sbp
+        import torch
+        import sbp.nn, sbp.testing
+
+        def fn(mesh):
+            model = sbp.nn.parallelize(torch.nn.Linear(4, 4), mesh, {{"": "colwise"}})
+            y = model(torch.ones(2, 4)).sum()
+            x = torch.load({str(tmp_path)!r} + f"/x{{mesh.rank}}.pt", weights_only=True)
+            return x.placements, x.to_local().tolist(), type(y).__name__
+
+        print(sbp.testing.spmd(fn, (2,)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[((S(0),), [0.0, 1.0], 'GlobalTensor'), ((S(0),), [2.0, 3.0], 'GlobalTensor')]" in out.stdout
 
 
 def test_loading_binds_a_mesh_not_made_yet():
