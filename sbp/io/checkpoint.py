@@ -139,27 +139,30 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
     coord 0 commits, and a closing barrier tells every rank whether the commit failed."""
     shard: dict[str, torch.Tensor] = {}
     tensors: dict[str, dict] = {}
+    file = os.path.join(path, data, _file_name(me))
+    digest, error = None, None
+    # a rank whose copy or write fails (a full disk -- torch.save's writer reports it as a RuntimeError --, no
+    # memory, ...) still makes the reductions and joins the gather, carrying the failure: every rank raises at once
     for key, (leaf, _, _) in found.items():
         if isinstance(leaf, GlobalTensor):
             x = reduced(leaf)
             entry, mine = _describe_global(x, leaf.placements)
-            if mine is not None:
-                shard[_entry_name(key, mine)] = host_copy(x._local)
+            if mine is not None and error is None:
+                error = _failure(lambda: shard.__setitem__(_entry_name(key, mine), host_copy(x._local)), file, path)
         elif isinstance(leaf, torch.Tensor):
             entry = _describe_plain(leaf, me if mesh is None else mesh.ranks[0])
-            if first:
-                shard[_entry_name(key, tuple((0, n) for n in leaf.shape))] = host_copy(leaf)
+            if first and error is None:
+                error = _failure(lambda: shard.__setitem__(_entry_name(key, tuple((0, n) for n in leaf.shape)),
+                                                           host_copy(leaf)), file, path)
         else:
             continue
         tensors[key] = entry
-    file = os.path.join(path, data, _file_name(me))
-    digest, error = None, None
-    try:   # a rank whose write fails still joins the gather, carrying the failure: every rank raises at once
-        os.makedirs(os.path.join(path, data), exist_ok=True)
-        digest = _write(shard, file) if shard else None
-    except (OSError, RuntimeError) as e:   # torch.save's own writer reports a full disk as a RuntimeError
-        error = CheckpointError(f"save: cannot write {file!r}: {e} (the previous checkpoint in {path!r} is "
-                                f"unchanged)")
+    if error is None:
+        def write() -> None:
+            nonlocal digest
+            os.makedirs(os.path.join(path, data), exist_ok=True)
+            digest = _write(shard, file) if shard else None
+        error = _failure(write, file, path)
     files, same, failed = _gather_digests(digest, mesh, save_digest(found), error is not None)
     if not same:    # every rank sees it in the same table: all raise, nothing is committed
         refuse_disagreement(mesh, found)
@@ -174,9 +177,10 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
                 "tensors": tensors, "values": values}
         try:
             _commit(path, meta)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the others wait at the barrier below: they must learn of it
             error = CheckpointError(f"save: cannot commit {os.path.join(path, METADATA)!r}: {e} (the previous "
                                     f"checkpoint is unchanged)")
+            error.__cause__ = e
         else:
             retire_others(path, "sbp", data)   # other formats' commits, then earlier saves' data
     # nobody returns before metadata.json is there; the same all_reduce tells every rank if the commit failed
@@ -185,6 +189,19 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
                               f"the previous checkpoint is unchanged")
     if error is not None:
         raise error
+
+
+def _failure(step, file: str, path: str) -> Optional[CheckpointError]:
+    """Run `step` (a copy or the write of this rank's file); its failure, whatever it is, as the
+    `CheckpointError` this rank raises once every rank has learnt of it (None when it worked)."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
+        error = CheckpointError(f"save: cannot write {file!r}: {type(e).__name__}: {e} (the previous checkpoint "
+                                f"in {path!r} is unchanged)")
+        error.__cause__ = e
+        return error
+    return None
 
 
 def _check_one_process(state_dict: dict, mesh: Optional[DeviceMesh]) -> None:
@@ -209,7 +226,7 @@ def _commit(path: str, meta: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, METADATA))
-    except OSError:
+    except Exception:
         if os.path.exists(tmp):   # not committed: the previous metadata.json stays
             os.remove(tmp)
         raise

@@ -148,34 +148,36 @@ def _write_blocks(found: dict, header: dict[str, Any], path: str, file: str, tmp
             continue
         base, shape = header[key]["data_offsets"][0], tuple(leaf.shape)
         if isinstance(leaf, GlobalTensor):
-            x = reduced(leaf)
+            x = reduced(leaf)   # a collective: every rank makes it, also after a failed copy
             mine = block(shape, x.mesh.shape, x.placements, x.mesh.coord)
             if writers(x).get(mine) == x.mesh.coord:
-                pieces.append((base, shape, leaf.element_size(), mine, host_copy(x._local)))
+                pieces.append((base, shape, leaf.element_size(), mine, x._local))
         elif first and leaf.numel():
-            pieces.append((base, shape, leaf.element_size(), tuple((0, n) for n in shape), host_copy(leaf)))
+            pieces.append((base, shape, leaf.element_size(), tuple((0, n) for n in shape), leaf))
     error = None
     if pieces:
         try:
             fd = os.open(tmp, os.O_WRONLY)
             try:
                 for base, shape, itemsize, b, local in pieces:
-                    raw = local.reshape(-1).view(torch.uint8).numpy()
+                    raw = host_copy(local).reshape(-1).view(torch.uint8).numpy()
                     for at, (lo, hi) in _runs(shape, b, itemsize):
                         os.pwrite(fd, raw[lo:hi].tobytes(), start + base + at)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError as e:
-            error = CheckpointError(f"save: cannot write this rank's blocks into {tmp!r}: {e} (the previous "
-                                    f"{file!r} is unchanged)")
+        except Exception as e:  # noqa: BLE001 - whatever failed (disk, memory), every rank must learn of it
+            error = CheckpointError(f"save: cannot write this rank's blocks into {tmp!r}: {type(e).__name__}: {e} "
+                                    f"(the previous {file!r} is unchanged)")
+            error.__cause__ = e
     if _failed_anywhere(mesh, error):
         _fail(file, tmp, first, error, "a rank could not write its blocks")
     if first:
         try:
             os.replace(tmp, file)             # the switch: the old file stays whole until here
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the others wait at the barrier below: they must learn of it
             error = CheckpointError(f"save: cannot commit {file!r}: {e} (the previous {file!r} is unchanged)")
+            error.__cause__ = e
         else:
             fsync_dir(os.path.dirname(file) or ".")
             if file != path:                  # saved into a directory: the newest save is what loads

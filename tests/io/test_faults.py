@@ -88,13 +88,14 @@ def test_a_dcp_save_that_fails_on_one_rank_leaves_the_previous_checkpoint(tmp_pa
     assert gloo(functools.partial(_dtensor_reads, path=path), (2,))[0] == (3, [3.0])
 
 
-def _disk_full_save(mesh, path, step, fmt, where):
+def _disk_full_save(mesh, path, step, fmt, where, error=OSError):
     """`sbp.save` whose file write fails on rank 1 (`where="write"`) or whose commit fails on coord 0
-    (`where="commit"`): a full disk."""
+    (`where="commit"`): a full disk (`error=OSError`) or whatever else a write may raise (`MemoryError`)."""
     real_save, real_pwrite, real_replace = torch.save, os.pwrite, os.replace
 
     def full(*args, **kw):
-        raise OSError(28, "injected: no space left on device")
+        raise (OSError(28, "injected: no space left on device") if error is OSError
+               else error("injected: no space left on device"))
 
     def full_at_commit(src, dst, *args, **kw):
         if os.path.basename(dst) in ("metadata.json", "model.safetensors"):
@@ -115,14 +116,16 @@ def _disk_full_save(mesh, path, step, fmt, where):
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
-@pytest.mark.parametrize("where", ["write", "commit"])
-def test_a_save_that_fails_on_one_rank_raises_on_every_rank_at_once(tmp_path, fmt, where):
-    """No rank waits out the collective timeout for a rank whose write or commit failed: the failure rides
-    on the save's own agreement steps; the previous checkpoint still loads."""
+@pytest.mark.parametrize("where, error", [("write", OSError), ("commit", OSError), ("write", MemoryError),
+                                          ("commit", MemoryError)])
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_at_once(tmp_path, fmt, where, error):
+    """No rank waits out the collective timeout for a rank whose write or commit failed, whatever the error
+    (an OSError was carried before, a MemoryError left the others in the gather until the timeout): the failure
+    rides on the save's own agreement steps; the previous checkpoint still loads."""
     path = str(tmp_path)
     gloo(functools.partial(_save, path=path, step=1, fmt=fmt), (4,))
-    got = sbp.testing.spmd(functools.partial(_disk_full_save, path=path, step=2, fmt=fmt, where=where), (4,),
-                           backend="gloo", timeout=20)
+    got = sbp.testing.spmd(functools.partial(_disk_full_save, path=path, step=2, fmt=fmt, where=where,
+                                             error=error), (4,), backend="gloo", timeout=20)
     failing = 1 if where == "write" else 0
     assert "injected: no space left on device" in got[failing], got
     for rank, message in enumerate(got):
