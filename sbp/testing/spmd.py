@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
 from ..runtime.agreement import debug, is_enabled
-from ..runtime.backends.dist import MAX_TIMEOUT_S, init_mesh
+from ..runtime.backends.dist import MAX_TIMEOUT_S, collective_failures, init_mesh
 from ..runtime.backends.threads import spmd_threads
 from ..values.errors import CommError, MeshError, SbpError
 from ..values.mesh import DeviceMesh
@@ -128,6 +128,7 @@ class _Pool:
         import torch.distributed as dist  # only the gloo backend needs it
 
         self.size = size
+        self.broken = False
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         ctx = _context()
         self.conns: list[Connection] = []
@@ -150,6 +151,7 @@ class _Pool:
             conn.send((payload, mesh.shape, mesh.names, timeout, is_enabled()))
         results: list[Any] = [None] * self.size
         errors: dict[int, tuple] = {}
+        self.broken = False   # a rank saw a collective fail (and caught it): the gloo world may be unusable
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         deadline = time.monotonic() + timeout + 30.0  # worker start-up and group creation on top
@@ -179,6 +181,7 @@ class _Pool:
                             f"numbers, lists; a global tensor as x.to_local() or x.full()) and raise errors "
                             f"that pickle"), "")
                         continue
+                    self.broken |= rest[-1]
                     if status == "ok":
                         results[rank] = rest[0]
                     else:
@@ -252,12 +255,13 @@ class _Pools:
         if pool is None:
             pool = self._pools[size] = _Pool(size, timeout)
         results, errors, stuck = pool.run(payload, mesh, timeout)
-        if not errors:
-            return results
-        if stuck or any(isinstance(e, CommError) for e, _ in errors.values()):
-            # a rank still inside a collective, or a timed-out process group: the pool is unusable
+        if stuck or pool.broken or any(isinstance(e, CommError) for e, _ in errors.values()):
+            # a rank still inside a collective, or a failed or timed-out collective (even one the function
+            # caught: gloo closes the group's connections): the pool is unusable
             del self._pools[size]
             pool.close(force=True)
+        if not errors:
+            return results
         rank = _first_cause(errors)
         exc, text = errors[rank]
         if isinstance(exc, _WorkerDied):
@@ -313,6 +317,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
         if job is None:
             break
         payload, shape, names, job_timeout, debug_checks = job
+        failures = collective_failures()
         try:
             fn = pickle.loads(payload)
             key = (shape, names, job_timeout)
@@ -324,9 +329,10 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
                 reply = ("ok", fn(mesh))
         except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank
             reply = ("err", e, traceback.format_exc())
+        broken = collective_failures() != failures
         try:
-            conn.send(reply)
+            conn.send((*reply, broken))
         except Exception as e:  # noqa: BLE001 - the result or the exception did not pickle
             text = reply[2] if reply[0] == "err" else ""
-            conn.send(("err", _RemoteError(f"could not send the result back: {e}"), text))
+            conn.send(("err", _RemoteError(f"could not send the result back: {e}"), text, broken))
     dist.destroy_process_group()

@@ -180,6 +180,32 @@ def test_gloo_worker_that_dies_is_named_and_the_pool_restarts():
     assert sbp.testing.spmd(_says_second, (2,), backend="gloo", timeout=60) == ["second", "second"]
 
 
+def _rank_0_times_out_and_catches_it(mesh):
+    if mesh.rank == 1:
+        return "skipped the all_reduce"
+    try:
+        mesh.binding.all_reduce(torch.ones(1), (0,), "sum")
+    except sbp.CommError:
+        return "caught"
+    return "reduced"
+
+
+def _all_reduce(mesh):
+    return mesh.binding.all_reduce(torch.ones(1), (0,), "sum").item()
+
+
+@pytest.mark.gloo
+def test_gloo_pool_restarts_after_a_collective_failure_the_function_caught():
+    # a timed-out gloo collective closes the group's connections; the function caught the CommError and returned,
+    # so the call succeeded -- and before, the next call on the same pool failed at once ("Application timeout
+    # caused pair closure"): a fault test that catches the error, then checks what survived, could not
+    before = sbp.testing.spmd(_pid, (2,), backend="gloo", timeout=60)
+    assert sbp.testing.spmd(_rank_0_times_out_and_catches_it, (2,), backend="gloo", timeout=3) == \
+        ["caught", "skipped the all_reduce"]
+    assert sbp.testing.spmd(_all_reduce, (2,), backend="gloo", timeout=3) == [2.0, 2.0]
+    assert not set(sbp.testing.spmd(_pid, (2,), backend="gloo", timeout=60)) & set(before)
+
+
 def test_first_cause_blames_a_dead_worker_before_the_ranks_it_broke():
     # a survivor's broken collective may surface as any exception (a raw torch.distributed error from the
     # user's own call, not only sbp's CommError): the dead rank is still the cause

@@ -53,6 +53,20 @@ _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tenso
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
+_FAILURES = [0]   # collectives that failed or timed out in this process: their process groups may be unusable
+
+
+def collective_failures() -> int:
+    """How many collectives of this process have failed or timed out (each raised `CommError`), caught or
+    not. A gloo group whose collective timed out has closed its connections: a runner reusing the process
+    (`sbp.testing.spmd`'s gloo workers) starts afresh when the count moved.
+
+    >>> collective_failures() >= 0
+    True
+    """
+    return _FAILURES[0]
+
+
 def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, *,
               ranks: Sequence[int] | None = None, device_type: str | None = None,
               timeout: "timedelta | float" = DEFAULT_TIMEOUT) -> DeviceMesh:
@@ -298,6 +312,7 @@ class DistComm(BoundComm):
         try:
             return fn()
         except (RuntimeError, ValueError, TypeError, dist.DistError) as e:
+            _FAILURES[0] += 1
             names = self.axis_names(axes)
             raise CommError(f"{what} on mesh axes {axes}{names} (group ranks {list(members)}) failed on rank "
                             f"{self.rank} (timeout {self.timeout}): {e}") from e
