@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..runtime.backends.dist import init_mesh
 from ..tensor.construct import from_local
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides, grad_placements
-from ..values.errors import MeshError, SbpError
+from ..values.errors import MeshError, PlacementError, SbpError
 from ..values.layout import block
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
@@ -51,6 +51,13 @@ def to_dtensor(x: GlobalTensor) -> Any:
 
     if not isinstance(x, GlobalTensor):
         raise SbpError(f"to_dtensor needs an sbp.GlobalTensor, got {type(x).__name__}")
+    ops = sorted({p.op for p in x.placements if isinstance(p, Partial)})
+    if len(ops) > 1:   # DTensor itself raises a raw ValueError ("Mixed Partial reduce types are not supported")
+        keep = next(p for p in x.placements if isinstance(p, Partial))
+        fixed = ", ".join(repr(p if not isinstance(p, Partial) or p is keep else Broadcast()) for p in x.placements)
+        raise PlacementError(f"to_dtensor: {x.placements} mixes Partial ops ({', '.join(ops)}); a DTensor "
+                             f"holds one Partial op per tensor: reduce the others first, e.g. "
+                             f"sbp.to_dtensor(x.redistribute(\"{fixed}\"))")
     torch_mesh = _torch_mesh(x.mesh)
     shape = tuple(x.shape)
     mid = _meeting_point(shape, x.mesh.shape, x.placements)

@@ -108,6 +108,18 @@ def test_to_dtensor_is_differentiable():
     assert spmd(_partial_grads, (2, 2)) == [[True] * 3] * 4
 
 
+def _mixed_partials(mesh):
+    return sbp.to_dtensor(sbp.zeros((4,), mesh, "P(sum), P(max)"))
+
+
+def test_mixed_partial_ops_are_refused_with_the_fix():
+    # DTensor holds one Partial op per tensor: its own refusal was a raw ValueError ("Mixed Partial reduce types")
+    with pytest.raises(sbp.SbpError, match=r"\(P\(sum\), P\(max\)\) mixes Partial ops \(max, sum\).*"
+                       r"sbp.to_dtensor\(x.redistribute\(\"P\(sum\), B\"\)\)") as info:
+        sbp.testing.spmd(_mixed_partials, (2, 2))
+    assert isinstance(info.value.__cause__, sbp.PlacementError)
+
+
 def _threads_refused(mesh):
     return sbp.to_dtensor(sbp.zeros((2,), mesh, "B"))
 
