@@ -191,8 +191,10 @@ def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, re
         out = fill(tuple(slice(0, n) for n in shape), shape, dtype, torch.device("cpu"))
         return out.requires_grad_(requires_grad)
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
+        hint = (f" (an int: the global shape is one argument, a tuple -- ({global_shape}, {mesh}), mesh, placements "
+                f"-- not sizes one by one)" if isinstance(mesh, int) and isinstance(global_shape, int) else "")
         raise MeshError(f"factories need an sbp.DeviceMesh bound to processes (sbp.init_mesh or sbp.testing.spmd), "
-                        f"got {mesh!r}")
+                        f"got {mesh!r}{hint}")
     pls = normalize((Broadcast(),) * mesh.ndim if placements is None else placements, len(shape), mesh.ndim)
     check_partial_dtype(pls, dtype, "factory")
     coord = mesh.coord
