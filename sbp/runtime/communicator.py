@@ -162,17 +162,70 @@ class Communicator(MeshBinding, Protocol):
 REDUCE_FNS = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
 
+# what torch's CPU kernels, gloo and NCCL all reduce as they are (complex: as (real, imag) pairs, by the caller)
+REDUCIBLE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                       torch.int32, torch.int64, torch.bool})
+_SIGN64 = torch.iinfo(torch.int64).min
+
+
+def to_reducible(t: torch.Tensor, op: str) -> torch.Tensor:
+    """`t` in a dtype every backend reduces with `op` (`REDUCIBLE`), so that `from_reducible` of the reduction
+    is the reduction in `t`'s dtype, exactly: int16 / uint16 widened to int32 (a sum narrowed back wraps as in
+    its own dtype; min/max exact); uint32 as the int32 of its bits for a sum (a sum wraps alike) and widened to
+    int64 for min/max; uint64 as the int64 of its bits, for min/max with the sign bit flipped (which orders them
+    as unsigned); float8 widened to float32 (exact; a sum rounds once, narrowed back). Other dtypes: `t`.
+
+    >>> x = torch.tensor([3_000_000_000], dtype=torch.uint32)
+    >>> to_reducible(x, "max").dtype, to_reducible(x, "sum").dtype
+    (torch.int64, torch.int32)
+    """
+    dtype = t.dtype
+    if dtype in REDUCIBLE or dtype.is_complex:
+        return t
+    if dtype in (torch.int16, torch.uint16) or (dtype == torch.uint32 and op != "sum"):
+        return t.to(torch.int32 if dtype != torch.uint32 else torch.int64)
+    if dtype == torch.uint32:
+        return t.view(torch.int32)
+    if dtype == torch.uint64:
+        return t.view(torch.int64) if op == "sum" else t.view(torch.int64) ^ _SIGN64
+    if dtype.is_floating_point:   # the float8 kinds
+        return t.to(torch.float32)
+    return t
+
+
+def from_reducible(r: torch.Tensor, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """The reduction `r` of `to_reducible` tensors as a tensor of `dtype` (`r` itself when nothing was mapped).
+
+    >>> x = torch.tensor([2**63 + 5], dtype=torch.uint64)
+    >>> back = from_reducible(to_reducible(x, "max"), torch.uint64, "max")
+    >>> back.dtype, back.view(torch.int64).item() == x.view(torch.int64).item()
+    (torch.uint64, True)
+    """
+    if r.dtype == dtype:
+        return r
+    if dtype == torch.uint64:
+        return (r if op == "sum" else r ^ _SIGN64).view(torch.uint64)
+    if dtype == torch.uint32 and op == "sum":
+        return r.view(torch.uint32)
+    return r.to(dtype)
+
+
 def reduce_list(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Element-wise `op` over tensors, folded left to right (the same order on every rank).
+    """Element-wise `op` over tensors, folded left to right (the same order on every rank); dtypes torch's CPU
+    kernels do not reduce (uint16/32/64, float8) go through `to_reducible`.
 
     >>> reduce_list([torch.tensor([1, 5]), torch.tensor([3, 2])], "max")
     tensor([3, 5])
+    >>> reduce_list([torch.tensor([40000], dtype=torch.uint16)] * 2, "sum").tolist()   # wraps as uint16 does
+    [14464]
     """
     fn = REDUCE_FNS[op]
-    out = tensors[0].clone()
+    dtype = tensors[0].dtype
+    mapped = dtype not in REDUCIBLE and not dtype.is_complex
+    out = to_reducible(tensors[0], op).clone()
     for t in tensors[1:]:
-        fn(out, t, out=out)
-    return out
+        fn(out, to_reducible(t, op) if mapped else t, out=out)
+    return from_reducible(out, dtype, op) if mapped else out
 
 
 def joined(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:

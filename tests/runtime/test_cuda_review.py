@@ -339,6 +339,66 @@ def test_complex_and_int16_reach_the_wire_as_types_gloo_and_nccl_take():
             assert equal == [True] * 4, (rank, what)
 
 
+# per rank: values near the top of each unsigned range (uint64: above 2**63) and float8-exact fractions
+_UNSIGNED_VALUES = {torch.uint16: ([40000, 7], [30000, 9]), torch.uint32: ([3_000_000_000, 7], [2_000_000_000, 9]),
+                    torch.uint64: ([2**63 + 5, 7], [2**63 + 2**62, 9])}
+_FLOAT8_VALUES = ([0.5, -1.5], [0.25, 2.0])
+
+
+def _unsigned_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([v - 2**64 if v >= 2**63 else v for v in values]).view(torch.uint64).to(dtype) \
+        if dtype == torch.uint64 else torch.tensor(values).to(dtype)
+
+
+def _as_ints(t: torch.Tensor) -> list[int]:
+    return [v % 2**64 for v in t.view(torch.int64).tolist()] if t.dtype == torch.uint64 else t.tolist()
+
+
+def partial_reductions(mesh):
+    """P(sum|max|min) of the unsigned and float8 dtypes made full (all_reduce) and split (reduce_scatter),
+    on the route of the mesh's backend (and, on gloo, on the NCCL route too)."""
+    comm, results = mesh.binding, {}
+    routes = (False, True) if hasattr(comm, "_gloo") else (None,)
+    try:
+        for nccl_route in routes:
+            if nccl_route is not None:
+                comm._gloo = not nccl_route
+            for dtype, per_rank in (*_UNSIGNED_VALUES.items(), (torch.float8_e4m3fn, _FLOAT8_VALUES),
+                                    (torch.float8_e5m2, _FLOAT8_VALUES)):
+                local = (_unsigned_tensor(per_rank[mesh.rank], dtype) if dtype in _UNSIGNED_VALUES
+                         else torch.tensor(per_rank[mesh.rank]).to(dtype))
+                for op in ("sum", "max", "min"):
+                    x = sbp.from_local(local, mesh, f"P({op})", global_shape=(2,))
+                    whole, halves = x.full(), x.redistribute("S(0)").full()
+                    read = _as_ints if dtype in _UNSIGNED_VALUES else (lambda t: t.float().tolist())
+                    results[(str(dtype), op, nccl_route)] = (read(whole), read(halves))
+    finally:
+        if routes != (None,):
+            comm._gloo = True
+    return results
+
+
+def _expected(dtype: torch.dtype, op: str) -> list:
+    if dtype in _UNSIGNED_VALUES:
+        bits = torch.iinfo(dtype).bits
+        columns = list(zip(*_UNSIGNED_VALUES[dtype]))
+        return [sum(c) % 2**bits if op == "sum" else (max if op == "max" else min)(c) for c in columns]
+    columns = list(zip(*_FLOAT8_VALUES))
+    return [sum(c) if op == "sum" else (max if op == "max" else min)(c) for c in columns]
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_partials_of_unsigned_and_float8_dtypes_reduce_exactly(backend):
+    # torch's CPU kernels have no add/maximum for uint16/32/64 or float8 (the threads backend raised
+    # NotImplementedError); gloo widened them to int32, which cut uint64 sums and put uint32 values above 2**31
+    # below small ones (P(max) of 3e9 and 7 gave 7), and turned float8 0.5 into 0
+    for rank, results in enumerate(sbp.testing.spmd(partial_reductions, (2,), backend=backend)):
+        assert len(results) == 15 * (2 if backend == "gloo" else 1)
+        for (dtype, op, route), (whole, halves) in results.items():
+            want = _expected(getattr(torch, dtype.removeprefix("torch.")), op)
+            assert whole == halves == want, (rank, dtype, op, route, whole, halves)
+
+
 def rebinding_makes_no_group(world):
     sub = sbp.DeviceMesh((2,), ranks=[0, 1])
     world.binding.bind(sub)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ...values.errors import CommError, MeshError
 from ...values.mesh import DeviceMesh
-from ..communicator import Counters, Outgoing, reduce_list
+from ..communicator import Counters, Outgoing, from_reducible, reduce_list, to_reducible
 from .base import BoundComm, Members, bound, outgoing_tensor
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -338,11 +338,11 @@ class DistComm(BoundComm):
         inp = stacked.reshape(-1) if order is None else stacked[order].reshape(-1)
         out = stacked.new_empty(stacked.shape[1:])
         # torch's reduce_scatter does not view complex as real (NCCL has no complex type): do it here
-        wire_in, wire_out = _reducible(inp), _reducible(out.view(-1))
+        wire_in, wire_out = _reducible(inp, op), _reducible(out.view(-1), op)
         self._call(f"reduce_scatter({op})", axes, members, inp,
                    lambda: _reduce_scatter_flat(wire_out, wire_in, op=_REDUCE_OPS[op], group=pg))
         if wire_out.dtype != out.dtype and not out.dtype.is_complex:
-            out.view(-1).copy_(wire_out)
+            out.view(-1).copy_(from_reducible(wire_out, out.dtype, op))
         return out
 
     def _reduce_scatter_runs(self, flat: torch.Tensor, numels: tuple[int, ...], members: Members,
@@ -361,11 +361,11 @@ class DistComm(BoundComm):
                     inplace: bool) -> torch.Tensor:
         pg, _ = self._group(members)
         out = t if inplace else t.clone()
-        wire = _reducible(out)
+        wire = _reducible(out, op)
         self._call(f"all_reduce({op})", axes, members, out,
                    lambda: dist.all_reduce(wire, op=_REDUCE_OPS[op], group=pg))
         if wire.dtype != out.dtype and not out.dtype.is_complex:
-            out.copy_(wire)
+            out.copy_(from_reducible(wire, out.dtype, op))
         return out
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: tuple[int, ...],
@@ -487,14 +487,15 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in WIRE_DTYPES or t.dtype.is_complex else t.view(torch.uint8)
 
 
-def _reducible(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a tensor gloo and NCCL reduce: complex as its (real, imag) pairs (a view: sums are the same),
-    a dtype they lack (int16) widened to int32 (a copy: the caller copies the result back; a sum wraps
-    alike once narrowed, min/max are exact).
+def _reducible(t: torch.Tensor, op: str) -> torch.Tensor:
+    """`t` as a tensor gloo and NCCL reduce with `op`: complex as its (real, imag) pairs (a view: sums are the
+    same), a dtype they lack as `sbp.runtime.communicator.to_reducible` maps it (int16 widened to int32, uint64
+    as int64 bits, float8 as float32, ...: the caller writes the result back with `from_reducible`).
 
-    >>> _reducible(torch.ones(2, dtype=torch.complex64)).shape, _reducible(torch.ones(2, dtype=torch.int16)).dtype
+    >>> c, i = torch.ones(2, dtype=torch.complex64), torch.ones(2, dtype=torch.int16)
+    >>> _reducible(c, "sum").shape, _reducible(i, "sum").dtype
     (torch.Size([2, 2]), torch.int32)
     """
     if t.dtype.is_complex:
         return torch.view_as_real(t)
-    return t if t.dtype in WIRE_DTYPES else t.to(torch.int32)
+    return to_reducible(t, op)
