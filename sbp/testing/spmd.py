@@ -129,6 +129,7 @@ class _Pool:
 
         self.size = size
         self.broken = False
+        self.runs = 0   # calls every worker answered: none yet when a worker dies while starting up
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         ctx = _context()
         self.conns: list[Connection] = []
@@ -171,8 +172,8 @@ class _Pool:
                     rank = pending.pop(obj)
                     try:
                         status, *rest = obj.recv()
-                    except EOFError:  # the worker died without a reply (a closed pipe stays readable:
-                        errors[rank] = self._died(rank)  # it must leave `pending`, or `wait` spins on it)
+                    except (EOFError, ConnectionError):  # the worker died without a reply (a closed pipe stays
+                        errors[rank] = self._died(rank)   # readable: it must leave `pending`, or `wait` spins on it)
                         continue
                     except Exception as e:  # noqa: BLE001 - a reply that does not unpickle here (its bytes
                         errors[rank] = (SbpError(  # are read: the pipe stays in step for the next call)
@@ -255,6 +256,7 @@ class _Pools:
         if pool is None:
             pool = self._pools[size] = _Pool(size, timeout)
         results, errors, stuck = pool.run(payload, mesh, timeout)
+        first_run, pool.runs = pool.runs == 0, pool.runs + (not stuck)
         if stuck or pool.broken or any(isinstance(e, CommError) for e, _ in errors.values()):
             # a rank still inside a collective, or a failed or timed-out collective (even one the function
             # caught: gloo closes the group's connections): the pool is unusable
@@ -269,6 +271,10 @@ class _Pools:
             others = sorted(r for r in errors if r != rank)
             if others:  # knock-on failures (a broken collective), or their own: named, the first is chained
                 message += f"; ranks {others} failed too"
+            if first_run:
+                message += ("; the workers start by importing the calling script as __main__ (multiprocessing's "
+                            "forkserver or spawn): a script that calls spmd(..., backend=\"gloo\") at its top level "
+                            "needs an `if __name__ == \"__main__\":` guard, or each worker runs it again and dies")
         else:
             message = f"rank {rank} of {size} raised {type(exc).__name__}: {exc}"
         if text:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,6 +206,23 @@ def test_gloo_pool_restarts_after_a_collective_failure_the_function_caught():
         ["caught", "skipped the all_reduce"]
     assert sbp.testing.spmd(_all_reduce, (2,), backend="gloo", timeout=3) == [2.0, 2.0]
     assert not set(sbp.testing.spmd(_pid, (2,), backend="gloo", timeout=60)) & set(before)
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tmp_path):
+    # the workers import the calling script as __main__; one calling spmd(..., backend="gloo") at its top level
+    # runs it again in each worker, which dies -- reported before as "rank 0's reply ... cannot be unpickled:
+    # ConnectionResetError ... Return plain values", which sent the user the wrong way
+    script = tmp_path / "no_guard.py"
+    script.write_text("import sbp, sbp.testing\n"
+                      "def rank(mesh):\n"
+                      "    return mesh.rank\n"
+                      "print(sbp.testing.spmd(rank, (2,), backend='gloo', timeout=30))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "died: its worker process ended without replying" in out.stderr, out.stderr[-2000:]
+    assert "needs an `if __name__ == \"__main__\":` guard" in out.stderr, out.stderr[-2000:]
 
 
 def test_first_cause_blames_a_dead_worker_before_the_ranks_it_broke():
