@@ -319,6 +319,9 @@ ROWS: list[Row] = [
     T("from-local-cpu-on-cuda-mesh", lambda m: sbp.from_local(torch.ones(2), cuda_mesh(m), "S(0)"), ME, "from_local: the local tensor is on cpu but the mesh's device_type is 'cuda'; move it first (local.to('cuda'))"),
     T("from-local-meta", lambda m: sbp.from_local(torch.empty(2, device="meta"), m, "S(0)"), ME, "the local tensor is on meta but the mesh's device_type is 'cpu'"),
     Row("from-local-pure-mesh", lambda: sbp.from_local(torch.ones(2), M1, "S(0)"), ME, "from_local needs a mesh bound to processes"),
+    T("from-local-check-str", lambda m: sbp.from_local(torch.ones(2), m, "S(0)", check="no"), E, "from_local(check=...) takes a bool, got 'no'"),
+    T("redistribute-async-str", lambda m: _x(m).redistribute("B", async_op="yes"), E, "redistribute(async_op=...) takes a bool, got 'yes'"),
+    Row("strict-str", lambda: sbp.strict("no").__enter__(), E, "sbp.strict(enabled) takes a bool, got 'no'"),
     # ---- redistribute and the other GlobalTensor methods (threads) ---------------------------------------
     T("redistribute-range", lambda m: _x(m).redistribute("S(2)"), PE, "S(2) is out of range for a 2-d tensor (valid: -2..1)"),
     T("redistribute-int", lambda m: _x(m).redistribute(5), PE, "placements must be a string, a placement or an iterable of placements, got int"),

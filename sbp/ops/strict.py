@@ -9,6 +9,7 @@ import contextvars
 from typing import Iterator
 
 from ..runtime.agreement import backward_on_this_thread
+from ..values.errors import SbpError
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("sbp_strict", default=False)
 
@@ -26,6 +27,8 @@ def strict(enabled: bool = True) -> Iterator[None]:
     >>> with sbp.strict():
     ...     pass  # ops here must have rules
     """
+    if not isinstance(enabled, bool):   # a truthy "no" would turn strict mode on
+        raise SbpError(f"sbp.strict(enabled) takes a bool, got {enabled!r}")
     token = _STRICT.set(enabled)
     try:
         with backward_on_this_thread(enabled):   # CUDA backward threads do not see this ContextVar

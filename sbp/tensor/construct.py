@@ -299,6 +299,8 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     _check_bound(mesh, "from_local")
     if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor):
         raise SbpError(f"from_local needs this rank's plain local torch.Tensor, got {type(local).__name__}")
+    if not isinstance(check, bool):   # a truthy "no" would run the checks, a falsy 0 skip them silently
+        raise SbpError(f"from_local(check=...) takes a bool, got {check!r}")
     check_dense(local, "from_local")
     check_local_device(local, mesh, "from_local")
     pls = normalize(placements, local.ndim, mesh.ndim)

@@ -587,6 +587,8 @@ def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh], as
     """The body of `GlobalTensor.redistribute` (also what a compiled graph traces through)."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise MeshError(f"redistribute(mesh=...) needs an sbp.DeviceMesh, got {type(mesh).__name__}")
+    if not isinstance(async_op, bool):
+        raise SbpError(f"redistribute(async_op=...) takes a bool, got {async_op!r}")
     if mesh is None or mesh is self._mesh or mesh == self._mesh:
         pls = normalize(placements, len(self.shape), len(self._mesh.shape))
         if pls == self._placements:  # already laid out so (and checked when it was made)
