@@ -1009,7 +1009,12 @@ class _LeafHook:
         (autograd checked its shape against the leaf's)."""
         mesh, want = self.mesh, self.want
         if isinstance(grad, GlobalTensor):
-            if grad._placements == want and grad._mesh == mesh:
+            if grad._mesh != mesh:   # a gradient given on another mesh (``y.backward(g)``): torch refuses a
+                raise MeshError(     # gradient on another device alike
+                    f"the gradient reaching a leaf of global shape {tuple(grad.shape)} on {mesh!r} is on another "
+                    f"mesh, {grad._mesh!r} (a gradient passed to backward() must be on its output's mesh; move it "
+                    f"with g.redistribute(placements, mesh=...))")
+            if grad._placements == want:
                 return None
             return autograd.redistribute(grad, want)
         return GlobalTensor(local_from_full(grad, mesh, want), mesh, want, tuple(grad.shape))
