@@ -204,6 +204,7 @@ ROWS: list[Row] = [
     Row("zeros-placements-no-mesh", lambda: sbp.zeros((2,), placements="S(0)"), E, "placements 'S(0)' need a mesh; pass mesh= or drop placements"),
     Row("zeros-pure-mesh", lambda: sbp.zeros((2,), M1, "S(0)"), ME, "factories need an sbp.DeviceMesh bound to processes"),
     Row("zeros-mesh-str", lambda: sbp.zeros((2,), "2x2"), ME, "got '2x2'"),
+    Row("rand-seed-and-generator", lambda: sbp.rand((2,), seed=3, generator=torch.Generator()), E, "give seed= or generator=, not both (got seed=3 and a generator)"),
     Row("zeros-sizes-one-by-one", lambda: sbp.zeros(4, 6), ME, "got 6 (an int: the global shape is one argument, a tuple -- (4, 6), mesh, placements -- not sizes one by one)"),
     Row("zeros-int-requires-grad", lambda: sbp.zeros(2, dtype=torch.int64, requires_grad=True), DE, "requires_grad=True needs a floating point or complex dtype (only those have gradients), got torch.int64"),
     Row("zeros-requires-grad-str", lambda: sbp.zeros(2, requires_grad="yes"), E, "requires_grad must be a bool, got 'yes'"),

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..runtime.agreement import agree, is_enabled, mesh_gather
 from ..runtime.backends.base import comm_device
 from ..runtime.traced import traced_here
 from ..values.errors import DTypeError, MeshError, SbpError
@@ -166,7 +167,9 @@ _eager_constant = torch._dynamo.disable(_constant_local, reason=_IN_GRAPH.format
 
 
 def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, requires_grad: bool,
-          sample_value, fill: Fill, check_value: bool = False):
+          sample_value, fill: Fill, check_value: bool = False, agreed: Optional[dict] = None):
+    """The factory's global tensor; under `sbp.debug()` the ranks first agree on its global shape, placements,
+    dtype, the fill value and `agreed` (the random factories' seed)."""
     shape = check_global_shape((global_shape,) if isinstance(global_shape, int) else global_shape)
     _check_dtype(dtype)
     if check_value:
@@ -200,6 +203,10 @@ def _make(global_shape: Shape, mesh: Optional[DeviceMesh], placements, dtype, re
     coord = mesh.coord
     mesh_device(mesh, "factory")
     device = comm_device(mesh)
+    if is_enabled() and coord is not None:
+        gather, members = mesh_gather(mesh)
+        agree(gather, members, "factory", {"global shape": shape, "placements": pls, "dtype": dtype,
+                                           "fill value": sample_value, **(agreed or {})}, device=device)
     if coord is None:
         local = empty_outside(len(shape), dtype, device)
     else:
@@ -223,6 +230,8 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
                          f"draw in float32 and cast")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise SbpError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and seed is not None:   # the seed would win and the generator be ignored
+        raise SbpError(f"give seed= or generator=, not both (got seed={seed!r} and a generator)")
     if seed is None:
         seed = agreed_seed(mesh, generator)
     elif isinstance(seed, bool) or not isinstance(seed, int):
@@ -248,7 +257,7 @@ def _random(draw, global_shape, mesh, placements, seed, generator, dtype, requir
                 start += count
         return out.view(block)   # drawn on the device itself: no host draw, no copy
 
-    return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill)
+    return _make(shape, mesh, placements, dtype, requires_grad, 0.0, fill, agreed={"seed": seed})
 
 
 _eager_random = torch._dynamo.disable(_random, reason=_IN_GRAPH.format(

@@ -151,6 +151,20 @@ def test_debug_distribute_shape_and_dtype_disagree():
                    "the same; SPMD): (4, 3) on ranks [0]; (5, 3) on ranks [1]")
 
 
+@pytest.mark.parametrize("call, field", [
+    (lambda m: sbp.zeros((2 + m.rank,), m, "S(0)"),
+     "global shape (every rank must pass the same; SPMD): (2,) on ranks [0]; (3,) on ranks [1]"),
+    (lambda m: sbp.ones((2,), m, "S(0)" if m.rank else "B"), "placements"),
+    (lambda m: sbp.full((2,), float(m.rank), m, "B"), "fill value"),
+    (lambda m: sbp.rand((2,), m, "B", seed=m.rank),
+     "seed (every rank must pass the same; SPMD): 0 on ranks [0]; 1 on ranks [1]"),
+], ids=["zeros-shape", "ones-placements", "full-value", "rand-seed"])
+def test_debug_factories_disagree(call, field):
+    # the factories make no collective; under debug they agree first (before: a B tensor whose values differed
+    # by rank, or a different global shape on each rank, passed silently)
+    assert f"factory: ranks disagree on {field}" in raises_mismatch(call, (2,), debug=True)
+
+
 def test_without_debug_distribute_src_none_does_not_communicate():
     """The cost model: outside debug, distribute(src=None) makes no collective (so it cannot check)."""
     def fn(mesh):
