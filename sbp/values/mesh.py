@@ -69,6 +69,10 @@ class DeviceMesh:
         if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
             raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
         object.__setattr__(self, "shape", shape)
+        for what in ("names", "ranks"):   # an unordered collection would give each process its own order
+            if isinstance(getattr(self, what), (set, frozenset, dict)):
+                raise MeshError(f"mesh {what} must be ordered (a tuple or list, one per axis / rank in row-major "
+                                f"order), got a {type(getattr(self, what)).__name__}: {getattr(self, what)!r}")
         if self.names is not None:
             # a lone string is one name, not one name per character ("dp" is not ("d", "p"))
             try:
@@ -158,6 +162,9 @@ class DeviceMesh:
         >>> DeviceMesh((2, 3)).coord_of_index(4), DeviceMesh((2,), ranks=[5, 7]).coord_of_index(1)
         ((1, 1), (1,))
         """
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.ranks):
+            raise MeshError(f"a mesh index of mesh shape {self.shape} is an int in 0..{len(self.ranks) - 1}, "
+                            f"got {index!r}")
         coord = []
         for n in reversed(self.shape):
             coord.append(index % n)
