@@ -75,6 +75,17 @@ def _init_mesh_without_env():
         return sbp.init_mesh((2,))
 
 
+def _init_mesh_with_env(**env):
+    """init_mesh with a torchrun environment of `env` (the rest valid: loopback, a port nothing listens on)."""
+    with _without_torchrun_env():
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2", **env})
+        try:
+            return sbp.init_mesh((2,), device_type="cpu", timeout=5)
+        finally:
+            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+                os.environ.pop(k, None)
+
+
 def _x(mesh, pls="S(0)", t=None):
     return sbp.distribute(torch.ones(4, 4) if t is None else t, mesh, pls)
 
@@ -209,6 +220,7 @@ ROWS: list[Row] = [
     Row("mesh-ranks-dict", lambda: DeviceMesh((2,), ranks={3: 0, 1: 0}), ME, "mesh ranks must be ordered (a tuple or list, one per axis / rank in row-major order), got a dict"),
     Row("mesh-index-range", lambda: DeviceMesh((2, 2)).coord_of_index(99), ME, "a mesh index of mesh shape (2, 2) is an int in 0..3, got 99"),
     Row("mesh-index-str", lambda: DeviceMesh((2, 2)).coord_of_index("a"), ME, "got 'a'"),
+    Row("topology-preset-list", lambda: sbp.Topology.preset(["a"], (2, 2)), PLE, "unknown topology preset ['a'] (valid: "),
     Row("zeros-sizes-one-by-one", lambda: sbp.zeros(4, 6), ME, "got 6 (an int: the global shape is one argument, a tuple -- (4, 6), mesh, placements -- not sizes one by one)"),
     Row("zeros-int-requires-grad", lambda: sbp.zeros(2, dtype=torch.int64, requires_grad=True), DE, "requires_grad=True needs a floating point or complex dtype (only those have gradients), got torch.int64"),
     Row("zeros-requires-grad-str", lambda: sbp.zeros(2, requires_grad="yes"), E, "requires_grad must be a bool, got 'yes'"),
@@ -218,6 +230,7 @@ ROWS: list[Row] = [
     Row("full-overflow", lambda: sbp.full((2,), 300, dtype=torch.uint8), DE, "cannot be represented as torch.uint8 (out of range 0..255)"),
     Row("full-bool-two", lambda: sbp.full((2,), 2, dtype=torch.bool), DE, "bool holds only 0/False and 1/True"),
     Row("full-float16-overflow", lambda: sbp.full((2,), 1e10, dtype=torch.float16), DE, "beyond its largest finite value 65504.0"),
+    Row("full-complex64-overflow", lambda: sbp.full((2,), complex(1e39, 0), dtype=torch.complex64), DE, "fill_value (1e+39+0j) cannot be represented as torch.complex64 (beyond its largest finite value 3.4028234663852886e+38)"),
     Row("full-complex-to-real", lambda: sbp.full((2,), 1 + 2j, dtype=torch.float32), DE, "a complex number with an imaginary part needs a complex dtype"),
     Row("full-nan-to-int", lambda: sbp.full((2,), float("nan"), dtype=torch.int32), DE, "cannot be represented as torch.int32 (not an integer)"),
     Row("rand-int-dtype", lambda: sbp.rand((2,), dtype=torch.int64), DE, "random factories need a floating dtype, got torch.int64"),
@@ -268,6 +281,9 @@ ROWS: list[Row] = [
     Row("init-mesh-names", lambda: sbp.init_mesh((2, 2), names=("a", "a")), ME, "mesh axis names must be unique"),
     Row("init-mesh-ranks-dup", lambda: sbp.init_mesh((2,), ranks=[1, 1]), ME, "mesh ranks must be distinct"),
     Row("init-mesh-no-env", _init_mesh_without_env, ME, "torch.distributed is not initialised and the environment lacks MASTER_ADDR"),
+    Row("init-mesh-env-world-size", lambda: _init_mesh_with_env(WORLD_SIZE="abc"), ME, "the torchrun environment is inconsistent: WORLD_SIZE='abc' is not a non-negative int"),
+    Row("init-mesh-env-rank", lambda: _init_mesh_with_env(RANK="5"), ME, "RANK=5 is not below WORLD_SIZE=2"),
+    Row("submesh-int-world", lambda: sbp.testing.submesh(5, (2,), ranks=[0, 1]), ME, "submesh needs the bound world mesh that spmd passes to fn, got int"),
     Row("init-device-mesh-type", lambda: sbp.init_device_mesh("tpu", (2,)), ME, "got 'tpu'"),
     *([Row("init-mesh-cuda-missing", lambda: sbp.init_mesh((2,), device_type="cuda"), ME, "init_mesh(device_type='cuda') needs CUDA")]
       if not CUDA else []),

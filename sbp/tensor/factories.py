@@ -314,9 +314,10 @@ def _check_fill(value, dtype: torch.dtype) -> None:
         info = torch.iinfo(dtype)
         if not info.min <= value <= info.max:
             raise refuse(f"out of range {info.min}..{info.max}")
-    elif isinstance(value, (int, float)) and abs(value) != float("inf") and value == value:
+    else:   # a float dtype, or a complex one (each part in its real dtype)
         finfo = torch.finfo(dtype)
-        if abs(value) > finfo.max:
+        parts = (value.real, value.imag) if isinstance(value, complex) else (value,)
+        if any(abs(v) != float("inf") and v == v and abs(v) > finfo.max for v in parts):
             raise refuse(f"beyond its largest finite value {finfo.max}")
 
 

@@ -100,6 +100,8 @@ def submesh(world: DeviceMesh, shape: "int | Sequence[int]", names: Sequence[str
     >>> sbp.testing.spmd(lambda w: submesh(w, (2,), ranks=[3, 1]).coord, (4,))
     [None, (1,), None, (0,)]
     """
+    if not isinstance(world, DeviceMesh):
+        raise MeshError(f"submesh needs the bound world mesh that spmd passes to fn, got {type(world).__name__}")
     if world.binding is None:
         raise MeshError(f"submesh needs the bound world mesh that spmd passes to fn, got the pure value {world!r}")
     return world.binding.bind(DeviceMesh(shape, names, ranks, world.device_type))

@@ -161,7 +161,7 @@ class Topology:
         >>> Topology.preset("dtensor", (2, 8)).alpha_us
         (2.7, 0.6)
         """
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise PlanError(f"unknown topology preset {name!r} (valid: {', '.join(sorted(PRESETS))})")
         ia, ib, xa, xb = PRESETS[name]
         return cls.for_mesh(mesh_shape, devices_per_host, (ia, ib), (xa, xb), name)

@@ -155,6 +155,13 @@ def _init_default(backend: str, device_type: str, timeout: timedelta) -> None:
         raise MeshError(f"torch.distributed is not initialised and the environment lacks {', '.join(missing)}; "
                         f"launch with torchrun (or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), or call "
                         f"torch.distributed.init_process_group first")
+    numbers = {k: os.environ[k] for k in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    bad = {k: v for k, v in numbers.items() if not v.strip().isdigit()}
+    if bad or not int(numbers["RANK"]) < int(numbers["WORLD_SIZE"]):
+        raise MeshError("the torchrun environment is inconsistent: "
+                        + (", ".join(f"{k}={v!r} is not a non-negative int" for k, v in bad.items()) if bad else
+                           f"RANK={numbers['RANK']} is not below WORLD_SIZE={numbers['WORLD_SIZE']}")
+                        + " (launch with torchrun, which sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)")
     if device_type == "cuda":
         select_cuda_device(int(os.environ["RANK"]))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
