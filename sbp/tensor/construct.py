@@ -138,6 +138,9 @@ def check_dense(t: torch.Tensor, what: str) -> None:
     if t.is_nested or t.layout != torch.strided:
         kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
         raise SbpError(f"{what} needs a dense (strided) tensor, got {kind}; convert it first (t.to_dense())")
+    if t.is_quantized:   # its scale and zero point are no local block: ops on it fail inside torch later
+        raise DTypeError(f"{what} does not take quantized tensors, got {t.dtype}; dequantize it first "
+                         f"(t.dequantize()), or lay out its int_repr()")
 
 
 def _distribute(tensor, mesh: DeviceMesh, placements, src: Optional[int],

@@ -278,6 +278,13 @@ def _can_draw(draw, dtype: torch.dtype) -> bool:
 def _check_dtype(dtype) -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise DTypeError(f"dtype must be a torch.dtype (e.g. torch.float32) or None, got {dtype!r}")
+    if dtype in _QUANTIZED:
+        raise DTypeError(f"sbp's factories do not make quantized tensors, got dtype {dtype}; make the values in a "
+                         f"plain dtype and quantize the local blocks")
+
+
+_QUANTIZED = frozenset(getattr(torch, name) for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(torch, name))
 
 
 def _as_number(value):
