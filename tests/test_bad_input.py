@@ -294,6 +294,7 @@ ROWS: list[Row] = [
     Row("load-into-list", lambda: sbp.load(_saved_checkpoint(), [1]), CE, "a state_dict must be a dict, got list"),
     Row("load-keys", lambda: sbp.load(_saved_checkpoint(), {"v": torch.zeros(4, 2)}), CE, "have different keys: missing from the checkpoint: ['v']"),
     Row("load-shape", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 3)}), CE, "tensor 'w': global shape (4, 2) in the checkpoint, (4, 3) in the state_dict"),
+    Row("load-into-expand", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(1, 2).expand(4, 2)}), CE, "tensor 'w': the state_dict's tensor shares memory between its elements (an expand)"),
     Row("load-dtype", lambda: sbp.load(_saved_checkpoint(), {"w": torch.zeros(4, 2, dtype=torch.int64)}), CE, "dtype float32 in the checkpoint, int64 in the state_dict"),
     Row("save-path-int", lambda: sbp.save({"a": torch.ones(1)}, 5), CE, "save: path must be a str or os.PathLike naming the checkpoint directory, got int (5)"),
     Row("load-path-int", lambda: sbp.load(5, {}), CE, "load: path must be a str or os.PathLike naming the checkpoint directory, got int (5)"),

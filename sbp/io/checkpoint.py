@@ -438,6 +438,10 @@ def _check_tensor(key: str, entry: dict, target: Any) -> None:
     if dtype_name(target.dtype) != entry["dtype"]:
         raise CheckpointError(f"tensor {key!r}: dtype {entry['dtype']} in the checkpoint, "
                               f"{dtype_name(target.dtype)} in the state_dict")
+    local = target._local if isinstance(target, GlobalTensor) else target
+    if torch._debug_has_internal_overlap(local) == 1:   # torch refuses writes there, after other keys loaded
+        raise CheckpointError(f"tensor {key!r}: the state_dict's tensor shares memory between its elements (an "
+                              f"expand); sbp.load writes into it in place: give it a tensor of its own (.clone())")
 
 
 def _pieces(key: str, entry: dict, target: torch.Tensor, files: "_Files") -> list[tuple]:
