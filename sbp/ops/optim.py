@@ -179,3 +179,59 @@ def foreach(func, args: tuple, kwargs: dict) -> Any:
 
 FOREACH = Rule(no_signatures, composite=foreach,
                doc="the pointwise rule per list index; one fused local call when every index lines up")
+
+# the fused optimizer kernels (``torch.optim.Adam(..., fused=True)``): element-wise updates of the parameters
+# and their states, index by index, with the step counts as plain tensors
+_FUSED = frozenset({"aten::_fused_adam_", "aten::_fused_adamw_", "aten::_fused_sgd_", "aten::_fused_adagrad_"})
+
+
+def is_fused_optimizer(func) -> bool:
+    """Whether `func` is one of torch's fused optimizer kernels (``_fused_adamw_``, ...).
+
+    >>> is_fused_optimizer(torch.ops.aten._fused_adamw_.default), is_fused_optimizer(torch.ops.aten.add_.Tensor)
+    (True, False)
+    """
+    return func._schema.name in _FUSED
+
+
+def fused_optimizer(func, args: tuple, kwargs: dict) -> Any:
+    """Run a fused optimizer kernel on the local tensors when its global lists line up (`_lined_up`: the
+    parameters, gradients and states of every index share one layout without Partial); the plain lists (the
+    step counts, one 0-d tensor per parameter, the same on every rank) pass as they are. Else the fallback.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     w = torch.nn.Parameter(sbp.distribute(torch.ones(4), mesh, "S(0)"))
+    ...     w.grad = sbp.distribute(torch.ones(4), mesh, "S(0)")
+    ...     torch.optim.SGD([w], lr=0.5, fused=True).step()          # one _fused_sgd_ on the local blocks
+    ...     return w.full().tolist()
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    [0.5, 0.5, 0.5, 0.5]
+    """
+    lists = tuple(a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], GlobalTensor))
+    loose = [a for a in (*args, *kwargs.values()) if isinstance(a, GlobalTensor)]
+    if loose or not lists or not _lined_up(func, lists):
+        return NotImplemented
+    writes = [arg.alias_info is not None and arg.alias_info.is_write for arg in func._schema.arguments]
+    torch._C._increment_version([t for w, a in zip(writes, args) if w and isinstance(a, (list, tuple))
+                                 for t in a if isinstance(t, GlobalTensor)])   # the wrappers' counters too
+    largs, lkwargs = _local_args(args, kwargs)
+    # the kernels read every list with the first's strides (torch's autograd lays a gradient out as its
+    # parameter; sbp's locals may differ, a transposed gradient block): contiguous copies, written back after
+    back = []
+    for k, lst in enumerate(largs):
+        if isinstance(lst, list) and lst and isinstance(args[k][0], GlobalTensor) and \
+                not all(t.is_contiguous() for t in lst):
+            largs[k] = [t if t.is_contiguous() else t.contiguous() for t in lst]
+            if writes[k]:
+                back.append((lst, largs[k]))
+    out = func(*largs, **lkwargs)
+    for originals, used in back:
+        for t, u in zip(originals, used):
+            if u is not t:
+                t.copy_(u)
+    return out
+
+
+FUSED = Rule(no_signatures, composite=fused_optimizer,
+             doc="one local call when the parameters, gradients and states line up")

@@ -178,6 +178,8 @@ def _family(func) -> Optional[Rule]:
         return pointwise.POINTWISE
     if optim.is_foreach(func):
         return optim.FOREACH
+    if optim.is_fused_optimizer(func):
+        return optim.FUSED
     return None
 
 
@@ -204,7 +206,7 @@ def register(func, rule: Optional[Rule]) -> Optional[Rule]:
 
 
 FAMILIES = (("aten.<pointwise-tagged op>", pointwise.POINTWISE),   # rows `lookup` finds by property
-            ("aten._foreach_*", optim.FOREACH))
+            ("aten._foreach_*", optim.FOREACH), ("aten._fused_{adam,adamw,sgd,adagrad}_", optim.FUSED))
 
 
 def table_rows() -> list[tuple[str, str]]:
@@ -212,7 +214,7 @@ def table_rows() -> list[tuple[str, str]]:
     docs/operators.md.
 
     >>> table_rows()[0], table_rows()[-1][0]
-    (('aten.mm.default', 'contraction mk,kn->mn'), 'aten._foreach_*')
+    (('aten.mm.default', 'contraction mk,kn->mn'), 'aten._fused_{adam,adamw,sgd,adagrad}_')
     """
     return [(str(func), rule.doc) for func, rule in TABLE.items()] + [(name, rule.doc) for name, rule in FAMILIES]
 
