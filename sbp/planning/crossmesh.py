@@ -122,8 +122,14 @@ class CrossMeshPlan:
         """Every world rank that takes part (the union of both meshes), sorted."""
         return tuple(sorted(set(self.src_mesh.ranks) | set(self.dst_mesh.ranks)))
 
-    def explain(self) -> str:
-        """EXPLAIN-style text: the source-side steps, then one line per sender -> receiver with volumes."""
+    def __repr__(self) -> str:   # the pieces counted, not listed: a 16k-rank plan has ~10^5 of them
+        return (f"CrossMeshPlan(global_shape={self.global_shape}, src_mesh={self.src_mesh!r}, src={self.src}, "
+                f"dst_mesh={self.dst_mesh!r}, dst={self.dst}, itemsize={self.itemsize}, "
+                f"bytes_per_rank={self.bytes_per_rank}, pieces={len(self.pieces)})")
+
+    def explain(self, limit: Optional[int] = 64) -> str:
+        """EXPLAIN-style text: the source-side steps, then one line per sender -> receiver with volumes (the
+        first `limit` of them, then one line counting the rest; None: all)."""
         lines = [f"CrossMeshPlan {self.src} on {self.src_mesh!r} -> {self.dst} on {self.dst_mesh!r}  "
                  f"shape={self.global_shape} itemsize={self.itemsize}",
                  f"  bytes/rank={self.bytes_per_rank} (lower bound {self.lower_bound})  "
@@ -142,8 +148,13 @@ class CrossMeshPlan:
             if p.src_rank != p.dst_rank:
                 key = (p.src_rank, p.dst_rank)
                 volumes[key] = volumes.get(key, 0) + p.numel() * self.itemsize
-        for (s, d), v in sorted(volumes.items()):
+        messages = sorted(volumes.items())
+        for (s, d), v in messages[:limit]:
             lines.append(f"    rank {s} -> rank {d}: {v} bytes")
+        if limit is not None and len(messages) > limit:
+            rest = messages[limit:]
+            lines.append(f"    ... {len(rest)} more messages, {sum(v for _, v in rest)} bytes "
+                         f"(explain(limit=None) lists them all)")
         if not volumes:
             lines.append("    (nothing moves between ranks)")
         for s in self.post.steps:

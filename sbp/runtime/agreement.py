@@ -127,7 +127,8 @@ def plan_signature(plan: Any) -> str:
     'plan '
     """
     # a cross-mesh plan has no to_dict; its EXPLAIN text lists every step and every piece's route
-    data = (json.dumps(plan.to_dict(), sort_keys=True) if hasattr(plan, "to_dict") else plan.explain()).encode()
+    data = (json.dumps(plan.to_dict(), sort_keys=True) if hasattr(plan, "to_dict") else
+            plan.explain(limit=None)).encode()
     steps = len(plan.steps) if hasattr(plan, "steps") else len(plan.pieces)
     return f"plan {hashlib.blake2b(data, digest_size=7).hexdigest()} ({steps} {'steps' if hasattr(plan, 'steps') else 'pieces'})"
 

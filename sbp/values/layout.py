@@ -7,6 +7,7 @@ Broadcast and Partial axes do not change the block.
 """
 from __future__ import annotations
 
+import math
 import operator
 from functools import lru_cache
 from typing import Sequence
@@ -49,12 +50,19 @@ def check_global_shape(global_shape: Sequence[int]) -> tuple[int, ...]:
     """
     try:
         shape = tuple(operator.index(n) for n in global_shape if not isinstance(n, bool))
-        ok = len(shape) == len(tuple(global_shape)) and all(n >= 0 for n in shape)
+        ok = len(shape) == len(tuple(global_shape)) and all(n >= 0 for n in shape) and \
+            not isinstance(global_shape, (set, frozenset, dict))   # unordered: no shape
     except TypeError:
         ok = False
     if not ok:
         raise ShapeError(f"global_shape must be a sequence of non-negative ints, got {global_shape!r}")
+    if math.prod(shape) > _MAX_ELEMENTS or any(n > _MAX_ELEMENTS for n in shape):
+        raise ShapeError(f"global_shape {shape} has more than 2**63 - 1 elements (or a dim that large): no tensor "
+                         f"holds it (torch counts elements in int64)")
     return shape
+
+
+_MAX_ELEMENTS = 2**63 - 1
 
 
 @lru_cache(maxsize=65536)

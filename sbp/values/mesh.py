@@ -341,7 +341,13 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         names = f", names={self.names}" if self.names else ""
-        ranks = "" if self.ranks == tuple(range(self.size())) else f", ranks={list(self.ranks)}"
+        r = self.ranks
+        if r == tuple(range(len(r))):
+            ranks = ""
+        elif len(r) > 8 and r == tuple(range(r[0], r[0] + len(r))):   # one run: as a range (16k ranks stay short)
+            ranks = f", ranks=range({r[0]}, {r[0] + len(r)})"
+        else:
+            ranks = f", ranks={list(r)}"
         return f"DeviceMesh({self.shape}{names}{ranks})"
 
 

@@ -521,3 +521,18 @@ def test_lack_of_tensors_far_smaller_than_the_mesh_equals_brute_force(monkeypatc
     for shape, mesh, s, t, w in cases:
         assert Costing(shape, mesh, 4).lack(s, t, weight=w) == _weighted_brute(shape, mesh, s, t, w), (shape, s, t, w)
     assert made   # the array join ran
+
+
+def test_cross_mesh_plan_text_at_16k_ranks_stays_short():
+    # a (128, 128) -> (16384,) move lists ~128k messages: explain() was 128,003 lines (5 MB, a 114,814-character
+    # header of the destination's ranks) and repr() 10 MB; now the first 64 messages and one line for the rest
+    src, dst = sbp.DeviceMesh((128, 128)), sbp.DeviceMesh((16384,), ranks=range(16384, 32768))
+    p = sbp.plan((1000, 1000), src, "S(0), S(1)", "S(1)", dst_mesh=dst)
+    lines = p.explain().splitlines()
+    assert len(lines) <= 70 and max(map(len, lines)) < 300
+    assert "DeviceMesh((16384,), ranks=range(16384, 32768))" in lines[0]
+    more = int(lines[-1].split("... ")[1].split(" more")[0]) if "more messages" in lines[-1] else 0
+    listed = sum(1 for line in lines if line.strip().startswith("rank "))
+    assert listed == 64 and listed + more == len(p.explain(limit=None).splitlines()) - (len(lines) - listed - 1)
+    assert len(repr(p)) < 300 and f"pieces={len(p.pieces)}" in repr(p)
+    assert eval(repr(dst), {"DeviceMesh": sbp.DeviceMesh}) == dst
