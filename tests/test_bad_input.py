@@ -349,6 +349,7 @@ ROWS: list[Row] = [
     T("from-local-meta", lambda m: sbp.from_local(torch.empty(2, device="meta"), m, "S(0)"), ME, "the local tensor is on meta but the mesh's device_type is 'cpu'"),
     Row("from-local-pure-mesh", lambda: sbp.from_local(torch.ones(2), M1, "S(0)"), ME, "from_local needs a mesh bound to processes"),
     T("from-local-check-str", lambda m: sbp.from_local(torch.ones(2), m, "S(0)", check="no"), E, "from_local(check=...) takes a bool, got 'no'"),
+    T("parallelize-bucket-bytes-no-dp-axis", lambda m: sbp.nn.parallelize(torch.nn.Linear(2, 2), m, {"": "colwise"}, dp_bucket_bytes=-1), E, "dp_bucket_bytes must be a positive number of bytes, got -1"),
     T("backward-grad-other-mesh", lambda m: (sbp.distribute(torch.ones(4), m, "S(0)", requires_grad=True) * 2).backward(
         sbp.distribute(torch.ones(4), sbp.testing.submesh(m, (1,), ranks=[0]), "B")), ME,
       "the gradient reaching a leaf of global shape (4,) on DeviceMesh((2,)) is on another mesh, DeviceMesh((1,))"),

@@ -78,6 +78,18 @@ class _BucketIdentity(torch.autograd.Function):
         return (None,) + ctx.bucket.reduce(grads)
 
 
+def check_bucket_bytes(bucket_bytes: Any) -> None:
+    """`dp_bucket_bytes` is a positive int (checked by `parallelize` also where the mesh has no dp axis).
+
+    >>> check_bucket_bytes(-1)
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.SbpError: dp_bucket_bytes must be a positive number of bytes, got -1
+    """
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise SbpError(f"dp_bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+
+
 def bucket_gradients(module: nn.Module, mesh: DeviceMesh, axes: tuple[int, ...], bucket_bytes: int) -> list[int]:
     """Reduce the gradients of `module`'s parameters that are `B` on mesh `axes` in buckets of about
     `bucket_bytes` (one all_reduce each); returns the number of parameters per bucket.
@@ -93,8 +105,7 @@ def bucket_gradients(module: nn.Module, mesh: DeviceMesh, axes: tuple[int, ...],
     >>> sbp.testing.spmd(fn, (2, 2), names=("dp", "tp"))[0]    # one for the four parameters' gradients
     1
     """
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
-        raise SbpError(f"dp_bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+    check_bucket_bytes(bucket_bytes)
     buckets: list[_Bucket] = []
     size, seen = 0, set()
     for owner in module.modules():

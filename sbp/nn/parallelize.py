@@ -52,7 +52,7 @@ from ..values.layout import split_range
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from . import packed, tp_local
-from .buckets import bucket_gradients
+from .buckets import bucket_gradients, check_bucket_bytes
 from .hf import auto_plan, style_for
 from .rebuild import record
 from .styles import AllReduce, Colwise, Embedding, Packed, Rowwise, Style
@@ -177,6 +177,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: "Mapping[str, str | S
         raise SbpError(f"parallelize needs an nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
         raise SbpError(f"parallelize needs a bound sbp.DeviceMesh (sbp.init_mesh or sbp.testing.spmd), got {mesh!r}")
+    if dp_bucket_bytes is not None:
+        check_bucket_bytes(dp_bucket_bytes)
     auto = isinstance(plan, str) and plan == "auto"
     if auto:
         plan = auto_plan(module)
