@@ -228,6 +228,17 @@ class GlobalTensor(torch.Tensor):
         return self._mesh
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The device mesh (DTensor's spelling of `mesh`).
+
+        >>> import sbp
+        >>> x = GlobalTensor(torch.ones(2), sbp.DeviceMesh((2,)), (sbp.S(0),), (4,))
+        >>> x.device_mesh is x.mesh
+        True
+        """
+        return self._mesh
+
+    @property
     def local_shape(self) -> torch.Size:
         """The shape of this rank's local tensor (empty for a rank outside the mesh).
 

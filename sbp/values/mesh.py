@@ -286,6 +286,43 @@ class DeviceMesh:
         rank = self._bound("coord").rank
         return self.coord_of(rank) if rank in self.ranks else None
 
+    # ---- DTensor's spellings of the same facts (code ported from torch.distributed's DeviceMesh) -----
+    @property
+    def mesh_dim_names(self) -> Optional[tuple[str, ...]]:
+        """The axis names (DTensor's spelling of `names`).
+
+        >>> DeviceMesh((2, 2), names=("dp", "tp")).mesh_dim_names
+        ('dp', 'tp')
+        """
+        return self.names
+
+    def get_coordinate(self) -> Optional[list[int]]:
+        """This rank's coord as a list, None outside the mesh (DTensor's spelling of `coord`).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.get_coordinate(), (2,))
+        [[0], [1]]
+        """
+        coord = self.coord
+        return None if coord is None else list(coord)
+
+    def get_local_rank(self, mesh_dim: "int | str | None" = None) -> int:
+        """This rank's coord along one axis (DTensor's spelling; `mesh_dim` may be omitted on a 1-axis mesh).
+
+        >>> import sbp.testing
+        >>> sbp.testing.spmd(lambda mesh: mesh.get_local_rank("tp"), (2, 2), names=("dp", "tp"))
+        [0, 1, 0, 1]
+        """
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise MeshError(f"get_local_rank needs mesh_dim on a {self.ndim}-axis mesh (valid: "
+                                f"0..{self.ndim - 1} or a name)")
+            mesh_dim = 0
+        coord = self.coord
+        if coord is None:
+            raise MeshError(f"rank {self.rank} is outside {self!r}: it has no local rank")
+        return coord[self.axis(mesh_dim)]
+
     def __getitem__(self, name: "int | str") -> "DeviceMesh":
         """The 1-axis sub-mesh along `name` that contains this rank (bound meshes only).
 

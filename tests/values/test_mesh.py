@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import sbp
@@ -262,3 +263,19 @@ def test_as_mesh_shape_errors(text, message):
     with pytest.raises(sbp.MeshError) as info:
         as_mesh_shape(text)
     assert str(info.value) == message
+
+
+def _dtensor_spellings(mesh):
+    sub = sbp.testing.submesh(mesh, (2,), ranks=[1, 3])
+    x = sbp.distribute(torch.ones(4), mesh, "S(0), B")
+    return (mesh.mesh_dim_names, mesh.get_coordinate(), mesh.get_local_rank("tp"), mesh.get_local_rank(0),
+            sub.get_coordinate(), x.device_mesh is x.mesh)
+
+
+def test_dtensor_spellings_of_mesh_facts():
+    # code ported from DTensor reads mesh.mesh_dim_names, get_coordinate(), get_local_rank(dim), x.device_mesh
+    got = sbp.testing.spmd(_dtensor_spellings, (2, 2), names=("dp", "tp"))
+    assert got == [(("dp", "tp"), [0, 0], 0, 0, None, True), (("dp", "tp"), [0, 1], 1, 0, [0], True),
+                   (("dp", "tp"), [1, 0], 0, 1, None, True), (("dp", "tp"), [1, 1], 1, 1, [1], True)]
+    with pytest.raises(sbp.SbpError, match="get_local_rank needs mesh_dim on a 2-axis mesh"):
+        sbp.testing.spmd(lambda mesh: mesh.get_local_rank(), (2, 2))
