@@ -25,7 +25,7 @@ from ..runtime.agreement import debug, is_enabled
 from ..runtime.backends.dist import MAX_TIMEOUT_S, collective_failures, init_mesh
 from ..runtime.backends.threads import spmd_threads
 from ..values.errors import CommError, MeshError, SbpError
-from ..values.mesh import DeviceMesh
+from ..values.mesh import LIVE_MESHES, DeviceMesh
 
 BACKENDS = ("threads", "gloo")
 FAILURE_GRACE_S = 0.5  # after one rank fails, how long to wait for the others' reports before giving up
@@ -332,7 +332,8 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
             if key not in meshes:
                 meshes[key] = init_mesh(shape, names, device_type="cpu", timeout=job_timeout)
             mesh = meshes[key]
-            mesh.binding.counters.reset()
+            LIVE_MESHES.remember(mesh, per_thread=False)   # this job's mesh is the one torch.load binds to (an
+            mesh.binding.counters.reset()                   # earlier job's, of another timeout, may be newer)
             with debug(debug_checks):  # the caller's sbp.debug() setting travels with the job
                 reply = ("ok", fn(mesh))
         except BaseException as e:  # noqa: BLE001 - sent back to the parent with the rank

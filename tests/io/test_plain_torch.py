@@ -87,6 +87,20 @@ def test_torch_save_load_of_a_global_tensor(backend):
         assert bad == set()
 
 
+def _loads_onto_this_jobs_mesh(mesh):
+    y = round_trip(sbp.distribute(values((4,)), mesh, "S(0)"))
+    return y.mesh is mesh
+
+
+@pytest.mark.gloo
+def test_gloo_jobs_of_another_timeout_load_onto_their_own_mesh():
+    # a gloo worker keeps one mesh per (shape, names, timeout); torch.load binds to the latest remembered mesh of
+    # the description, which was the other timeout's after a job with it (the full suite's order made
+    # test_torch_save_load_of_a_global_tensor[gloo] fail on `y.mesh is mesh`)
+    for timeout in (41, 43, 41):
+        assert sbp.testing.spmd(_loads_onto_this_jobs_mesh, (2,), backend="gloo", timeout=timeout) == [True, True]
+
+
 def test_a_pickle_names_the_mesh_description_only():
     def fn(mesh):
         return classes_in_pickle(sbp.distribute(values((4, 2)), mesh, "S(0)"))
