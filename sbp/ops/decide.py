@@ -10,6 +10,7 @@ one fallback of sbp, also taken by a composite rule (``_foreach_*``, in-place vi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import math
 import warnings
@@ -19,10 +20,10 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..runtime.executor import cached_plan
-from ..runtime.symbolic import hint, hint_shape
+from ..runtime.symbolic import hint, hint_shape, is_symbolic, narrows
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError, torch_alike
-from ..values.layout import block, block_numel
+from ..values.layout import block, block_numel, splitters
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
 from . import table as rules
@@ -328,9 +329,12 @@ def candidates(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Choice | li
         per_axis = [sorted(sigs, key=lambda s, a=a: _changed_on_axis(spec, s, a))[:4]
                     for a, sigs in enumerate(per_axis)]
     found = []
+    keep = KEEP_SIZES.get()
     for index, combo in enumerate(itertools.product(*per_axis)):
         choice = _choice(spec, combo)
         if (rule.check is not None and not rule.check(spec, choice)) or not _representable(spec, choice):
+            continue
+        if keep is not None and not keeps_dims(spec, choice, keep.__contains__):
             continue
         changed = _changed(spec, choice)
         if changed == 0 and not _writes_back(spec, choice, aliases):
@@ -338,6 +342,33 @@ def candidates(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Choice | li
         found.append((changed, index, choice))
     found.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
     return found
+
+
+# sizes no candidate may move (set while `sbp.ops.symbolic` decides a call of symbolic sizes at made-up ones:
+# those sizes stand for its symbols) -- a choice that moves one would pin it, a recompile for every size
+KEEP_SIZES: contextvars.ContextVar[Optional[frozenset[int]]] = contextvars.ContextVar("sbp_keep_sizes",
+                                                                                       default=None)
+
+
+def keeps_dims(spec: OpSpec, choice: Choice, kept) -> bool:
+    """Whether `choice` leaves every input dim whose size is `kept` (a predicate: a symbolic size, or one of
+    the made-up sizes that stand for symbols) split by the same mesh axes, or only narrows the input's
+    blocks (`sbp.runtime.symbolic.narrows`: cut locally, with symbolic bounds).
+
+    >>> import sbp
+    >>> x = TensorMeta((1013, 10), torch.float32, (sbp.S(1),))
+    >>> spec = OpSpec(torch.ops.aten.neg.default, (2,), {"self": Ref(0)}, (x,), ())
+    >>> [keeps_dims(spec, Choice(((p,),), ()), {1013}.__contains__) for p in (sbp.S(0), B)]
+    [False, True]
+    """
+    for meta, target in zip(spec.inputs, choice.inputs):
+        if not meta.is_global or target == meta.placements:
+            continue
+        if narrows(meta.placements, target, len(meta.shape)):
+            continue
+        if any(kept(n) and splitters(meta.placements, d) != splitters(target, d) for d, n in enumerate(meta.shape)):
+            return False
+    return True
 
 
 def cheapest(spec: OpSpec, found: list[tuple[int, int, Choice]], aliases: dict[int, int]) -> Optional[Choice]:
@@ -569,6 +600,8 @@ def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict,
     if record.found is None:
         record.found = candidates(rules.lookup(func), hinted, made.aliases)
     found = record.found
+    if not isinstance(found, Choice):   # as the class was decided: no choice that moves a symbolic dim
+        found = [c for c in found if keeps_dims(spec, c[2], is_symbolic)]
     choice = found if isinstance(found, Choice) else cheapest(hinted, found, made.aliases)
     if choice is None:
         return None

@@ -30,7 +30,7 @@ from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
 from ..values.layout import splitters
 from .cache import DECISIONS
-from .decide import Decision, DecisionClass, decide, instantiate_shaped, instantiate_symbolic, meta_outputs
+from .decide import KEEP_SIZES, Decision, DecisionClass, decide, instantiate_shaped, instantiate_symbolic, meta_outputs
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
 
@@ -124,10 +124,13 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
     for k in (1, 2):
         assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
-        try:
+        token = KEEP_SIZES.set(frozenset(assign.values()))   # a choice that moves a symbolic dim would pin it:
+        try:                                                  # the cheapest that moves none, where one fits
             made = decide(func, cargs, ckwargs, cleaves, mesh)
         except Exception:   # noqa: BLE001 -- any failure at made-up sizes: they break the call (see the docstring)
             return None
+        finally:
+            KEEP_SIZES.reset(token)
         if not _fits(made, outputs, assign):
             return None
         ints = [_value(v, assign) for v in values]

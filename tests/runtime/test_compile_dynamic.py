@@ -1,7 +1,8 @@
 """torch.compile with dynamic shapes (`sbp.runtime.symbolic`, `sbp.ops.symbolic`): a size no placement splits
 stays symbolic, so one graph serves every batch size (``dynamic=True``, ``mark_dynamic``); a size a placement
-splits is pinned by a guard and compiles once per value. Compiled results equal eager ones exactly, and the
-graph's collectives are the plan's at every size.
+splits is pinned by a guard and compiles once per value. Compiled results equal eager ones exactly, and a
+redistribution's collectives are the plan's at every size (an op whose eager choice would move a symbolic dim
+takes one that moves none: the vocab-parallel loss).
 
 Worker functions are module-level (they travel pickled to the shared gloo pool).
 """
@@ -322,19 +323,57 @@ def run_cross_entropy_of_dynamic_logits(placement, mesh):
     return diff, _graphs()
 
 
-@pytest.mark.parametrize("placement, most", [("B", 2), ("S(2)", 3)])
+@pytest.mark.parametrize("placement, most", [("B", 2), ("S(2)", 2)])
 def test_cross_entropy_of_dynamic_logits_and_a_static_target_compiles(placement, most) -> None:
     # torch guards B x T == 24 (the static target's rows) and keeps B and T symbolic. sbp decided the ops'
     # shape classes at made-up sizes, where nll_loss_backward's decomposition refuses the rows with an
     # AssertionError, which escaped while tracing ("size mismatch (got input: torch.Size([8176960, 16]),
     # target: torch.Size([24]))"). Now those sizes are pinned (a failure at made-up sizes breaks the call);
-    # the second size compiles once more with the batch dynamic, and the third reuses that graph. (Split
-    # logits: log_softmax over the split vocab moves rows instead, S(1) -> S(0), as eagerly, and that pins
-    # the batch: one graph per size.)
+    # the second size compiles once more with the batch dynamic, and the third reuses that graph -- also for
+    # split logits: log_softmax over the split vocab gathers it (S(2) -> B) instead of moving rows (S(2) ->
+    # S(0), the eager choice), which would pin the batch: one graph per size.
     for rank, (diff, graphs) in enumerate(spmd(functools.partial(run_cross_entropy_of_dynamic_logits, placement),
                                                (2,))):
         assert diff <= 1e-10, (rank, diff)
         assert graphs == most, f"rank {rank}: {graphs} graphs for batch sizes 4, 5, 7"
+
+
+def run_vocab_parallel_loss(mesh, sizes=(2, 3, 5, 4, 7, 6, 9, 8, 11, 10)):
+    """A colwise LM head (its logits S(-1): the vocab split) and cross-entropy, compiled with dynamic=True and
+    fullgraph=True, over ten batch sizes: the largest loss and gradient differences from eager sbp, and the
+    graphs compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    head = sbp.nn.parallelize(nn.Linear(8, 10).double(), mesh, {"": Colwise()})
+
+    def loss(x, t):
+        return nn.functional.cross_entropy(head(x).flatten(0, 1), t.flatten())
+
+    f = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    diff = 0.0
+    for b in sizes:
+        g = torch.Generator().manual_seed(b)
+        x, t = torch.randn(b, 3, 8, dtype=torch.float64, generator=g), torch.randint(0, 10, (b, 3), generator=g)
+        got = f(x, t).full()
+        got.backward()
+        grad = head.weight.grad.full()
+        head.weight.grad = None
+        want = loss(x, t).full()
+        want.backward()
+        diff = max(diff, abs(got.item() - want.item()), (grad - head.weight.grad.full()).abs().max().item())
+        head.weight.grad = None
+    return diff, _graphs()
+
+
+def test_vocab_parallel_loss_compiles_once_for_every_batch_size() -> None:
+    # logsumexp / log_softmax over the split vocab: eagerly the cheapest move splits the rows instead (S(-1) ->
+    # S(0)), which under dynamic shapes pinned the batch: a graph per size, and fullgraph failed at the 9th
+    # ("recompile_limit reached"). Deciding a call of symbolic sizes, sbp takes the cheapest choice that moves
+    # no symbolic dim (here gathering the vocab, S(-1) -> B)
+    for rank, (diff, graphs) in enumerate(spmd(run_vocab_parallel_loss, (2,))):
+        assert diff <= 1e-10, (rank, diff)
+        assert graphs == 1, f"rank {rank}: {graphs} graphs for ten batch sizes"
 
 
 def run_overlapping_view_inputs(mesh):
