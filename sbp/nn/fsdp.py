@@ -1139,7 +1139,7 @@ def _install_hooks(unit: Unit) -> None:
                 unit.computing_local = unit.local_batch or (on_batch and unit.auto == "local")
                 # (checked in training mode only: a module may mix samples in training alone, batch statistics)
                 unit.probe = (args, kwargs) if on_batch and unit.auto == "unverified" and unit.module.training \
-                    else None
+                    and _rerunnable(args, kwargs) else None
                 if unit.probe is not None and _foreign_hooks(unit):   # a user's hooks would see the check's rerun
                     unit.probe, unit.auto = None, "global"            # and then plain local shares: stay global
                 if torch.is_grad_enabled():
@@ -1223,6 +1223,19 @@ def _batch_only(unit: Unit, args: tuple, kwargs: dict) -> bool:
     tensors = [t for t in _tensors((args, kwargs)) if isinstance(t, GlobalTensor) or t.ndim]
     return bool(tensors) and all(isinstance(t, GlobalTensor) and t.mesh == unit.mesh and t.placements == batch
                                  for t in tensors)
+
+
+# argument values the check's second run of a forward can take again: nothing it could change in place
+_VALUES = (int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, range, torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
+
+
+def _rerunnable(args: tuple, kwargs: dict) -> bool:
+    """Whether a forward's arguments are tensors and plain values only, so `_verify_local` may run it a second
+    time: an object among them (a transformers `Cache`, which each layer's forward updates in place) would be
+    changed twice -- a static cache's write position moved past the prompt, wrong tokens from `generate()`.
+    Such a forward is not checked (the unit stays global; a later forward without one is checked)."""
+    return all(isinstance(v, (torch.Tensor, *_VALUES)) for v in tree_flatten((args, kwargs))[0])
 
 
 def _verify_local(unit: Unit, out: Any) -> None:

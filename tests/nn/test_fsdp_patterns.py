@@ -488,6 +488,56 @@ def test_the_roots_inputs_nested_in_dicts_are_the_batch_and_cast():
         assert torch.allclose(value.float(), want.float(), atol=1e-2, rtol=0)
 
 
+class _Steps:
+    """State a forward updates in place, as a transformers `Cache` (each decoder layer writes its keys)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+
+class _Stepping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, steps: _Steps):
+        steps.seen += 1
+        return self.fc(x) * steps.seen
+
+
+class _SteppingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.out = _Stepping(), nn.Linear(4, 2)
+
+    def forward(self, x, steps: _Steps):
+        return self.out(self.block(x, steps))
+
+
+def _stepping(mesh=None):
+    with _BUILD:
+        torch.manual_seed(0)
+        m = _SteppingModel().double()
+    if mesh is not None:
+        sbp.nn.fully_shard(m.block, mesh, "dp")
+        sbp.nn.fully_shard(m, mesh, "dp")
+    steps, outs = _Steps(), []
+    for _ in range(3):   # training mode: the block's first forward is checked against a local run
+        outs.append(_full(m(X, steps)).detach())
+    return steps.seen, outs
+
+
+def test_a_forward_taking_an_object_it_updates_runs_once():
+    # local_batch=None's check ran a unit's first forward a second time, on local shares, with the same
+    # arguments: an object the forward updates in place (a transformers StaticCache) was updated twice --
+    # generate() wrote past the prompt and gave wrong tokens, or raised IndexError in index_copy_
+    want_seen, want = _stepping()
+    for seen, outs in sbp.testing.spmd(_stepping, (2,), names=("dp",)):
+        assert seen == want_seen == 3
+        for got, ref in zip(outs, want):
+            assert torch.allclose(got, ref, atol=1e-12, rtol=0)
+
+
 def _converted_after_eval(mesh):
     m = _make("plain").float()
     sbp.nn.fully_shard(m[1], mesh, "dp")
