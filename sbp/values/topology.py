@@ -267,8 +267,19 @@ class Topology:
             raise PlanError(f"a topology is a JSON object with an 'axes' list (one record per mesh axis with "
                             f"latency_us, bandwidth_gbps and optionally spans_hosts, exchange_us, call_us), got "
                             f"{str(data)[:200]!r}")
+        unknown = sorted(set(data) - {"name", "axes"})
+        if unknown:   # a misspelt field would be dropped silently
+            raise PlanError(f"topology has unknown fields {unknown} (valid: 'name', 'axes')")
         alpha, beta, spans, peer, call = [], [], [], [], []
         for i, rec in enumerate(data["axes"]):
+            if isinstance(rec, dict):
+                unknown = sorted(set(rec) - set(_AXIS_FIELDS))
+                twice = [pair for pair in (("latency_us", "alpha_us"), ("bandwidth_gbps", "beta_gbps"))
+                         if set(pair) <= set(rec)]
+                if unknown or twice:
+                    raise PlanError(f"topology axis {i}: " + (f"unknown fields {unknown} (valid: "
+                                    f"{', '.join(_AXIS_FIELDS)})" if unknown else
+                                    f"{twice[0][0]!r} and {twice[0][1]!r} name one value: give one of them"))
             a = rec.get("latency_us", rec.get("alpha_us")) if isinstance(rec, dict) else None
             b = rec.get("bandwidth_gbps", rec.get("beta_gbps")) if isinstance(rec, dict) else None
             if a is None or b is None:
@@ -305,6 +316,9 @@ class Topology:
         except (TypeError, ValueError, RecursionError) as e:   # (RecursionError: nested too deep)
             raise PlanError(f"a topology must be JSON text ({e}), got {str(text)[:200]!r}") from None
         return cls.from_dict(data)
+
+
+_AXIS_FIELDS = ("latency_us", "bandwidth_gbps", "spans_hosts", "exchange_us", "call_us", "alpha_us", "beta_gbps")
 
 
 def _numbers(values: Any, what: str, each: str = "one per mesh axis") -> tuple[float, ...]:

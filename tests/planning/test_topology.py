@@ -98,6 +98,12 @@ def test_link_is_the_slowest_axis_of_the_step():
     (lambda: sbp.Topology.from_json("{not json"), ["JSON"]),
     (lambda: sbp.Topology.from_json('{"name": "x"}'), ["'axes' list"]),
     (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1}]}'), ["axis 0", "bandwidth_gbps"]),
+    # a misspelt field was dropped silently (the model then ran without the per-peer latency)
+    (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1, "bandwidth_gbps": 1, "exchange_usec": 2}]}'),
+     ["axis 0", "unknown fields ['exchange_usec']", "exchange_us"]),
+    (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1, "alpha_us": 3, "bandwidth_gbps": 1}]}'),
+     ["axis 0", "'latency_us' and 'alpha_us' name one value"]),
+    (lambda: sbp.Topology.from_json('{"nmae": "lab", "axes": []}'), ["unknown fields ['nmae']", "'name', 'axes'"]),
     (lambda: sbp.Topology((1.0, 1.0), (1.0, 1.0), exchange_us=(1.0,)), ["exchange_us", "one finite number", "(1.0,)"]),
     (lambda: sbp.Topology((1.0,), (1.0,), exchange_us=(-2.0,)), ["exchange_us", ">= 0", "-2.0"]),
     (lambda: sbp.Topology.from_json('{"axes": [{"latency_us": 1, "bandwidth_gbps": 1, "exchange_us": 1}, '
