@@ -225,6 +225,7 @@ ROWS: list[Row] = [
     Row("plan-shape-too-many-elements", lambda: sbp.plan((2**40 + 3, 2**40 + 5), (2, 2), "S(0), S(1)", "B, B"), SE, "has more than 2**63 - 1 elements"),
     Row("plan-shape-huge-dim-large-mesh", lambda: sbp.plan((2**64 + 1, 3), (128, 128), "S(0), S(1)", "S(1), S(0)"), SE, "has more than 2**63 - 1 elements"),
     Row("plan-shape-set", lambda: sbp.plan({64, 3}, (2,), "S(0)", "B"), SE, "global_shape must be a sequence of non-negative ints, got {"),
+    Row("plan-itemsize-dtype", lambda: sbp.plan((4,), (2,), "S(0)", "B", torch.float32), PLE, "itemsize must be a positive int (bytes per element), got torch.float32 (a dtype's is torch.float32.itemsize)"),
     Row("zeros-sizes-one-by-one", lambda: sbp.zeros(4, 6), ME, "got 6 (an int: the global shape is one argument, a tuple -- (4, 6), mesh, placements -- not sizes one by one)"),
     Row("zeros-int-requires-grad", lambda: sbp.zeros(2, dtype=torch.int64, requires_grad=True), DE, "requires_grad=True needs a floating point or complex dtype (only those have gradients), got torch.int64"),
     Row("zeros-requires-grad-str", lambda: sbp.zeros(2, requires_grad="yes"), E, "requires_grad must be a bool, got 'yes'"),

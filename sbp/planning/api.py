@@ -90,7 +90,8 @@ def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
     s = normalize(src, len(shape), len(mshape))
     d = normalize(dst, len(shape), len(mshape))
     if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-        raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}")
+        hint = f" (a dtype's is {itemsize!r}.itemsize)" if type(itemsize).__name__ == "dtype" else ""
+        raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}{hint}")
     return shape, mshape, s, d
 
 
