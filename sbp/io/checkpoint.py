@@ -137,32 +137,30 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
           data: str) -> None:
     """The save once every rank passed its checks: write this rank's file into `data`, gather the digests,
     coord 0 commits, and a closing barrier tells every rank whether the commit failed."""
-    shard: dict[str, torch.Tensor] = {}
+    mine: dict[str, torch.Tensor] = {}   # entry name -> the tensor whose host copy this rank writes
     tensors: dict[str, dict] = {}
-    file = os.path.join(path, data, _file_name(me))
-    digest, error = None, None
-    # a rank whose copy or write fails (a full disk -- torch.save's writer reports it as a RuntimeError --, no
-    # memory, ...) still makes the reductions and joins the gather, carrying the failure: every rank raises at once
     for key, (leaf, _, _) in found.items():
         if isinstance(leaf, GlobalTensor):
-            x = reduced(leaf)
-            entry, mine = _describe_global(x, leaf.placements)
-            if mine is not None and error is None:
-                error = _failure(lambda: shard.__setitem__(_entry_name(key, mine), host_copy(x._local)), file, path)
+            x = reduced(leaf)   # a collective: every rank makes it
+            entry, held = _describe_global(x, leaf.placements)
+            if held is not None:
+                mine[_entry_name(key, held)] = x._local
         elif isinstance(leaf, torch.Tensor):
             entry = _describe_plain(leaf, me if mesh is None else mesh.ranks[0])
-            if first and error is None:
-                error = _failure(lambda: shard.__setitem__(_entry_name(key, tuple((0, n) for n in leaf.shape)),
-                                                           host_copy(leaf)), file, path)
+            if first:
+                mine[_entry_name(key, tuple((0, n) for n in leaf.shape))] = leaf
         else:
             continue
         tensors[key] = entry
-    if error is None:
-        def write() -> None:
-            nonlocal digest
-            os.makedirs(os.path.join(path, data), exist_ok=True)
-            digest = _write(shard, file) if shard else None
-        error = _failure(write, file, path)
+    file = os.path.join(path, data, _file_name(me))
+    digest, error = None, None
+    try:   # a rank whose copy or write fails still joins the gather, carrying the failure: every rank raises at once
+        os.makedirs(os.path.join(path, data), exist_ok=True)
+        digest = _write({name: host_copy(t) for name, t in mine.items()}, file) if mine else None
+    except Exception as e:  # noqa: BLE001 - a full disk (torch.save's writer: a RuntimeError), no memory, ...
+        error = CheckpointError(f"save: cannot write {file!r}: {type(e).__name__}: {e} (the previous checkpoint in "
+                                f"{path!r} is unchanged)")
+        error.__cause__ = e
     files, same, failed = _gather_digests(digest, mesh, save_digest(found), error is not None)
     if not same:    # every rank sees it in the same table: all raise, nothing is committed
         refuse_disagreement(mesh, found)
@@ -189,19 +187,6 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
                               f"the previous checkpoint is unchanged")
     if error is not None:
         raise error
-
-
-def _failure(step, file: str, path: str) -> Optional[CheckpointError]:
-    """Run `step` (a copy or the write of this rank's file); its failure, whatever it is, as the
-    `CheckpointError` this rank raises once every rank has learnt of it (None when it worked)."""
-    try:
-        step()
-    except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
-        error = CheckpointError(f"save: cannot write {file!r}: {type(e).__name__}: {e} (the previous checkpoint "
-                                f"in {path!r} is unchanged)")
-        error.__cause__ = e
-        return error
-    return None
 
 
 def _check_one_process(state_dict: dict, mesh: Optional[DeviceMesh]) -> None:

@@ -182,10 +182,10 @@ def to_reducible(t: torch.Tensor, op: str) -> torch.Tensor:
     dtype = t.dtype
     if dtype in REDUCIBLE or dtype.is_complex:
         return t
-    if dtype in (torch.int16, torch.uint16) or (dtype == torch.uint32 and op != "sum"):
-        return t.to(torch.int32 if dtype != torch.uint32 else torch.int64)
+    if dtype in (torch.int16, torch.uint16):
+        return t.to(torch.int32)
     if dtype == torch.uint32:
-        return t.view(torch.int32)
+        return t.view(torch.int32) if op == "sum" else t.to(torch.int64)
     if dtype == torch.uint64:
         return t.view(torch.int64) if op == "sum" else t.view(torch.int64) ^ _SIGN64
     if dtype.is_floating_point:   # the float8 kinds

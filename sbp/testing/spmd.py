@@ -130,8 +130,7 @@ class _Pool:
         import torch.distributed as dist  # only the gloo backend needs it
 
         self.size = size
-        self.broken = False
-        self.runs = 0   # calls every worker answered: none yet when a worker dies while starting up
+        self.answered = False   # every worker has answered a call (not yet: a worker dying starts up)
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         ctx = _context()
         self.conns: list[Connection] = []
@@ -145,16 +144,18 @@ class _Pool:
             self.conns.append(ours)
             self.procs.append(proc)
 
-    def run(self, payload: bytes, mesh: DeviceMesh, timeout: float) -> tuple[list[Any], dict[int, tuple], bool]:
+    def run(self, payload: bytes, mesh: DeviceMesh,
+            timeout: float) -> tuple[list[Any], dict[int, tuple], bool, bool]:
         """Send the job to every worker.
 
-        Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back).
+        Returns (results, {rank: (exception, traceback text)}, whether some rank never reported back, whether
+        a rank saw a collective fail -- even one its function caught: gloo closes the group's connections).
         """
         for conn in self.conns:
             conn.send((payload, mesh.shape, mesh.names, timeout, is_enabled()))
         results: list[Any] = [None] * self.size
         errors: dict[int, tuple] = {}
-        self.broken = False   # a rank saw a collective fail (and caught it): the gloo world may be unusable
+        broken = False
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         deadline = time.monotonic() + timeout + 30.0  # worker start-up and group creation on top
@@ -184,7 +185,7 @@ class _Pool:
                             f"numbers, lists; a global tensor as x.to_local() or x.full()) and raise errors "
                             f"that pickle"), "")
                         continue
-                    self.broken |= rest[-1]
+                    broken |= rest[-1]
                     if status == "ok":
                         results[rank] = rest[0]
                     else:
@@ -195,7 +196,7 @@ class _Pool:
                     if conn in pending and not conn.poll():  # else its reply (or EOF) is read above
                         del pending[conn]
                         errors[rank] = self._died(rank)
-        return results, errors, bool(pending)
+        return results, errors, bool(pending), broken
 
     def _died(self, rank: int) -> tuple[CommError, str]:
         proc = self.procs[rank]
@@ -257,9 +258,10 @@ class _Pools:
         pool = self._pools.get(size)
         if pool is None:
             pool = self._pools[size] = _Pool(size, timeout)
-        results, errors, stuck = pool.run(payload, mesh, timeout)
-        first_run, pool.runs = pool.runs == 0, pool.runs + (not stuck)
-        if stuck or pool.broken or any(isinstance(e, CommError) for e, _ in errors.values()):
+        results, errors, stuck, broken = pool.run(payload, mesh, timeout)
+        first_run = not pool.answered
+        pool.answered |= not stuck
+        if stuck or broken or any(isinstance(e, CommError) for e, _ in errors.values()):
             # a rank still inside a collective, or a failed or timed-out collective (even one the function
             # caught: gloo closes the group's connections): the pool is unusable
             del self._pools[size]
