@@ -355,6 +355,11 @@ ROWS: list[Row] = [
         sbp.distribute(torch.ones(4), sbp.testing.submesh(m, (1,), ranks=[0]), "B")), ME,
       "the gradient reaching a leaf of global shape (4,) on DeviceMesh((2,)) is on another mesh, DeviceMesh((1,))"),
     T("redistribute-async-str", lambda m: _x(m).redistribute("B", async_op="yes"), E, "redistribute(async_op=...) takes a bool, got 'yes'"),
+    T("redistribute-no-placements", lambda m: _x(m).redistribute(), E, "redistribute needs the target placements"),
+    T("redistribute-two-positional", lambda m: _x(m).redistribute("B", "B"), E, "got 1 more positional argument(s): ('B',)"),
+    T("redistribute-mesh-twice", lambda m: _x(m).redistribute(m, "B", mesh=m), E, "redistribute got a mesh twice"),
+    T("redistribute-mesh-and-device-mesh", lambda m: _x(m).redistribute("B", mesh=m, device_mesh=sbp.testing.submesh(m, (1,), ranks=[0])), E,
+      "redistribute got both mesh= and device_mesh="),
     Row("strict-str", lambda: sbp.strict("no").__enter__(), E, "sbp.strict(enabled) takes a bool, got 'no'"),
     # ---- redistribute and the other GlobalTensor methods (threads) ---------------------------------------
     T("redistribute-range", lambda m: _x(m).redistribute("S(2)"), PE, "S(2) is out of range for a 2-d tensor (valid: -2..1)"),

@@ -285,11 +285,13 @@ class GlobalTensor(torch.Tensor):
 
     full_tensor = full
 
-    def redistribute(self, placements, *, mesh: Optional[DeviceMesh] = None, async_op: bool = False) -> "GlobalTensor":
+    def redistribute(self, placements=None, *dtensor_order, mesh: Optional[DeviceMesh] = None,
+                     device_mesh: Optional[DeviceMesh] = None, async_op: bool = False) -> "GlobalTensor":
         """The same logical tensor with other placements (objects or a string like ``"S(0), B"``).
 
         Runs the planner's cheapest plan; differentiable (the backward is a planned redistribution too).
         With `mesh`, moves to another mesh (other ranks and/or shape; `sbp.runtime.crossmesh`).
+        DTensor's spellings work too: ``x.redistribute(mesh, placements)`` and ``device_mesh=``.
         With `async_op=True` it returns at once: the collectives run on the rank's ordered queue
         (`sbp.runtime.pending`) and the result's local tensor waits for them at its first use (`wait()`
         forces it); its backward is asynchronous too. (Cross-mesh moves and compiled code run at once.)
@@ -301,6 +303,7 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
+        placements, mesh = _redistribute_arguments(placements, dtensor_order, mesh, device_mesh)
         if torch.compiler.is_compiling() and traced_here():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
             if isinstance(mesh, DeviceMesh) and mesh != self._mesh:
                 return _redistribute_across(self, placements, mesh)   # a graph break: runs eagerly
@@ -592,6 +595,27 @@ def get_op_handler() -> Optional[OpHandler]:
     True
     """
     return _op_handler[0]
+
+
+def _redistribute_arguments(placements, dtensor_order: tuple, mesh, device_mesh):
+    """`redistribute`'s (placements, mesh) from its own spelling or DTensor's (``(mesh, placements)``,
+    ``device_mesh=``, ``placements=`` alone)."""
+    if isinstance(placements, DeviceMesh):  # DTensor's positional order: (device_mesh, placements)
+        if mesh is not None or device_mesh is not None:
+            raise SbpError("redistribute got a mesh twice: positionally first (DTensor's order) and as a keyword")
+        mesh, placements = placements, (dtensor_order[0] if dtensor_order else None)
+        dtensor_order = dtensor_order[1:]
+    if dtensor_order:
+        raise SbpError(f"redistribute takes the placements and, keyword-only, mesh= and async_op=; got "
+                       f"{len(dtensor_order)} more positional argument(s): {dtensor_order!r}")
+    if device_mesh is not None:
+        if mesh is not None and mesh is not device_mesh:
+            raise SbpError("redistribute got both mesh= and device_mesh= (DTensor's name for it); pass one")
+        mesh = device_mesh
+    if placements is None:
+        raise SbpError("redistribute needs the target placements, e.g. x.redistribute(\"S(0), B\") "
+                       "(objects or a string; one per mesh axis)")
+    return placements, mesh
 
 
 def _redistribute(self: GlobalTensor, placements, mesh: Optional[DeviceMesh], async_op: bool = False) -> GlobalTensor:

@@ -279,3 +279,17 @@ def test_dtensor_spellings_of_mesh_facts():
                    (("dp", "tp"), [1, 0], 0, 1, None, True), (("dp", "tp"), [1, 1], 1, 1, [1], True)]
     with pytest.raises(sbp.SbpError, match="get_local_rank needs mesh_dim on a 2-axis mesh"):
         sbp.testing.spmd(lambda mesh: mesh.get_local_rank(), (2, 2))
+
+
+def _dtensor_redistribute(mesh):
+    x = sbp.distribute(torch.arange(8.0).reshape(4, 2), mesh, "S(0), B")
+    moved = [x.redistribute(mesh, [sbp.B, sbp.S(1)]), x.redistribute(device_mesh=mesh, placements="B, S(1)"),
+             x.redistribute(placements="B, S(1)")]
+    return [(y.placements, y.to_local().tolist()) for y in moved]
+
+
+def test_redistribute_takes_dtensor_order_and_names():
+    # DTensor's x.redistribute(device_mesh, placements) and its keywords, beside sbp's x.redistribute(placements)
+    for rank, got in enumerate(sbp.testing.spmd(_dtensor_redistribute, (2, 2))):
+        want = torch.arange(8.0).reshape(4, 2)[:, rank % 2:rank % 2 + 1].tolist()
+        assert got == [((sbp.B, sbp.S(1)), want)] * 3
