@@ -50,7 +50,7 @@ from . import dcp, safetensors
 from .state import (
     GENERATION,
     agree_loaded,
-    agree_max,
+    agree_save,
     as_path,
     check_tuple_slot,
     common_mesh,
@@ -65,9 +65,7 @@ from .state import (
     missing_keys,
     raise_together,
     reduced,
-    refuse_disagreement,
     retire_others,
-    save_digest,
     save_lock,
     target_block,
     target_meshes,
@@ -127,7 +125,9 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     with save_lock(path, first and refused is None) as locked:   # coord 0: one save at a time in `path`
         refused = refused or locked
         # a data directory no save has used yet: above every generation any rank sees (committed or abandoned)
-        last, failed = agree_max(mesh, last_generation(path), refused is not None)
+        # the first collective: agrees on the directory, checks that the ranks save the same keys, layouts and
+        # values to the same path, and carries refusals
+        last, failed = agree_save(mesh, found, path, last_generation(path), refused is not None)
         if failed:
             raise_together(mesh, path, refused)
         _save(found, path, mesh, me, first, values, f"gen-{last + 1:08d}")
@@ -161,9 +161,7 @@ def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bo
         error = CheckpointError(f"save: cannot write {file!r}: {type(e).__name__}: {e} (the previous checkpoint in "
                                 f"{path!r} is unchanged)")
         error.__cause__ = e
-    files, same, failed = _gather_digests(digest, mesh, save_digest(found), error is not None)
-    if not same:    # every rank sees it in the same table: all raise, nothing is committed
-        refuse_disagreement(mesh, found)
+    files, failed = _gather_digests(digest, mesh, error is not None)
     if error is not None:
         raise error
     if failed:
@@ -267,34 +265,30 @@ def _sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh], state: int,
-                    failed: bool = False) -> tuple[dict[str, dict], bool, list[int]]:
-    """Every writer's file digest and size, for coord 0's metadata, whether every rank's `state` (its
-    `save_digest`: keys, layouts, JSON values) is the same, and the ranks that passed `failed` (their write
-    failed) -- one all_gather of 6 int64 per rank."""
+def _gather_digests(digest: Optional[tuple[str, int]], mesh: Optional[DeviceMesh],
+                    failed: bool = False) -> tuple[dict[str, dict], list[int]]:
+    """Every writer's file digest and size, for coord 0's metadata, and the ranks that passed `failed` (their
+    write failed) -- one all_gather of 5 int64 per rank."""
     if mesh is None:
         files = {} if digest is None else {_file_name(0): {"sha256": digest[0], "bytes": digest[1]}}
-        return files, True, [0] if failed else []
-    row = torch.zeros(6, dtype=torch.int64, device="cpu")   # built on the host, then moved
+        return files, [0] if failed else []
+    row = torch.zeros(5, dtype=torch.int64, device="cpu")   # built on the host, then moved
     if digest is not None:
         row[:4] = torch.frombuffer(bytearray(bytes.fromhex(digest[0])), dtype=torch.int64)
         row[4] = digest[1] + 1  # 0 means "wrote no file"
     if failed:
         row[4] = -1             # -1: its write failed
-    row[5] = state
     # the collective takes the row on the mesh's device (NCCL: CUDA tensors); the table comes back to the host
     rows = mesh.binding.all_gather(row.to(comm_device(mesh)), tuple(range(mesh.ndim)))
     out = {}
-    states = set()
     failures = []
     for rank, r in zip(mesh.ranks, rows):
         r = r.cpu()
-        states.add(int(r[5]))
         if int(r[4]) < 0:
             failures.append(rank)
         elif int(r[4]):
             out[_file_name(rank)] = {"sha256": r[:4].contiguous().numpy().tobytes().hex(), "bytes": int(r[4]) - 1}
-    return out, len(states) == 1, failures
+    return out, failures
 
 
 def checkpoint_format(path: str) -> str:

@@ -111,7 +111,7 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
         # the data go into a new directory beside the committed one (one all_reduce agrees on it, checks that
         # the ranks save the same keys, layouts and values, and carries refusals); the coordinator's
         # `.metadata` rename is the switch
-        last, failed = agree_save(mesh, found, last_generation(path), refused is not None)
+        last, failed = agree_save(mesh, found, path, last_generation(path), refused is not None)
         if failed:
             raise_together(mesh, path, refused)
         chunks: dict[int, tuple[torch.Size, Block, Optional[torch.Tensor]]] = {}

@@ -32,7 +32,7 @@ import torch
 
 from ..runtime import agreement
 from ..tensor.global_tensor import GlobalTensor
-from ..values.errors import CheckpointError
+from ..values.errors import CheckpointError, RankMismatchError
 from ..values.layout import Block, block, block_numel, block_shape
 from ..values.mesh import DeviceMesh
 from .state import (
@@ -108,8 +108,15 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
         # the file exists, sized, before anyone writes into it; the same all_reduce checks that the ranks save
         # the same keys, layouts and values, and tells every rank if one refused the save or coord 0 could not
         # create the file
-        if agree_save(mesh, found, 0, error is not None)[1]:
-            if first and refused is None and locked is None:
+        made = first and refused is None and locked is None   # coord 0 opened the temporary file
+        try:
+            failed = agree_save(mesh, found, path, 0, error is not None)[1]
+        except RankMismatchError:   # the ranks' calls differ: every rank raises, nothing is written
+            if made:
+                _remove_tmp(tmp)
+            raise
+        if failed:
+            if made:
                 _remove_tmp(tmp)
             raise_together(mesh, file, error)
         _write_blocks(found, header, path, file, tmp, start, mesh, first)

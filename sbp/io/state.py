@@ -358,24 +358,8 @@ def host_barrier(mesh: DeviceMesh, failed: bool = False) -> int:
     return failures
 
 
-def agree_max(mesh: Optional[DeviceMesh], n: int, failed: bool = False) -> tuple[int, bool]:
-    """(the largest `n` any rank of `mesh` passes, whether any rank passes `failed`) in one all_reduce of
-    two int64 (`(n, failed)` without a mesh): a rank that refuses its save before this, the save's first
-    collective, still joins it, so the others learn of it instead of waiting (`raise_together`).
-
-    >>> import sbp, sbp.testing
-    >>> sbp.testing.spmd(lambda mesh: agree_max(mesh, mesh.rank * 10, failed=mesh.rank == 1), (3,))
-    [(20, True), (20, True), (20, True)]
-    """
-    if mesh is None:
-        return n, failed
-    t = torch.tensor([n, int(failed)], dtype=torch.int64, device=comm_device(mesh))
-    top, failures = mesh.binding.all_reduce(t, tuple(range(mesh.ndim)), "max").tolist()
-    return top, bool(failures)
-
-
-def _save_fields(found: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
-    """What every rank of a save must pass alike: the keys, the tensors' layouts, the JSON values."""
+def _save_fields(found: dict[str, tuple[Any, Any, Any]], path: str) -> dict[str, Any]:
+    """What every rank of a save must pass alike: the path, the keys, the tensors' layouts, the JSON values."""
     layouts, values = {}, {}
     for key, (leaf, _, _) in found.items():
         if isinstance(leaf, torch.Tensor):
@@ -383,39 +367,42 @@ def _save_fields(found: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
             layouts[key] = (tuple(leaf.shape), dtype_name(leaf.dtype), where)
         else:
             values[key] = leaf
-    return {"keys": list(found), "tensor layouts": layouts, "JSON values": values}
+    return {"path": path, "keys": list(found), "tensor layouts": layouts, "JSON values": values}
 
 
-def save_digest(found: dict[str, tuple[Any, Any, Any]]) -> int:
-    """A 56-bit digest of a save's keys, tensor layouts and JSON values (an int64 for a collective).
+def save_digest(found: dict[str, tuple[Any, Any, Any]], path: str) -> int:
+    """A 56-bit digest of a save's path, keys, tensor layouts and JSON values (an int64 for a collective).
 
-    >>> save_digest(leaves({"step": 1})) == save_digest(leaves({"step": 1})) != save_digest(leaves({"step": 2}))
+    >>> one = leaves({"step": 1})
+    >>> save_digest(one, "a") == save_digest(one, "a") != save_digest(one, "b")
     True
     """
-    return digest(_save_fields(found))
+    return digest(_save_fields(found, path))
 
 
-def refuse_disagreement(mesh: DeviceMesh, found: dict[str, tuple[Any, Any, Any]]) -> None:
+def refuse_disagreement(mesh: DeviceMesh, found: dict[str, tuple[Any, Any, Any]], path: str) -> None:
     """Every rank of `mesh` has seen that the ranks' `save_digest`s differ: one all_gather of one digest per
     field (and one of their texts) names the ranks and what differs, in the `sbp.RankMismatchError` every
     rank raises."""
     gather, members = mesh_gather(mesh)
-    agree(gather, members, "save", _save_fields(found), device=comm_device(mesh))
-    raise RankMismatchError("save: the ranks' state_dicts differ (every rank must pass the same keys, layouts "
+    agree(gather, members, "save", _save_fields(found, path), device=comm_device(mesh))
+    raise RankMismatchError("save: the ranks' calls differ (every rank must pass the same path, keys, layouts "
                             "and JSON values; SPMD)")   # pragma: no cover - agree named them and raised
 
 
-def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]], n: int,
+def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]], path: str, n: int,
                failed: bool = False) -> tuple[int, bool]:
     """(the largest `n` any rank of `mesh` passes, whether any rank passes `failed`) -- `(n, failed)` without
-    a mesh -- in one all_reduce of 4 int64 that also checks that every rank saves the same keys, tensor
-    layouts and JSON values: the ranks' `save_digest` and its negation ride along, so the maximum gives its
-    maximum and minimum. Where they differ, every rank sees it and `refuse_disagreement` names the ranks.
+    a mesh -- in one all_reduce of 4 int64, a save's first collective, that also checks that every rank
+    saves to the same path the same keys, tensor layouts and JSON values: the ranks' `save_digest` and its
+    negation ride along, so the maximum gives its maximum and minimum. Where they differ, every rank sees
+    it and `refuse_disagreement` names the ranks. A rank that refuses its save before this still joins it,
+    so the others learn of it instead of waiting (`raise_together`).
 
     >>> import sbp, sbp.testing
-    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": 1}), mesh.rank * 10), (3,))
+    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": 1}), "ckpt", mesh.rank * 10), (3,))
     [(20, False), (20, False), (20, False)]
-    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": mesh.rank}), 0), (2,))
+    >>> sbp.testing.spmd(lambda mesh: agree_save(mesh, leaves({"step": mesh.rank}), "ckpt", 0), (2,))
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -423,11 +410,11 @@ def agree_save(mesh: Optional[DeviceMesh], found: dict[str, tuple[Any, Any, Any]
     """
     if mesh is None:
         return n, failed
-    d = 0 if failed else save_digest(found)   # (a rank that failed may hold what the digest cannot take)
+    d = 0 if failed else save_digest(found, path)   # (a rank that failed may hold what the digest cannot take)
     row = torch.tensor([n, d, -d, int(failed)], dtype=torch.int64, device=comm_device(mesh))
     top, high, low, failures = mesh.binding.all_reduce(row, tuple(range(mesh.ndim)), "max").tolist()
     if high != -low and not failures:   # a failure is reported first: its digest stood for nothing
-        refuse_disagreement(mesh, found)
+        refuse_disagreement(mesh, found, path)
     return top, bool(failures)
 
 
@@ -513,7 +500,7 @@ def raise_together(mesh: Optional[DeviceMesh], path: str, error: Optional[BaseEx
     >>> import sbp, sbp.testing
     >>> def fn(mesh):
     ...     error = CheckpointError("entry 'best' is bad") if mesh.rank == 1 else None
-    ...     if agree_max(mesh, 0, error is not None)[1]:
+    ...     if agree_save(mesh, {}, "ckpt", 0, error is not None)[1]:
     ...         raise_together(mesh, "ckpt", error)
     >>> sbp.testing.spmd(fn, (3,))  # doctest: +ELLIPSIS
     Traceback (most recent call last):

@@ -343,6 +343,25 @@ def test_ranks_saving_different_values_are_named_and_nothing_is_committed(tmp_pa
     assert run(functools.partial(_step, path=str(tmp_path)), (4,)) == [1] * 4   # the previous save still loads
 
 
+def _save_to_own_path(mesh, path, fmt):
+    try:
+        sbp.save({"a": sbp.distribute(torch.ones(4), mesh, "S(0)")}, os.path.join(path, f"r{mesh.rank % 2}"),
+                 format=fmt)
+        return "saved"
+    except RankMismatchError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors", pytest.param("dcp", marks=pytest.mark.gloo)])
+def test_ranks_saving_to_different_paths_are_named_before_anything_is_written(tmp_path, fmt):
+    # every rank would write its blocks into its own directory and coord 0 commit a checkpoint missing them
+    run = functools.partial(sbp.testing.spmd, backend="gloo" if fmt == "dcp" else "threads")
+    got = run(functools.partial(_save_to_own_path, path=str(tmp_path), fmt=fmt), (4,))
+    assert got == [f"save: ranks disagree on path (every rank must pass the same; SPMD): {tmp_path}/r0 on ranks "
+                   f"[0, 2]; {tmp_path}/r1 on ranks [1, 3]"] * 4
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == []
+
+
 # ---- a rank that refuses its save or its load on its own --------------------------------------------------------
 
 def _one_rank_refuses(mesh, path, fmt):
