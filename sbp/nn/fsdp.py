@@ -467,6 +467,16 @@ class Unit:
         """This rank's part of the gathered gradient, laid out `P(sum)` on the axis and the replicate axes."""
         return None if grad is None else pending.ready(self._summed_grad(s, grad, local)._local)
 
+    def reduce_held(self) -> None:
+        """Reduce the gradients that backwards without sync held, at the end of a backward with sync that did not
+        reach this unit (one that did reduced them with its own, `_UnitGather.backward`): into ``.grad``, where
+        some rank's micro-batch reached the parameter, as a single process accumulates them."""
+        used, self.held_used = self.held_used, None
+        out, unused = self.reduce_grads(tuple(self.with_held((None,) * len(self.slots), False)), False, used)
+        for k, (s, g) in enumerate(zip(self.slots, out)):
+            if g is not None and (unused is None or k not in unused.at or unused.used(k)):
+                _accumulate(s.param, g)
+
     def with_held(self, grads: tuple[Optional[torch.Tensor], ...], local: bool) -> list[Optional[GlobalTensor]]:
         """The gradients plus the held ones (which are let go), each in its `P(sum)` layout."""
         held, self.held = self.held or [None] * len(self.slots), None
@@ -779,7 +789,9 @@ class Schedule:
         whose gradients came back did so themselves (`_UnitGather.backward`); this covers the others: a unit
         with no trainable parameter, one ``autograd.grad`` did not reach, a prefetch the backward never used.
         Then the gradients of parameters a unit's backward did not reach on this rank go into ``.grad`` where
-        another rank's did (their units' "used" flags, reduced with the gradients: `_store_grads`)."""
+        another rank's did (their units' "used" flags, reduced with the gradients: `_store_grads`). A unit that
+        holds gradients of backwards without sync which this backward with sync did not reach (a branch not
+        taken, a unit frozen since) reduces them here (`Unit.reduce_held`)."""
         for u in self.units:
             if u.state == "gathering":
                 u._wait_gather()
@@ -787,6 +799,8 @@ class Schedule:
                                             for (owner_id, name), s in u.tied.items()):
                 u.reshard()
                 _place(u)
+            if u.gradient_sync and u.held is not None:   # held, and this backward with sync did not reach it
+                u.reduce_held()
         if self.unused:   # (entries of a backward that raised before its end are dropped)
             task, entries, self.unused = torch._C._current_graph_task_id(), self.unused, []
             for t, p, g, unused, k in entries:

@@ -9,6 +9,7 @@ Threads backend, mesh (2,) named dp; the default `local_batch=None` unless a cas
 """
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 from typing import Optional
@@ -689,6 +690,56 @@ def test_gradient_accumulation_keeps_a_gradient_any_micro_batch_made(routes: tup
     for got in sbp.testing.spmd(functools.partial(_routed_micro_batches, routes=routes, hold=hold), (2,),
                                 names=("dp",)):
         _assert_grads(got, want)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x, use_b: bool, use_head: bool):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) if use_b else h
+        return self.head(h) if use_head else h
+
+
+torch.manual_seed(5)
+_BRANCHY = _Branchy().double()
+_MICRO = [torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+# (use_b, use_head) per micro-batch: the last one, with sync, skips unit b and then the root's own head
+_SKIPS = [(True, True), (False, True), (True, False)]
+
+
+def _branchy_steps(model, set_sync) -> list[dict[str, Optional[torch.Tensor]]]:
+    """Two accumulations (held, then synced in a micro-batch that skips `b` or the head), then a plain step."""
+    grads = []
+    for last in _SKIPS[1:]:
+        model.zero_grad()
+        set_sync(False)
+        model(_MICRO[0], True, True).pow(2).sum().backward()
+        set_sync(True)
+        model(_MICRO[1], *last).pow(2).sum().backward()
+        grads.append({n: None if p.grad is None else _full(p.grad).clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    model(_MICRO[2], True, True).pow(2).sum().backward()
+    grads.append({n: _full(p.grad).clone() for n, p in model.named_parameters()})
+    return grads
+
+
+def _branchy_sharded(mesh):
+    m = copy.deepcopy(_BRANCHY)
+    sbp.nn.fully_shard(m.a, mesh), sbp.nn.fully_shard(m.b, mesh), sbp.nn.fully_shard(m, mesh)
+    return _branchy_steps(m, m.set_requires_gradient_sync)
+
+
+def test_held_gradients_of_a_unit_the_synced_micro_batch_skips_reach_grad() -> None:
+    # micro-batch 1 (held, no sync) uses unit b and the root's head; micro-batch 2 (sync) skips b, or the head:
+    # their held gradients are reduced at the end of that backward, as one process sums them. Before: .grad None
+    # for the step, and the held gradient added into the next step's (after zero_grad)
+    want = _branchy_steps(copy.deepcopy(_BRANCHY), lambda sync: None)
+    for got in sbp.testing.spmd(_branchy_sharded, (2,), names=("dp",)):
+        for g, w in zip(got, want):
+            _assert_grads(g, w)
 
 
 def _routed_mixed(mesh, reduce_dtype: torch.dtype):
