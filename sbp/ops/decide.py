@@ -85,21 +85,27 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
     >>> meta_outputs(torch.ops.aten.mm.default, (torch.ones(2, 3), torch.ones(3, 4)), {})
     (TensorMeta(shape=(2, 4), dtype=torch.float32, placements=(), is_global=True),)
     """
-    def to_meta(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
-        if isinstance(v, torch.device):  # e.g. _to_copy(device=cpu): stay on meta
-            return torch.device("meta")
-        if isinstance(v, torch.Generator):  # shapes draw nothing (torch's meta `exponential_` refuses one)
-            return None
-        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
-            return type(v)(to_meta(x) for x in v)
-        return v
+    def on(device: str) -> Any:
+        def to(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):   # (on the host: one element, expanded; only its shape is read)
+                return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") if device == "meta" else \
+                    torch.zeros((), dtype=v.dtype).expand(tuple(v.shape))
+            if isinstance(v, torch.device):  # e.g. _to_copy(device=cpu): stay on meta
+                return torch.device(device)
+            if isinstance(v, torch.Generator):  # shapes draw nothing (torch's meta `exponential_` refuses one)
+                return None
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                return type(v)(to(x) for x in v)
+            return v
+        return func(*[to(a) for a in args], **{k: to(v) for k, v in kwargs.items()})
 
     # under torch.compile the tracing modes would take these meta tensors and the run through their fake-tensor
     # and tracing machinery (several ms a call); plain meta tensors of symbolic sizes record the same guards
     with _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext():
-        out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+        try:
+            out = on("meta")
+        except ZeroDivisionError:   # a Python meta kernel dividing by an element count of 0 (`mse_loss_backward`'s
+            out = on("cpu")         # 2 / numel, as `huber_loss_backward`'s): the host kernel does not
     items = out if isinstance(out, (tuple, list)) else [out] if isinstance(out, torch.Tensor) else []
     return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
 

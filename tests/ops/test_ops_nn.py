@@ -214,6 +214,17 @@ def test_mse_loss(data, mesh):
     check_op(lambda x, t: F.mse_loss(x, t, reduction=reduction), [randn(s, 0), randn(s, 1)], pls, mesh)
 
 
+@pytest.mark.filterwarnings("ignore::sbp.FallbackWarning")   # huber and smooth_l1 have no rule: they run on B
+@pytest.mark.parametrize("loss", [F.mse_loss, F.huber_loss, F.smooth_l1_loss], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("pls", ["S(0)", "S(1)", "B"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_pointwise_losses_of_empty_tensors_differentiate(loss, pls, reduction):
+    # torch's meta kernels of their backwards divide by the element count (2 / numel): sbp took their output
+    # shapes from there and raised ZeroDivisionError; the gradient is empty, as torch's
+    check_op(lambda x, t: loss(x, t, reduction=reduction), [randn((0, 5), 0), randn((0, 5), 1)], [pls, pls], (4,),
+             strict=False)
+
+
 @pytest.mark.parametrize("vocab, mesh", [(10, (2,)), (10, (4,)), (3, (4,))])
 @pytest.mark.parametrize("bad", [12, -1, 10])
 def test_vocab_parallel_embedding_refuses_indices_outside_the_vocabulary(vocab, mesh, bad):
