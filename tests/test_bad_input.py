@@ -355,6 +355,8 @@ ROWS: list[Row] = [
         sbp.distribute(torch.ones(4), sbp.testing.submesh(m, (1,), ranks=[0]), "B")), ME,
       "the gradient reaching a leaf of global shape (4,) on DeviceMesh((2,)) is on another mesh, DeviceMesh((1,))"),
     T("redistribute-async-str", lambda m: _x(m).redistribute("B", async_op="yes"), E, "redistribute(async_op=...) takes a bool, got 'yes'"),
+    T("submesh-transposed", lambda m: m[1, 0], ME, "a sub-mesh takes its axes in the mesh's order, each once: got (1, 0); write (0, 1)", mesh=(2, 2)),
+    T("submesh-repeated", lambda m: m[0, 0], ME, "a sub-mesh takes its axes in the mesh's order, each once: got (0, 0); write 0", mesh=(2, 2)),
     T("redistribute-no-placements", lambda m: _x(m).redistribute(), E, "redistribute needs the target placements"),
     T("redistribute-two-positional", lambda m: _x(m).redistribute("B", "B"), E, "got 1 more positional argument(s): ('B',)"),
     T("redistribute-mesh-twice", lambda m: _x(m).redistribute(m, "B", mesh=m), E, "redistribute got a mesh twice"),

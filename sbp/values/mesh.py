@@ -254,8 +254,20 @@ class DeviceMesh:
 
         >>> DeviceMesh((2, 2), names=("dp", "tp")).submesh("tp", (1, 0))
         DeviceMesh((2,), names=('tp',), ranks=[2, 3])
+        >>> DeviceMesh((2, 2), names=("dp", "tp")).submesh(("tp", "dp"), (1, 0))
+        Traceback (most recent call last):
+        ...
+        sbp.values.errors.MeshError: a sub-mesh takes its axes in the mesh's order, each once: got ('tp', 'dp'); write ('dp', 'tp')
         """
-        axes = self.axes(axes)
+        refs = (axes,) if isinstance(axes, (int, str)) else axes
+        if isinstance(refs, Iterable):
+            refs = tuple(refs)
+        axes = self.axes(refs)
+        if tuple(self.axis(r) for r in refs) != axes:   # (as torch's DeviceMesh: no transposed or repeated axes)
+            names = self.names is not None and all(isinstance(r, str) for r in refs)   # in the caller's spelling
+            order = tuple(self.names[a] for a in axes) if names else axes
+            raise MeshError(f"a sub-mesh takes its axes in the mesh's order, each once: got {refs!r}; write "
+                            f"{order[0] if len(order) == 1 else order!r}")
         rank = self.rank_of(coord)
         for group in self.groups(axes):
             if rank in group:
