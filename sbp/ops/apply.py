@@ -358,8 +358,9 @@ def _mark_detached(out: Any, base: Any, moved: bool) -> None:
     """Flag view outputs whose local tensor does not alias the base's (`moved`: the base was laid out anew
     for the view; or the rule's run copied): an in-place op on them would not reach the base, so `execute`
     refuses it. Every rank must decide alike (SPMD): the layout decides, and the alias test holds for
-    empty locals too (a rank whose piece of the view is empty), unlike a data-pointer comparison."""
-    if not isinstance(base, GlobalTensor) or is_tracing(base._local):  # traced tensors have no address
+    empty locals too (a rank whose piece of the view is empty), unlike a data-pointer comparison, and for
+    traced locals (fake and functional tensors keep their storages' aliasing)."""
+    if not isinstance(base, GlobalTensor):
         return
     detached = moved or is_detached(base)
     local = base._local

@@ -24,10 +24,13 @@ Other detached views of the same base are not refreshed: they are copies taken w
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
+from ..runtime.traced import is_tracing
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides, full_local, meta_like
 from ..tensor.setitem import write_blocks
 from ..values.errors import SbpError
@@ -106,6 +109,10 @@ def write_through(view: GlobalTensor) -> None:
     else:
         index = _element_map(view._notes.view)
         whole = full_local(base).reshape(-1).clone()
+        if is_tracing(whole):   # a constant of the graph
+            with _untraced():
+                values = index.tolist()
+            index = torch.tensor(values, dtype=torch.int64)
         whole[index.reshape(-1)] = full_local(view).reshape(-1)
         entries = (slice(None),) * base.ndim
         write_blocks(base, entries, entries, whole.view(base.shape))
@@ -146,15 +153,20 @@ def _element_map(made: tuple) -> Optional[torch.Tensor]:
     an expand: torch refuses writes into overlapping views too)."""
     func, args, kwargs, k = made
     base = args[0]
-    indices = torch.arange(base.numel()).view(tuple(base.shape))
-    try:
-        out = func(indices, *args[1:], **kwargs)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    out = out[k] if k is not None else out
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.numel() != out.unique().numel():
-        return None
+    with _untraced():   # (also in a compiled graph, where the index becomes a constant of the graph)
+        try:
+            out = func(torch.arange(base.numel()).view(tuple(base.shape)), *args[1:], **kwargs)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        out = out[k] if k is not None else out
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.numel() != out.unique().numel():
+            return None
     return out
+
+
+def _untraced():
+    """Host tensors, outside the tracing modes of a compiled graph (none: nothing to leave)."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def refuse_write(func, view: GlobalTensor, placements: tuple) -> SbpError:
