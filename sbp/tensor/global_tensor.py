@@ -285,7 +285,7 @@ class GlobalTensor(torch.Tensor):
 
     full_tensor = full
 
-    def redistribute(self, placements=None, *dtensor_order, mesh: Optional[DeviceMesh] = None,
+    def redistribute(self, placements=None, dtensor_placements=None, *, mesh: Optional[DeviceMesh] = None,
                      device_mesh: Optional[DeviceMesh] = None, async_op: bool = False) -> "GlobalTensor":
         """The same logical tensor with other placements (objects or a string like ``"S(0), B"``).
 
@@ -303,7 +303,9 @@ class GlobalTensor(torch.Tensor):
         >>> sbp.testing.spmd(fn, (2,))
         [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
         """
-        placements, mesh = _redistribute_arguments(placements, dtensor_order, mesh, device_mesh)
+        if placements is None or dtensor_placements is not None or device_mesh is not None \
+                or placements.__class__ is DeviceMesh:
+            placements, mesh = _redistribute_arguments(placements, dtensor_placements, mesh, device_mesh)
         if torch.compiler.is_compiling() and traced_here():  # dynamo: one opaque call, traced by AOTAutograd (sbp.runtime.traced)
             if isinstance(mesh, DeviceMesh) and mesh != self._mesh:
                 return _redistribute_across(self, placements, mesh)   # a graph break: runs eagerly
@@ -597,17 +599,16 @@ def get_op_handler() -> Optional[OpHandler]:
     return _op_handler[0]
 
 
-def _redistribute_arguments(placements, dtensor_order: tuple, mesh, device_mesh):
+def _redistribute_arguments(placements, dtensor_placements, mesh, device_mesh):
     """`redistribute`'s (placements, mesh) from its own spelling or DTensor's (``(mesh, placements)``,
     ``device_mesh=``, ``placements=`` alone)."""
     if isinstance(placements, DeviceMesh):  # DTensor's positional order: (device_mesh, placements)
         if mesh is not None or device_mesh is not None:
             raise SbpError("redistribute got a mesh twice: positionally first (DTensor's order) and as a keyword")
-        mesh, placements = placements, (dtensor_order[0] if dtensor_order else None)
-        dtensor_order = dtensor_order[1:]
-    if dtensor_order:
-        raise SbpError(f"redistribute takes the placements and, keyword-only, mesh= and async_op=; got "
-                       f"{len(dtensor_order)} more positional argument(s): {dtensor_order!r}")
+        mesh, placements, dtensor_placements = placements, dtensor_placements, None
+    if dtensor_placements is not None:
+        raise SbpError(f"redistribute takes the placements and, keyword-only, mesh= and async_op=; got a second "
+                       f"positional argument: {dtensor_placements!r}")
     if device_mesh is not None:
         if mesh is not None and mesh is not device_mesh:
             raise SbpError("redistribute got both mesh= and device_mesh= (DTensor's name for it); pass one")
