@@ -9,7 +9,6 @@ one fallback of sbp, also taken by a composite rule (``_foreach_*``, in-place vi
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import itertools
 import math
@@ -17,10 +16,10 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..runtime.executor import cached_plan
 from ..runtime.symbolic import hint, hint_shape, is_symbolic, narrows
+from ..runtime.traced import untraced
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError, torch_alike
 from ..values.layout import block, block_numel, splitters
@@ -101,7 +100,7 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
 
     # under torch.compile the tracing modes would take these meta tensors and the run through their fake-tensor
     # and tracing machinery (several ms a call); plain meta tensors of symbolic sizes record the same guards
-    with _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext():
+    with untraced():
         try:
             out = on("meta")
         except ZeroDivisionError:   # a Python meta kernel dividing by an element count of 0 (`mse_loss_backward`'s

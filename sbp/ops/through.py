@@ -24,13 +24,11 @@ Other detached views of the same base are not refreshed: they are copies taken w
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from ..runtime.traced import is_tracing
+from ..runtime.traced import is_tracing, untraced
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides, full_local, meta_like
 from ..tensor.setitem import write_blocks
 from ..values.errors import SbpError
@@ -110,7 +108,7 @@ def write_through(view: GlobalTensor) -> None:
         index = _element_map(view._notes.view)
         whole = full_local(base).reshape(-1).clone()
         if is_tracing(whole):   # a constant of the graph
-            with _untraced():
+            with untraced():
                 values = index.tolist()
             index = torch.tensor(values, dtype=torch.int64)
         whole[index.reshape(-1)] = full_local(view).reshape(-1)
@@ -153,7 +151,7 @@ def _element_map(made: tuple) -> Optional[torch.Tensor]:
     an expand: torch refuses writes into overlapping views too)."""
     func, args, kwargs, k = made
     base = args[0]
-    with _untraced():   # (also in a compiled graph, where the index becomes a constant of the graph)
+    with untraced():   # (also in a compiled graph, where the index becomes a constant of the graph)
         try:
             out = func(torch.arange(base.numel()).view(tuple(base.shape)), *args[1:], **kwargs)
         except (RuntimeError, TypeError, ValueError):
@@ -162,11 +160,6 @@ def _element_map(made: tuple) -> Optional[torch.Tensor]:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.numel() != out.unique().numel():
             return None
     return out
-
-
-def _untraced():
-    """Host tensors, outside the tracing modes of a compiled graph (none: nothing to leave)."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def refuse_write(func, view: GlobalTensor, placements: tuple) -> SbpError:

@@ -15,6 +15,7 @@ process groups (`CompileError`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -28,6 +29,7 @@ from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..planning.exchange import exchange, reduce_exchange
@@ -66,6 +68,20 @@ def is_tracing(t: torch.Tensor) -> bool:
         return True
     return (torch._is_functional_tensor(t) or get_proxy_mode() is not None
             or torch.compiler.is_compiling() and traced_here())
+
+
+def untraced():
+    """A context where tensors made are host tensors again, outside the tracing modes of a compiled graph
+    (its fake-tensor and proxy modes; none active: nothing to leave). For what only shapes or constants
+    are read from: a meta kernel's output shapes, a view's element index.
+
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode():
+    ...     with untraced():
+    ...         type(torch.ones(2)).__name__
+    'Tensor'
+    """
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
