@@ -271,7 +271,9 @@ def _move_group_rows(call: Call, local: torch.Tensor, how: tuple) -> torch.Tenso
     if at:     # (no-op moves stay out of a traced graph: each op costs its tracing time)
         rows = rows.movedim(at, 0)
     moved = move_rows(rows, have, want, me, axes, call.mesh)
-    return (moved.movedim(0, at) if at else moved).reshape(call.out_shape(0))
+    # (rows-first is sbp's own order: the result is laid out as a view of a contiguous tensor would be, last
+    # dim of stride 1, for ops that read strides -- view_as_complex of rotary embeddings)
+    return (moved.movedim(0, at).contiguous() if at else moved).reshape(call.out_shape(0))
 
 
 VIEW = Rule(_view_sigs, run=_run_view, check=_view_check,

@@ -404,6 +404,21 @@ def test_rows_moved_where_some_rank_holds_nothing_before_the_group(fn, full, pls
     check_op(fn, [randn(full)], [pls], (2, 3))
 
 
+def _rotary_pairs(mesh):
+    x = sbp.distribute(randn((2, 8, 32)), mesh, "S(2)")   # a colwise q_proj output: 32 = 4 heads x 8
+    q = x.view(2, 8, 4, 8)                                # 11/11/10 features -> heads 2/1/1: rows moved
+    c = torch.view_as_complex(q.float().reshape(2, 8, 4, 4, 2))
+    return q.to_local().is_contiguous(), torch.view_as_real(c).full()
+
+
+def test_a_view_that_moves_rows_is_laid_out_as_a_contiguous_view():
+    # view_as_complex (rotary embeddings, DeepSeek-V2 on 3 ranks) needs a last dim of stride 1, as a view of a
+    # contiguous tensor has: the rows moved to other ranks came back with permuted strides and it raised
+    want = randn((2, 8, 32)).float().view(2, 8, 4, 4, 2)
+    for contiguous, got in sbp.testing.spmd(_rotary_pairs, (3,)):
+        assert contiguous and torch.equal(got, want)
+
+
 def test_copy_into_a_partial_of_another_dtype_writes_the_converted_value():
     """``dst.copy_(src)`` into a Partial dst of another dtype: src laid out as dst's Partial and cast part by
     part would truncate P(sum) parts one by one (0.6 + 0.6 -> 0 + 0, not 1) and wrap an S -> P(min|max)
