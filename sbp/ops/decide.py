@@ -86,9 +86,9 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
     """
     def on(device: str) -> Any:
         def to(v: Any) -> Any:
-            if isinstance(v, torch.Tensor):   # (on the host: one element, expanded; only its shape is read)
-                return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") if device == "meta" else \
-                    torch.zeros((), dtype=v.dtype).expand(tuple(v.shape))
+            if isinstance(v, torch.Tensor):   # (on the host: values unread but for integers, zeros: offsets)
+                made = torch.empty if device == "meta" or v.is_floating_point() or v.is_complex() else torch.zeros
+                return made(tuple(v.shape), dtype=v.dtype, device=device)
             if isinstance(v, torch.device):  # e.g. _to_copy(device=cpu): stay on meta
                 return torch.device(device)
             if isinstance(v, torch.Generator):  # shapes draw nothing (torch's meta `exponential_` refuses one)
@@ -105,8 +105,24 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
             out = on("meta")
         except ZeroDivisionError:   # a Python meta kernel dividing by an element count of 0 (`mse_loss_backward`'s
             out = on("cpu")         # 2 / numel, as `huber_loss_backward`'s): the host kernel does not
+        except (RuntimeError, AssertionError) as e:   # a meta kernel stricter than the host's, which decides for
+            if not _on_host(args, kwargs):            # host tensors (`_grouped_mm`'s wants bfloat16, the CPU
+                raise                                 # kernel takes float32: Mixtral's experts)
+            try:
+                out = on("cpu")
+            except Exception:  # noqa: BLE001 - refused there too: the meta kernel's message
+                raise e from None
     items = out if isinstance(out, (tuple, list)) else [out] if isinstance(out, torch.Tensor) else []
     return tuple(TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in items)
+
+
+def _on_host(args: tuple, kwargs: dict) -> bool:
+    """Whether every tensor among the arguments (in lists too) is a host tensor (global: on a "cpu" mesh)."""
+    def host(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return v.device.type == "cpu"
+        return all(host(x) for x in v) if isinstance(v, (list, tuple)) else True
+    return host(args) and host(tuple(kwargs.values()))
 
 
 def _on_inputs(spec: OpSpec) -> str:

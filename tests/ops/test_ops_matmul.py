@@ -147,3 +147,18 @@ def test_split_batch_matmul_leaves_other_calls_alone():
     a, b = randn((2, 3, 4, 5)), randn((5, 2))
     with SplitBatchMatmul():
         assert torch.equal(a @ b, torch.matmul(a, b))
+
+
+def _grouped_mm(mesh):
+    a = sbp.distribute(torch.arange(24.0).view(6, 4) / 10, mesh, "B")
+    b = sbp.distribute(torch.arange(48.0).view(3, 4, 4) / 10, mesh, "B")
+    return torch._grouped_mm(a, b, offs=torch.tensor([2, 4, 6], dtype=torch.int32)).full()
+
+
+def test_grouped_mm_in_float32_runs_where_the_host_kernel_does():
+    # torch's meta kernel of _grouped_mm wants bfloat16 (the CUDA kernel's rule); the CPU kernel takes float32,
+    # as transformers' Mixtral experts call it on one device. sbp decided on the meta kernel alone: DTypeError
+    want = torch._grouped_mm(torch.arange(24.0).view(6, 4) / 10, torch.arange(48.0).view(3, 4, 4) / 10,
+                             offs=torch.tensor([2, 4, 6], dtype=torch.int32))
+    for got in sbp.testing.spmd(_grouped_mm, (2,)):
+        assert torch.equal(got, want)
