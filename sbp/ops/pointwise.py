@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..values.placement import Split
-from .spec import PMAX, PMIN, PSUM, B, OpSpec, Ref, Rule, Sig, converts_parts, keeps_partial  # noqa: F401 (Ref: doctests)
+from .spec import PMAX, PMIN, PSUM, B, OpSpec, Ref, Rule, Sig, contiguous_run, converts_parts, keeps_partial  # noqa: F401 (Ref: doctests)
 
 # "name.overload" (in-place "_" dropped) -> groups of arguments the op is jointly linear in
 LINEAR: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -269,7 +269,8 @@ def _complex_view_sigs(spec: OpSpec, axis: int) -> list[Sig]:
     return [Sig((Split(d),), (Split(d),)) for d in range(ndim)] + [Sig((B,), (B,)), Sig((PSUM,), (PSUM,))]
 
 
-COMPLEX_VIEW = Rule(_complex_view_sigs, doc="S(d)->S(d) for the dims both sides have; B; P(sum)")
+COMPLEX_VIEW = Rule(_complex_view_sigs, run=contiguous_run,   # (view_as_complex reads the local's strides)
+                    doc="S(d)->S(d) for the dims both sides have; B; P(sum)")
 
 
 # torch's lazy conjugate / negative views set a bit on the result; a wrapper's local carrying the bit is

@@ -201,19 +201,26 @@ def contiguous_run(call: Call) -> Any:
     A global tensor's strides are contiguous whatever its local's (a transposed gradient, a view laid out
     anew), so torch code that makes an argument contiguous before a kernel that relies on it -- autograd's
     formula for ``weight_norm`` calls ``grad.contiguous()`` -- finds nothing to do on the wrapper, and the
-    kernel would misread a strided local. Arguments the op writes or returns a view of stay as they are.
+    kernel would misread a strided local. Arguments the op writes or returns a view of stay as they are, but
+    for the views that read the memory layout itself (`view_as_complex`, `view(dtype)`, `as_strided`): they
+    view a contiguous copy, a view laid out anew (writes into it refused, reads exact).
 
     >>> call = Call(torch.ops.aten.mul.Tensor, [torch.ones(2, 3).t(), 2.0], {}, None, None, None, ())
     >>> contiguous_run(call).is_contiguous()
     True
     """
     schema = call.func._schema.arguments
-    args = [_contiguous(a) if i >= len(schema) or schema[i].alias_info is None else a
+    reads = call.func in _READS_LAYOUT
+    args = [_contiguous(a) if reads or i >= len(schema) or schema[i].alias_info is None else a
             for i, a in enumerate(call.args)]
     names = {a.name: a for a in schema}
     kwargs = {k: v if k in names and names[k].alias_info is not None else _contiguous(v)
               for k, v in call.kwargs.items()}
     return call.func(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+_READS_LAYOUT = frozenset((_aten.view_as_complex.default, _aten.view.dtype, _aten.as_strided.default))
 
 
 def _contiguous(value: Any) -> Any:

@@ -419,6 +419,24 @@ def test_a_view_that_moves_rows_is_laid_out_as_a_contiguous_view():
         assert contiguous and torch.equal(got, want)
 
 
+def _layout_reading_views(mesh, pls):
+    x = sbp.distribute(torch.arange(70.0, dtype=torch.float64).view(5, 2, 7), mesh, pls)
+    y = (x.transpose(1, 2) * 1).contiguous()   # contiguous as a global tensor; its local kept the transpose
+    return (torch.view_as_complex(y).full(), y.view(torch.complex128).full(), y.as_strided((5, 3), (14, 2)).full())
+
+
+@pytest.mark.filterwarnings("ignore::sbp.FallbackWarning")   # view(dtype) and as_strided have no rule
+@pytest.mark.parametrize("pls", ["B", "S(0)"])
+def test_views_that_read_the_memory_layout_see_the_logical_layout(pls):
+    # a pointwise op keeps its input's (transposed) strides on the local, the global tensor reports contiguous
+    # strides, so .contiguous() does nothing: view_as_complex and view(dtype) raised "stride 1" errors and
+    # as_strided read the transposed memory (wrong values, silently)
+    y = (torch.arange(70.0, dtype=torch.float64).view(5, 2, 7).transpose(1, 2) * 1).contiguous()
+    want = (torch.view_as_complex(y), y.view(torch.complex128), y.as_strided((5, 3), (14, 2)))
+    for got in sbp.testing.spmd(functools.partial(_layout_reading_views, pls=pls), (3,)):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_copy_into_a_partial_of_another_dtype_writes_the_converted_value():
     """``dst.copy_(src)`` into a Partial dst of another dtype: src laid out as dst's Partial and cast part by
     part would truncate P(sum) parts one by one (0.6 + 0.6 -> 0 + 0, not 1) and wrap an S -> P(min|max)
