@@ -78,8 +78,10 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
     except TypeError:   # a symbolic bool
         return _specialized(func, args, kwargs, leaves, mesh)
     # which sizes are symbolic is part of the class: a size a guard pinned keys as its symbol did, and an
-    # eager class's sizes may coincide (a split's piece of 4 of a batch of 4 reads as the batch)
-    key = (key, tuple(map(symbolic.is_symbolic, values)))
+    # eager class's sizes may coincide (a split's piece of 4 of a batch of 4 reads as the batch); the static
+    # sizes are too, by value: a class is decided at made-up values of the symbolic ones only, so one made for
+    # 4 heads of 12 (48 features) is not the class of 2 heads of 12 (24: one head a rank on 2)
+    key = (key, tuple(None if symbolic.is_symbolic(v) else int(v) for v in values))
     record = DECISIONS.class_get(key)
     if record is None or record.state in ("candidate", "priced?", "shaped?"):   # not yet shown: decide cold
         record = _decide_class(func, args, kwargs, mesh, key, values, record, outputs)
