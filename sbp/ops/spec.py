@@ -203,7 +203,8 @@ def contiguous_run(call: Call) -> Any:
     formula for ``weight_norm`` calls ``grad.contiguous()`` -- finds nothing to do on the wrapper, and the
     kernel would misread a strided local. Arguments the op writes or returns a view of stay as they are, but
     for the views that read the memory layout itself (`view_as_complex`, `view(dtype)`, `as_strided`): they
-    view a contiguous copy, a view laid out anew (writes into it refused, reads exact).
+    view a contiguous copy, a view laid out anew (a write into it goes on into the base:
+    `sbp.ops.through`).
 
     >>> call = Call(torch.ops.aten.mul.Tensor, [torch.ones(2, 3).t(), 2.0], {}, None, None, None, ())
     >>> contiguous_run(call).is_contiguous()

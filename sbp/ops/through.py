@@ -39,6 +39,10 @@ aten = torch.ops.aten
 # gathering the base
 _REGIONS = {aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
             aten.alias.default}
+# views of the whole base in another dtype: the base's value from the view's (`func(value, base dtype)`)
+_RETYPED = {aten.view_as_complex.default: lambda v, dtype: torch.view_as_real(v),
+            aten.view_as_real.default: lambda v, dtype: torch.view_as_complex(v.contiguous()),
+            aten.view.dtype: lambda v, dtype: v.contiguous().view(dtype)}
 
 
 def can_write_through(view: GlobalTensor) -> bool:
@@ -53,7 +57,7 @@ def can_write_through(view: GlobalTensor) -> bool:
         return False
     if _a_copy(made):
         return True
-    if func not in _REGIONS and _element_map(made) is None:
+    if func not in _REGIONS and func not in _RETYPED and _element_map(made) is None:
         return False
     return not (base._notes is not None and base._notes.detached) or can_write_through(base)
 
@@ -104,6 +108,9 @@ def write_through(view: GlobalTensor) -> None:
     entries = _region(func, args, kwargs, k, base.ndim)
     if entries is not None:
         write_blocks(base, entries, entries, full_local(view))
+    elif func in _RETYPED:   # the whole base, in its own dtype
+        entries = (slice(None),) * base.ndim
+        write_blocks(base, entries, entries, _RETYPED[func](full_local(view), base.dtype).reshape(base.shape))
     else:
         index = _element_map(view._notes.view)
         whole = full_local(base).reshape(-1).clone()
