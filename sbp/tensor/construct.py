@@ -26,6 +26,7 @@ from .global_tensor import (
     GlobalTensor,
     check_local_device,
     check_partial_dtype,
+    contiguous_strides,
     empty_outside,
     local_from_full,
     mesh_description,
@@ -41,7 +42,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, src: Optional[int] = None,
-               requires_grad: Optional[bool] = None) -> GlobalTensor:
+               requires_grad: Optional[bool] = None, src_data_rank: Optional[int] = None) -> GlobalTensor:
     """Lay out a full tensor on `mesh` with `placements`; every rank keeps only its block.
 
     With ``src=None`` every rank passes the same full tensor and slices its block locally (no
@@ -49,7 +50,7 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     tensor; it is ignored), learn the shape and dtype from one small all_gather, and receive exactly
     their block (one all_to_all in which only `r` sends). `P(sum)` keeps the value on coord 0 of the
     axis and zeros elsewhere; `P(min|max)` keep it everywhere. The result is a leaf; it requires grad
-    when `requires_grad` is True (default: as `tensor`).
+    when `requires_grad` is True (default: as `tensor`). ``src_data_rank=`` is DTensor's name for `src`.
 
     Per-rank table for ``distribute(torch.arange(8.).view(4, 2), mesh2x2, "S(0), P(sum)")``:
 
@@ -69,6 +70,11 @@ def distribute(tensor: Optional[torch.Tensor], mesh: DeviceMesh, placements, *, 
     >>> sbp.testing.spmd(fn, (2, 2))
     [[[0.0, 1.0], [2.0, 3.0]], [[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0, 7.0]], [[4.0, 5.0], [6.0, 7.0]]]
     """
+    if src_data_rank is not None:
+        if src is not None and src != src_data_rank:
+            raise SbpError(f"distribute got src={src!r} and src_data_rank={src_data_rank!r} (DTensor's name for it); "
+                           f"pass one")
+        src = src_data_rank
     # dynamo: one opaque call, traced by AOTAutograd (slicing, no collective)
     if torch.compiler.is_compiling() and traced_here():
         if src is not None or requires_grad or (isinstance(tensor, torch.Tensor) and tensor.requires_grad
@@ -271,7 +277,8 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
 
 
 def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shape: Optional[Sequence[int]] = None,
-               check: bool = False) -> GlobalTensor:
+               check: bool = False, run_check: Optional[bool] = None, shape: Optional[Sequence[int]] = None,
+               stride: Optional[Sequence[int]] = None) -> GlobalTensor:
     """Wrap this rank's local tensor as its part of a global tensor (differentiable, no copy).
 
     Without `global_shape` it is inferred with one all_gather of the local shapes (each split dim's global
@@ -279,7 +286,9 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     balanced split (as `numpy.array_split`), otherwise `ShapeError` names the ranks that do not fit.
     With ``check=True`` the ranks also verify that they agree on ndim, dtype, placements, global shape
     and that Broadcast locals are bit-identical; a `RankMismatchError` names the ranks that differ.
-    A rank outside the mesh must pass `global_shape`.
+    A rank outside the mesh must pass `global_shape`. DTensor's spellings work too: ``run_check=`` (as
+    `check`), ``shape=`` (as `global_shape`) and ``stride=`` (the contiguous strides of the shape: a global
+    tensor's logical layout).
 
     >>> import torch, sbp
     >>> def fn(mesh):
@@ -288,6 +297,8 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     >>> sbp.testing.spmd(fn, (2,))
     [torch.Size([5, 3]), torch.Size([5, 3])]
     """
+    if run_check is not None or shape is not None or stride is not None:
+        global_shape, check = _dtensor_from_local(global_shape, check, run_check, shape, stride)
     # dynamo: one opaque call, traced by AOTAutograd (no collective)
     if torch.compiler.is_compiling() and traced_here():
         if global_shape is None or check:
@@ -296,6 +307,27 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
                                     tuple(global_shape), check)
     return _from_local(local, mesh, placements, global_shape, check)
+
+
+def _dtensor_from_local(global_shape, check, run_check, shape, stride) -> tuple:
+    """`from_local`'s (global_shape, check) given DTensor's ``run_check=``, ``shape=`` and ``stride=``."""
+    if run_check is not None:
+        if not isinstance(run_check, bool):
+            raise SbpError(f"from_local(run_check=...) takes a bool, got {run_check!r}")
+        check = check or run_check
+    if shape is not None:
+        if global_shape is not None and tuple(global_shape) != tuple(shape):
+            raise SbpError(f"from_local got global_shape={tuple(global_shape)} and shape={tuple(shape)} (DTensor's "
+                           f"name for it); pass one")
+        global_shape = shape
+    if stride is not None:
+        if global_shape is None:
+            raise SbpError("from_local(stride=...) needs the shape too (shape= or global_shape=), as DTensor's")
+        want = contiguous_strides(tuple(global_shape))
+        if tuple(stride) != want:
+            raise SbpError(f"from_local(stride={tuple(stride)}): a global tensor's logical strides are the "
+                           f"contiguous ones of its shape {tuple(global_shape)}, {want}; omit stride= or pass those")
+    return global_shape, check
 
 
 def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape, check: bool) -> GlobalTensor:

@@ -288,6 +288,19 @@ def _dtensor_redistribute(mesh):
     return [(y.placements, y.to_local().tolist()) for y in moved]
 
 
+def _dtensor_constructor_spellings(mesh):
+    a = sbp.from_local(torch.full((2, 3), float(mesh.rank)), mesh, [sbp.S(0)], run_check=False, shape=(4, 3),
+                       stride=(3, 1))
+    b = sbp.from_local(torch.full((2, 3), float(mesh.rank)), mesh, [sbp.S(0)], run_check=True)
+    c = sbp.distribute(torch.arange(4.0) if mesh.rank == 0 else None, mesh, "S(0)", src_data_rank=0)
+    return a.full().tolist() == b.full().tolist() == [[0.0] * 3] * 2 + [[1.0] * 3] * 2, c.to_local().tolist()
+
+
+def test_from_local_and_distribute_take_dtensor_keywords():
+    # code ported from DTensor passes from_local(run_check=, shape=, stride=) and distribute(src_data_rank=)
+    assert sbp.testing.spmd(_dtensor_constructor_spellings, (2,)) == [(True, [0.0, 1.0]), (True, [2.0, 3.0])]
+
+
 def test_redistribute_takes_dtensor_order_and_names():
     # DTensor's x.redistribute(device_mesh, placements) and its keywords, beside sbp's x.redistribute(placements)
     for rank, got in enumerate(sbp.testing.spmd(_dtensor_redistribute, (2, 2))):
