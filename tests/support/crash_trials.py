@@ -136,7 +136,10 @@ def run_trials(path: str, marks: str, trials: int, rng: random.Random) -> Report
         time.sleep(rng.uniform(0, 1.3 * shortest))
         for p in procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:   # it ended (and was reaped) between the test and the kill
+                    pass
         for p in procs:
             p.join(30)
         done = os.path.exists(os.path.join(marks, f"done-{seed}"))
