@@ -415,6 +415,10 @@ ROWS: list[Row] = [
     T("ops-different-meshes", lambda m: _x(m) + sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2,), ranks=(1, 0))), "B"), E, "mixes global tensors on different meshes"),
     T("ops-different-mesh-ndim-mm", lambda m: _x(m) @ sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2, 1))), "B, B"), E, "aten.mm.default mixes global tensors on different meshes"),
     T("ops-different-mesh-ndim-cat", lambda m: torch.cat([_x(m), sbp.distribute(torch.ones(4, 4), m.binding.bind(DeviceMesh((2, 1))), "S(0), B")]), E, "aten.cat.default mixes global tensors on different meshes"),
+    # in-place ops that would change a global tensor's shape: refused before anything runs (the metadata went stale)
+    T("ops-resize-inplace", lambda m: _x(m).resize_(8, 2), SE, "aten.resize_.default on global shape (4, 4) with placements (S(0),): it would change a global tensor's shape in place ((4, 4) -> (8, 2)); sbp does not resize a global tensor (its shape is its layout): make a new one instead"),
+    T("ops-resize-as-inplace", lambda m: _x(m, "B").resize_as_(torch.ones(2, 8)), SE, "it would change a global tensor's shape in place ((4, 4) -> (2, 8))"),
+    T("ops-as-strided-inplace", lambda m: _x(m, "B").as_strided_((2, 2), (1, 1)), SE, "aten.as_strided_.default on global shape (4, 4) with placements (B,): it would change a global tensor's shape in place ((4, 4) -> (2, 2))"),
     T("ops-matmul-shapes", lambda m: _x(m) @ _x(m, "B", torch.ones(3, 3)), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and (B,): a and b must have same reduction dim, but got [4, 4] X [3, 3]."),
     T("ops-matmul-plain", lambda m: _x(m) @ torch.ones(3, 3), SE, "aten.mm.default on global shapes (4, 4) and (3, 3) with placements (S(0),) and plain: "),
     T("ops-sum-dim", lambda m: _x(m).sum(5), SE, "aten.sum.dim_IntList on global shape (4, 4) with placements (S(0),): Dimension out of range (expected to be in range of [-2, 1], but got 5)"),

@@ -221,7 +221,8 @@ def _writes(func, spec: OpSpec) -> list[tuple[int, Optional[int]]]:
 def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: list) -> None:
     """Refuse an `out=` tensor whose global shape is not the result's before anything runs: torch resizes
     such an `out`, sbp does not (a global tensor's shape is its layout), and a kernel left to fail halfway
-    would leave the tensor's metadata and local disagreeing. Once per decision (cached), out= ops only.
+    would leave the tensor's metadata and local disagreeing. So too an in-place op that would change its
+    tensor's shape (`resize_`, `resize_as_`, `as_strided_`). Once per decision (cached), writing ops only.
 
     >>> import sbp
     >>> from sbp.tensor.global_tensor import GlobalTensor
@@ -234,8 +235,7 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
     ...     print(str(e).split("; ")[0].split(": ")[1])
     out= has global shape (0,) but the result has global shape (2,)
     """
-    names = [a.name for a in func._schema.arguments
-             if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    names = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if not names:
         return
     try:
@@ -252,10 +252,15 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
             if k is None or k >= len(made) or made[k] is None:
                 continue
             have, want = spec.inputs[r.index].shape, made[k].shape
-            if have != want:
+            if have == want:
+                continue
+            if func._schema.arguments[[a.name for a in func._schema.arguments].index(name)].kwarg_only:
                 raise ShapeError(f"{_on_inputs(spec)}: out= has global shape {have} but the result has global "
                                  f"shape {want}; sbp does not resize an out= tensor (torch would): pass one of "
                                  f"the result's shape")
+            raise ShapeError(f"{_on_inputs(spec)}: it would change a global tensor's shape in place ({have} -> "
+                             f"{want}); sbp does not resize a global tensor (its shape is its layout): make a "
+                             f"new one instead (x.reshape, x.new_empty, sbp.distribute)")
 
 
 def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> Decision:

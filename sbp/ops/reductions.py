@@ -102,7 +102,8 @@ def _run_mean(call: Call) -> Any:
     spec = call.spec
     x = call.args[0]
     dims, keep = _dim_keep()(spec) if call.func is not aten.mean.default else _all_dims(spec)
-    count = math.prod(spec.inputs[0].shape[d] for d in dims)
+    whole = spec.inputs[0].shape
+    count = math.prod(whole[d] for d in dims if d < len(whole))   # a 0-d tensor's dim 0 counts 1, as in torch
     dtype = call.kwargs.get("dtype")
     total = aten.sum.dim_IntList(x, list(dims), keep, dtype=dtype)
     return total / count if count else total * math.nan
@@ -114,7 +115,7 @@ def _run_extreme(op: str, along: Along) -> Callable[[Call], Any]:
     nothing to reduce, every rank fails as torch does."""
     def run(call: Call) -> Any:
         x, whole = call.args[0], call.spec.inputs[0].shape
-        dims, _ = along(call.spec)
+        dims = [d for d in along(call.spec)[0] if d < len(whole)]   # (a 0-d tensor's dim 0 is no dim)
         if any(x.shape[d] == 0 for d in dims) and all(whole[d] > 0 for d in dims):
             return torch.full(call.out_shape(0), identity(op, x.dtype), dtype=x.dtype, device=x.device)
         return call.default()

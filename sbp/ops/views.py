@@ -337,7 +337,9 @@ def _squeezed(spec: OpSpec) -> list[int]:
     if spec.func is aten.squeeze.default:
         cand = range(x.ndim)
     else:
-        cand = dims_of(spec.arg("dim", spec.arg("dims")), x.ndim) if x.ndim else ()
+        dims = spec.arg("dim", spec.arg("dims"))
+        # an empty dims list squeezes nothing (torch), where a reduction's [] means every dim
+        cand = dims_of(dims, x.ndim) if x.ndim and dims != [] and dims != () else ()
     return [d for d in cand if x.shape[d] == 1]
 
 

@@ -58,6 +58,22 @@ def test_reduction(name, data, mesh):
     check_op(lambda x: fn(x, dim, keep), [randn(s)], [pls], mesh)
 
 
+ZERO_D_REDUCTIONS = {
+    "amax": lambda x: torch.amax(x, dim=0, keepdim=True) + torch.amax(x, dim=-1),
+    "amin": lambda x: torch.amin(x, dim=(0,)) + torch.amin(x, dim=-1, keepdim=True),
+    "mean": lambda x: torch.mean(x, dim=0, keepdim=True) + x.mean(-1),
+    "sum": lambda x: torch.sum(x, dim=0) + x.sum(-1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_D_REDUCTIONS))
+@pytest.mark.parametrize("pls", ["B", "P(sum)", "B, P(sum)"])
+def test_reductions_over_dim_0_of_a_0_d_tensor(name, pls):
+    # fails without the runners skipping the 0-d tensor's dim 0: amax / amin / mean raised IndexError
+    mesh = (2,) if pls.count(",") == 0 else (2, 2)
+    check_op(ZERO_D_REDUCTIONS[name], [torch.tensor(3.5, dtype=torch.float64)], [pls], mesh)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 10])
 def test_mean_over_uneven_split_divides_by_global_length(rows):
     """DTensor's classic bug: the mean of an unevenly split dim must weigh every element equally."""

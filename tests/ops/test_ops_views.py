@@ -54,6 +54,8 @@ SHAPE_OPS = {
     "t": lambda x: x[0].t(),
     "unsqueeze": lambda x: x.unsqueeze(1).unsqueeze(-1),
     "squeeze": lambda x: x[:, :1].squeeze(1).squeeze(),
+    # an empty dims list squeezes nothing (before: every size-1 dim of the local, the global shape kept)
+    "squeeze_no_dims": lambda x: x[:1, :1].squeeze([]) * 2 + torch.squeeze(x[:1, :1], ()),
     "expand": lambda x: x[:, :1].expand(-1, 4, -1).unsqueeze(0).expand(2, -1, -1, -1),
     "slice": lambda x: x[1:, ::2, -2:],
     "select": lambda x: x[-1] + x[:, 0].sum() + x.select(2, 1).sum(),
