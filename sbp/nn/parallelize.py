@@ -110,7 +110,7 @@ class _Context:
         return out
 
     def forget(self, *_: Any) -> None:
-        """A new forward pass of the root module: no conversion of an earlier pass is reused."""
+        """The root module's forward pass begins or ends: no conversion of an earlier pass is reused."""
         self.last_input = (None, None, None)
 
     @property
@@ -245,6 +245,9 @@ def _install_hooks(module: nn.Module, ctx: _Context, planned: dict[str, nn.Modul
     if dp_bucket_bytes is not None and ctx.dp_axes:   # one all_reduce per bucket of dp gradients (sbp.nn.buckets)
         bucket_gradients(module, ctx.mesh, ctx.dp_axes, dp_bucket_bytes)
     module.register_forward_pre_hook(ctx.forget, prepend=True)   # before any conversion of this pass
+    # and after it: a kept conversion would hold the pass's input and its autograd graph until the next pass
+    # (an eval forward without no_grad: `model.half()` then found the parameters still referenced)
+    module.register_forward_hook(ctx.forget, always_call=True)
     matmuls = _MatmulMode()   # batched matmuls keep a split batch dim (heads): sbp.ops.matmul.SplitBatchMatmul
     module.register_forward_pre_hook(matmuls.enter, prepend=True)
     module.register_forward_hook(matmuls.exit, always_call=True)

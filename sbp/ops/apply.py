@@ -23,6 +23,7 @@ from ..tensor.global_tensor import (
     empty_outside,
     is_detached,
     local_from_full,
+    normal_in_inference_mode,
     notes_of,
     redistribute_raw,
 )
@@ -69,7 +70,7 @@ class Decision:
     Made once per cache key by `decide`; `execute` runs it for a call with those specs."""
 
     __slots__ = ("spec", "choice", "targets", "run", "paths", "out_shapes", "out_strides", "out_keys", "aliases",
-                 "writes", "fallback", "blank", "first", "fast", "view", "fast_inplace", "bounds")
+                 "writes", "fallback", "blank", "first", "fast", "view", "fast_inplace", "bounds", "uncounted")
 
     def __init__(self, spec: OpSpec, choice: Choice, run, paths: list[tuple], writes: list[tuple[int, Optional[int]]],
                  fallback: bool = False, blank: bool = False) -> None:
@@ -78,6 +79,9 @@ class Decision:
         self.run = run
         self.paths = paths
         self.writes = writes          # (input index, output slot or None) for every input the op writes
+        # writes torch counts nowhere (no ADInplaceOrView kernel: fused optimizers, amp's unscale): sbp bumps the
+        # written tensors' version counters itself, or a P(sum) tensor's kept reduction would outlive the write
+        self.uncounted = bool(writes) and not _has_kernel(spec.func.name(), "ADInplaceOrView")
         self.aliases = {k: i for i, k in writes if k is not None}
         self.fallback = fallback
         self.blank = blank            # the first input is only drawn over: a fresh full tensor, not gathered
@@ -119,6 +123,9 @@ class Decision:
         >>> sbp.testing.spmd(fn, (2,))
         [[-1.0, -1.0], [-1.0, -1.0]]
         """
+        if self.view and normal_in_inference_mode(leaves[self.first]):   # a view of a normal tensor: normal
+            with torch.inference_mode(False):
+                return self.execute(func, args, kwargs, leaves)
         mesh = leaves[self.first]._mesh
         if self.fast:
             largs = list(args)
@@ -132,8 +139,11 @@ class Decision:
             out = self.wrap_output(0, func(*largs, **kwargs), mesh)
             if self.view:   # (inlined `notes_of` and `is_detached`: every view op passes here)
                 notes = out.__dict__["_notes"] = TensorNotes()
-                notes.view = (func, args, kwargs, None)   # its logical strides, worked out if asked
                 base = leaves[0].__dict__.get("_notes")
+                if func not in SAME_LAYOUT:
+                    notes.view = (func, args, kwargs, None)   # its logical strides, worked out if asked
+                elif base is not None:
+                    notes.view, notes.strides = base.view, base.strides
                 if base is not None and base.detached:
                     notes.detached = True   # a view of a detached view is detached too
             return out
@@ -167,6 +177,8 @@ class Decision:
         result = self.run(Call(func, largs, lkwargs, self.spec, self.choice, mesh, coord))
         for i, k in self.writes:
             self._write_back(i, k, leaves, locals_, mesh)
+        if self.uncounted:
+            _count_writes(leaves, self.writes)
         for view in through:
             write_through(view)
         out = self._wrap(result, mesh, leaves)
@@ -342,12 +354,33 @@ def first_out_of_range(t: torch.Tensor, bound: int, ignored: Any = None) -> Opti
     return found[0] if found else None
 
 
+# views with their base's layout: they take the base's recipe, never the base itself. Autograd saves an op's
+# output for its backward as a detach of it: a recipe naming the output would make a reference cycle through
+# autograd's C++ graph, which Python's collector cannot see (the output and its graph would never be freed)
+SAME_LAYOUT = frozenset((torch.ops.aten.detach.default, torch.ops.aten.alias.default))
+
+
+_has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+
+
+def _count_writes(leaves: list, writes: list) -> None:
+    """Bump the version counters of the global tensors an op wrote, for an op whose writes torch does not
+    count (`Decision.uncounted`)."""
+    written = [leaves[i] for i, _ in writes if isinstance(leaves[i], GlobalTensor) and not leaves[i].is_inference()]
+    if written:
+        torch._C._increment_version(written)
+
+
 def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:
     """Record how each global output of a view op was made (`sbp.tensor.global_tensor.logical_strides` replays it)."""
     many = isinstance(out, (list, tuple))
     for k, t in enumerate(out if many else [out]):
         if isinstance(t, GlobalTensor) and t is not args[0]:
-            notes_of(t).view = (func, args, kwargs, k if many else None)
+            notes = notes_of(t)
+            if func not in SAME_LAYOUT:
+                notes.view = (func, args, kwargs, k if many else None)
+            elif args[0]._notes is not None:
+                notes.view, notes.strides = args[0]._notes.view, args[0]._notes.strides
 
 
 FACTORIES = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",

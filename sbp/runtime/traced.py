@@ -120,6 +120,24 @@ def traced_without_dynamo() -> bool:
     return not _dynamo_compiling() and TracingContext.try_get() is not None
 
 
+def graph_break(what: str, why: str, hint: str) -> None:
+    """Break the graph at `what`, a call that no graph can hold, when it runs under a trace; running for
+    real, return and let the call go on. Dynamo runs a global tensor's method on fake tensors to learn its
+    output: there this raises dynamo's graph break (without ``fullgraph`` the graph ends before the call
+    and the call runs eagerly; with it, the compile fails with this message). Under any other trace
+    (AOTAutograd, torch.export, make_fx) the same text is a RuntimeError.
+
+    >>> graph_break("a cross-mesh move", "no graph holds it", "move outside the compiled function") is None
+    True
+    """
+    if TracingContext.try_get() is None:
+        return None
+    if get_proxy_mode() is None:   # dynamo's fake-tensor run of a recorded call
+        from torch._dynamo.exc import unimplemented
+        unimplemented(gb_type=f"sbp: {what}", context=what, explanation=why, hints=[hint])
+    raise RuntimeError(f"{what} cannot be traced into a graph: {why}; {hint}")
+
+
 def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tuple[int, ...]]:
     """(process group name, group size, member index at each group rank) of this rank's group along
     `axes`; the member order is the mesh's row-major order, the group's is ascending ranks.

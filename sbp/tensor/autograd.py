@@ -133,6 +133,9 @@ class _FromFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
                 global_shape: tuple[int, ...]) -> GlobalTensor:
+        if gt.normal_in_inference_mode(t):   # (compiled under inference_mode: torch's detach of a traced tensor)
+            with torch.inference_mode(False):
+                return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
         return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
 
     @staticmethod

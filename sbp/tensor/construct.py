@@ -301,12 +301,24 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         global_shape, check = _dtensor_from_local(global_shape, check, run_check, shape, stride)
     # dynamo: one opaque call, traced by AOTAutograd (no collective)
     if torch.compiler.is_compiling() and traced_here():
+        if global_shape is None and not check:
+            global_shape = _unsplit_shape(local, mesh, placements)
         if global_shape is None or check:
             return _eager_from_local(local, mesh, placements, global_shape, check)   # a graph break
         _check_in_graph(local, mesh, placements, "from_local", global_shape)
         return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
                                     tuple(global_shape), check)
     return _from_local(local, mesh, placements, global_shape, check)
+
+
+def _unsplit_shape(local, mesh, placements) -> Optional[tuple]:
+    """The global shape `from_local` can read off the local tensor alone: with no `Split` placement every
+    rank holds the whole shape (`B`, `P`); None where it takes the other ranks' shapes (or the arguments
+    are bad: the eager call reports them)."""
+    if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor) or not isinstance(mesh, DeviceMesh):
+        return None
+    pls = normalize(placements, local.ndim, mesh.ndim, cache=False)
+    return None if any(isinstance(p, Split) for p in pls) else tuple(local.shape)
 
 
 def _dtensor_from_local(global_shape, check, run_check, shape, stride) -> tuple:

@@ -20,7 +20,7 @@ from ..runtime import agreement, pending, symbolic
 from ..runtime.agreement import is_enabled as debug_enabled
 from ..runtime.executor import cached_plan, redistribute_local
 from ..runtime.pending import PendingTensor
-from ..runtime.traced import cache_key, is_tracing, traced_here
+from ..runtime.traced import cache_key, graph_break, is_tracing, traced_here
 from ..values.errors import DTypeError, MeshError, PlacementError, SbpError, ShapeError
 from ..values.layout import block, local_slices
 from ..values.mesh import DeviceMesh, live_mesh
@@ -95,10 +95,15 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
                 global_shape: Sequence[int], *, requires_grad: bool = False) -> "GlobalTensor":
+        if normal_in_inference_mode(local):
+            with torch.inference_mode(False):
+                return cls(local, mesh, placements, global_shape, requires_grad=requires_grad)
         shape = tuple(global_shape)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=contiguous_strides(shape), dtype=local.dtype, device=local.device,
             layout=local.layout, requires_grad=requires_grad)
+        if mesh.binding is None and torch.compiler.is_compiling():
+            mesh = _rebound(mesh)
         d = self.__dict__
         d["_local"], d["_mesh"], d["_placements"] = local, mesh, tuple(placements)
         d["_key"] = d["_notes"] = None
@@ -649,8 +654,12 @@ _ACROSS_MESHES = ("sbp: a cross-mesh x.redistribute(..., mesh=other) is not lowe
 
 
 @torch._dynamo.disable(reason=_ACROSS_MESHES)
+@torch.compiler.disable
 def _redistribute_across(x: GlobalTensor, placements, mesh: DeviceMesh) -> GlobalTensor:
-    """A cross-mesh move inside compiled code: a graph break (dynamo runs it eagerly, never traces it)."""
+    """A cross-mesh move inside compiled code: a graph break, then an eager run (dynamo never traces it)."""
+    graph_break("x.redistribute(placements, mesh=another_mesh)",
+                "a move to another mesh runs exact point-to-point transfers that no graph holds",
+                "make the move outside the compiled function (without fullgraph it runs eagerly)")
     return _redistribute(x, placements, mesh)
 
 
@@ -688,6 +697,37 @@ def mesh_description(mesh: DeviceMesh) -> tuple:
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(f"expected an sbp.DeviceMesh, got {type(mesh).__name__}")
     return (mesh.shape, mesh.names or (), mesh.ranks, mesh.device_type)
+
+
+_inference_mode = torch.is_inference_mode_enabled
+
+
+def normal_in_inference_mode(local: torch.Tensor) -> bool:
+    """Whether a wrapper around `local` must be made outside inference mode: in inference mode torch makes a
+    view of a normal tensor a normal tensor, sharing its base's version counter; a wrapper made there would
+    be an inference tensor, which cannot take one ("Cannot set version_counter for inference tensor": a view
+    of a global tensor taken inside `torch.inference_mode()`, an autograd function's output aliasing its
+    input). A wrapper is an inference tensor exactly when its local is.
+
+    >>> with torch.inference_mode():
+    ...     normal_in_inference_mode(torch.ones(1)), normal_in_inference_mode(torch.ones(1) + 1)
+    (False, False)
+    >>> t = torch.ones(1)
+    >>> with torch.inference_mode():
+    ...     normal_in_inference_mode(t)
+    True
+    """
+    return _inference_mode() and not local.is_inference()
+
+
+def _rebound(mesh: DeviceMesh) -> DeviceMesh:
+    """The live bound mesh equal to `mesh`, or `mesh` itself where this process has none. Dynamo rebuilds a
+    mesh that enters a graph as a constant (an argument of a recorded call, of a global tensor made in
+    traced code) from its value fields, without the binding (`sbp.values.mesh._Bindable`)."""
+    try:
+        return mesh_of(mesh_description(mesh))
+    except MeshError:
+        return mesh
 
 
 def mesh_of(description: tuple) -> DeviceMesh:

@@ -10,7 +10,7 @@ import itertools
 import math
 import operator
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from .errors import MeshError
@@ -39,11 +39,20 @@ class MeshBinding(Protocol):
         """The binding of `mesh`'s sub-mesh along `axes` made of `members` (default: this rank's group)."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceMesh:
+class _Bindable:
+    """Holds a mesh's `binding` outside its dataclass fields: the fields are the value (equality, hashing,
+    and what torch.compile rebuilds a mesh argument from, so a bound mesh passes into a compiled graph
+    as a constant); the binding is this process's communicator and never part of the value."""
+
+    __slots__ = ("binding",)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class DeviceMesh(_Bindable):
     """An n-dimensional grid of ranks.
 
-    `ranks` lists the world ranks in row-major coord order (default: 0..size-1).
+    `ranks` lists the world ranks in row-major coord order (default: 0..size-1); `binding` is the
+    communicator of a mesh bound to processes (`sbp.init_mesh`; None for a pure value).
 
     >>> mesh = DeviceMesh((2, 2), names=("dp", "tp"))
     >>> mesh.size(), mesh.coord_of(3), mesh.rank_of((1, 0))
@@ -56,7 +65,13 @@ class DeviceMesh:
     names: Optional[tuple[str, ...]] = None
     ranks: Optional[tuple[int, ...]] = None
     device_type: str = "cpu"
-    binding: Optional[MeshBinding] = field(default=None, compare=False, hash=False, repr=False)
+
+    def __init__(self, shape: Any, names: Optional[Sequence[str]] = None, ranks: Optional[Sequence[int]] = None,
+                 device_type: str = "cpu", binding: Optional[MeshBinding] = None) -> None:
+        for name, value in (("shape", shape), ("names", names), ("ranks", ranks),
+                            ("device_type", device_type), ("binding", binding)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         shape = self.shape

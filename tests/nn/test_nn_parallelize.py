@@ -138,6 +138,25 @@ def test_inference_mode_runs_megatron_s_plan():
         torch.testing.assert_close(y, model(x), **TOL)
 
 
+def _convert_after_an_eval_forward(mesh, x):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 6)).double()
+    sbp.nn.parallelize(model, mesh, {"1": "colwise", "3": "rowwise"})
+    model.eval()
+    model(x)   # grad mode on, no backward
+    model.float()
+    return model[0].weight.dtype, model[1].weight.dtype, model(x.float()).full().dtype
+
+
+def test_dtype_conversion_after_an_eval_forward_without_no_grad():
+    # fails without the root's forward hook forgetting the pass's conversions: the kept conversion held the
+    # input's autograd graph, and with it references to the parameters, so Module.float() could not swap them
+    # ("_apply(): Couldn't swap LayerNorm.weight"; plain torch converts)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for got in sbp.testing.spmd(functools.partial(_convert_after_an_eval_forward, x=x), (2,)):
+        assert got == (torch.float32,) * 3, got
+
+
 def _output_layouts(mesh, model):
     model = copy.deepcopy(model)
     sbp.nn.parallelize(model, mesh, {"0": Colwise(), "2": Rowwise(use_local_output=True)})

@@ -3,6 +3,8 @@ fused) makes the same updates as on single-device tensors; `_foreach_*` ops with
 back to per-index pointwise rules."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -144,3 +146,34 @@ def test_fused_adamw_on_a_parallelized_model_matches_single_device():
         for got in sbp.testing.spmd(_fused_training, (2,)):
             for g, r in zip(got, ref):
                 assert torch.allclose(g, r, atol=TOL, rtol=0)
+
+
+def _partial_param_steps(mesh, name: str, kwargs: dict) -> list:
+    """Three steps of a fused / foreach / for-loop optimizer on a P(sum) parameter, each followed by a read of
+    the whole value (a reduction sbp keeps while the parameter is unchanged)."""
+    w = nn.Parameter(sbp.distribute(torch.linspace(1, 2, 4, dtype=torch.float64), mesh, "P(sum)"))
+    opt = getattr(torch.optim, name)([w], lr=0.1, **kwargs)
+    seen = []
+    for step in range(3):
+        w.grad = sbp.distribute(torch.full((4,), 1.0 + step, dtype=torch.float64), mesh, "P(sum)")
+        opt.step()
+        seen.append(w.full().tolist())
+    return seen
+
+
+@pytest.mark.filterwarnings("ignore:sbp. no sharding rule")   # a fused kernel on a Partial: the fallback
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad"])
+@pytest.mark.parametrize("mode", [{"fused": True}, {"foreach": True}, {"foreach": False}])
+def test_optimizers_on_a_partial_parameter_see_every_step(name, mode):
+    # fails without the dispatch counting the writes of ops that have no ADInplaceOrView kernel (fused
+    # kernels, amp's unscale): the first step's kept reduction of the P(sum) parameter outlived every
+    # later write, so steps 2 and 3 read (and updated from) step 1's value
+    plain = nn.Parameter(torch.linspace(1, 2, 4, dtype=torch.float64))
+    opt = getattr(torch.optim, name)([plain], lr=0.1, **mode)
+    want = []
+    for step in range(3):
+        plain.grad = torch.full((4,), 1.0 + step, dtype=torch.float64)
+        opt.step()
+        want.append(plain.detach().tolist())
+    for got in sbp.testing.spmd(functools.partial(_partial_param_steps, name=name, kwargs=mode), (2,)):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-12, atol=1e-12)

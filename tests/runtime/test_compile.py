@@ -192,6 +192,34 @@ def test_from_local_in_a_compiled_function_needs_the_global_shape() -> None:
         assert names_the_fix, name
 
 
+def run_unsplit_from_local_without_shape(mesh):
+    """Per placements without a Split, under fullgraph=True: (compiled == eager, the graph's collectives
+    are the redistribution's plan alone)."""
+    local = torch.arange(6., dtype=torch.float64).reshape(3, 2) + mesh.rank
+    counters = mesh.binding.counters
+    out = {}
+    for pls in ("B, B", "P(sum), B", "B, P(max)"):
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        got = torch.compile(lambda t, pls=pls: sbp.from_local(t * 2, mesh, pls).redistribute("S(0), B"),
+                            backend=rec.backend, fullgraph=True)(local)
+        eager = sbp.from_local(local * 2, mesh, pls)
+        counters.reset()
+        eager = eager.redistribute("S(0), B")
+        plan = collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in counters.calls)
+        graph = rec.collectives()
+        graph.pop("wait_tensor", None)
+        out[pls] = (got.shape == eager.shape and torch.equal(got.to_local(), eager.to_local()), graph == plan)
+    return out
+
+
+def test_from_local_without_a_split_needs_no_global_shape_in_a_compiled_function() -> None:
+    # fails without from_local reading the global shape off the local tensor where no placement splits it
+    # (as DTensor's from_local): every such call was a graph break, refused under fullgraph
+    for per_rank in spmd(run_unsplit_from_local_without_shape, (2, 2)):
+        assert per_rank == {pls: (True, True) for pls in ("B, B", "P(sum), B", "B, P(max)")}, per_rank
+
+
 class _Block(torch.nn.Module):
     """A pre-norm MLP block (Megatron layout under parallelize: fc1 colwise, fc2 rowwise)."""
 
@@ -439,6 +467,40 @@ def test_cross_mesh_move_in_compiled_code_breaks_the_graph_and_is_exact() -> Non
     for rank, (same, refused, graphs) in enumerate(spmd(run_cross_mesh_in_compiled_code, (4,))):
         assert same and refused, (rank, same, refused)
         assert graphs >= 2, (rank, graphs)   # the code before and after the move compiled around it
+
+
+MESH_SPELLINGS = {   # a move on the tensor's own mesh, with the mesh passed as DTensor code passes it
+    "mesh=x.mesh": lambda t, mesh: t.redistribute("B, S(0)", mesh=t.mesh),
+    "(x.mesh, placements)": lambda t, mesh: t.redistribute(t.mesh, [sbp.B, sbp.S(0)]),
+    "(mesh, placements), mesh a closure": lambda t, mesh: t.redistribute(mesh, (sbp.B, sbp.S(0))),
+    "device_mesh=, placements=": lambda t, mesh: t.redistribute(device_mesh=mesh, placements=[sbp.B, sbp.S(0)]),
+}
+
+
+def run_mesh_argument_in_compiled_code(mesh):
+    """Per spelling: (compiled == eager, graph collectives == eager's plan) under fullgraph=True."""
+    x = sbp.distribute(_global_value((6, 4)), mesh, "S(0), S(1)")
+    counters = mesh.binding.counters
+    counters.reset()
+    eager = x.redistribute("B, S(0)")
+    calls = collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in counters.calls)
+    out = {}
+    for name, move in MESH_SPELLINGS.items():
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        got = torch.compile(lambda t, move=move: move(t, mesh) * 2, backend=rec.backend, fullgraph=True)(x)
+        graph = rec.collectives()
+        graph.pop("wait_tensor", None)
+        out[name] = (got.mesh == mesh and got.placements == eager.placements
+                     and torch.equal(got.to_local(), (eager * 2).to_local()), graph == calls)
+    return out
+
+
+def test_a_mesh_argument_naming_the_tensors_own_mesh_compiles_to_the_plans_collectives() -> None:
+    # fails without DeviceMesh keeping its binding outside the dataclass fields: dynamo rebuilds a mesh
+    # argument from its fields and could not proxy the communicator ("Failed to convert args/kwargs to proxy")
+    for per_rank in spmd(run_mesh_argument_in_compiled_code, (2, 2)):
+        assert per_rank == {name: (True, True) for name in MESH_SPELLINGS}, per_rank
 
 
 def run_layout_reads_in_compiled_code(mesh):

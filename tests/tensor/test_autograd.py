@@ -403,3 +403,27 @@ def test_plain_input_gradient_is_differentiable_twice(mesh_shape, pls):
         assert tracked
         torch.testing.assert_close(gx, ref_gx, **DBL_TOL)
         torch.testing.assert_close(grad, ref, **DBL_TOL)
+
+
+def _freed_results(mesh) -> dict[str, bool]:
+    """Per op: whether a result that requires grad, dropped without a backward, is freed (weakref dead)."""
+    import gc
+    import weakref
+    x = sbp.distribute(torch.randn(8, 4, dtype=torch.float64), mesh, "S(0)", requires_grad=True)
+    out = {}
+    for name, op in (("sin", torch.sin), ("exp", torch.exp), ("relu", torch.relu), ("tanh", torch.tanh),
+                     ("softmax", lambda t: t.softmax(-1)), ("t().exp()", lambda t: t.t().exp())):
+        y = op(x * 2)
+        ref = weakref.ref(y)
+        del y
+        gc.collect()
+        out[name] = ref() is None
+    return out
+
+
+def test_results_that_autograd_saves_are_freed_without_a_backward():
+    # fails without the detach / alias views taking their base's recipe instead of naming the base: autograd
+    # saves exp's output as a detach of it, whose view recipe named the output -- a reference cycle through
+    # autograd's C++ graph that gc cannot see (an eval forward in grad mode leaked its activations)
+    for per_rank in sbp.testing.spmd(_freed_results, (2,)):
+        assert all(per_rank.values()), per_rank
