@@ -235,8 +235,8 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
     ...     print(str(e).split("; ")[0].split(": ")[1])
     out= has global shape (0,) but the result has global shape (2,)
     """
-    names = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not names:
+    written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not written:
         return
     try:
         with warnings.catch_warnings():
@@ -245,8 +245,8 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
     except Exception:   # noqa: BLE001 -- a bad call: the checks below name it
         return
     slots = dict(writes)
-    for name in names:
-        ref = spec.values.get(name)
+    for arg in written:
+        ref = spec.values.get(arg.name)
         for r in ref if isinstance(ref, list) else [ref]:
             k = slots.get(r.index) if isinstance(r, Ref) else None
             if k is None or k >= len(made) or made[k] is None:
@@ -254,7 +254,7 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
             have, want = spec.inputs[r.index].shape, made[k].shape
             if have == want:
                 continue
-            if func._schema.arguments[[a.name for a in func._schema.arguments].index(name)].kwarg_only:
+            if arg.kwarg_only:   # out=
                 raise ShapeError(f"{_on_inputs(spec)}: out= has global shape {have} but the result has global "
                                  f"shape {want}; sbp does not resize an out= tensor (torch would): pass one of "
                                  f"the result's shape")

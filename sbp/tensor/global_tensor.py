@@ -654,7 +654,6 @@ _ACROSS_MESHES = ("sbp: a cross-mesh x.redistribute(..., mesh=other) is not lowe
 
 
 @torch._dynamo.disable(reason=_ACROSS_MESHES)
-@torch.compiler.disable
 def _redistribute_across(x: GlobalTensor, placements, mesh: DeviceMesh) -> GlobalTensor:
     """A cross-mesh move inside compiled code: a graph break, then an eager run (dynamo never traces it)."""
     graph_break("x.redistribute(placements, mesh=another_mesh)",
