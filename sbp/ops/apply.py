@@ -79,8 +79,10 @@ class Decision:
         self.run = run
         self.paths = paths
         self.writes = writes          # (input index, output slot or None) for every input the op writes
-        # writes torch counts nowhere (no ADInplaceOrView kernel: fused optimizers, amp's unscale): sbp bumps the
-        # written tensors' version counters itself, or a P(sum) tensor's kept reduction would outlive the write
+        # writes torch counts nowhere (no ADInplaceOrView kernel: fused optimizers, amp's unscale, batch norm's
+        # running stats): a P(sum) tensor's kept reduction, trusted while the version counters stand, would
+        # outlive the write, so sbp drops it. (Bumping the counters instead would fail autograd's check of
+        # tensors the op saved for its backward, as batch norm saves its running stats.)
         self.uncounted = bool(writes) and not _has_kernel(spec.func.name(), "ADInplaceOrView")
         self.aliases = {k: i for i, k in writes if k is not None}
         self.fallback = fallback
@@ -178,7 +180,7 @@ class Decision:
         for i, k in self.writes:
             self._write_back(i, k, leaves, locals_, mesh)
         if self.uncounted:
-            _count_writes(leaves, self.writes)
+            _forget_reductions(leaves, self.writes)
         for view in through:
             write_through(view)
         out = self._wrap(result, mesh, leaves)
@@ -363,12 +365,12 @@ SAME_LAYOUT = frozenset((torch.ops.aten.detach.default, torch.ops.aten.alias.def
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
-def _count_writes(leaves: list, writes: list) -> None:
-    """Bump the version counters of the global tensors an op wrote, for an op whose writes torch does not
-    count (`Decision.uncounted`)."""
-    written = [leaves[i] for i, _ in writes if isinstance(leaves[i], GlobalTensor) and not leaves[i].is_inference()]
-    if written:
-        torch._C._increment_version(written)
+def _forget_reductions(leaves: list, writes: list) -> None:
+    """Drop the kept reductions of the global tensors an op wrote, for an op whose writes torch does not
+    count (`Decision.uncounted`; `sbp.tensor.global_tensor._reduced_before`)."""
+    for i, _ in writes:
+        if isinstance(leaves[i], GlobalTensor):
+            leaves[i].__dict__.pop("_reduced", None)
 
 
 def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:

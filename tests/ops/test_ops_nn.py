@@ -2,6 +2,8 @@
 over uneven shards is exact); values and gradients match torch."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -272,3 +274,33 @@ def test_attention_over_heads_cut_between_ranks(how):
 
     for got in sbp.testing.spmd(fn, (2,)):
         assert torch.allclose(got, want, atol=1e-12, rtol=0)
+
+
+def _batch_norm_with_global_running_stats(mesh, pls):
+    """Training-mode batch norm whose running stats are global tensors: (output, input grad, running stats)."""
+    x0 = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    x = sbp.distribute(x0, mesh, pls, requires_grad=True)
+    w = sbp.distribute(torch.linspace(1, 2, 4, dtype=torch.float64), mesh, "B", requires_grad=True)
+    mean, var = (sbp.distribute(t, mesh, "B") for t in (torch.zeros(4, dtype=torch.float64),
+                                                      torch.ones(4, dtype=torch.float64)))
+    y = NATIVE_BATCH_NORM(x, w, None, mean, var, True, 0.5, 1e-5)[0]   # saves the running stats it writes
+    (y.full() ** 2).sum().backward()
+    return y.full(), x.grad.full(), w.grad.full(), mean.full(), var.full()
+
+
+NATIVE_BATCH_NORM = torch.ops.aten._native_batch_norm_legit.default
+
+
+@pytest.mark.parametrize("pls", ["B", "S(0)", "S(1)"])
+def test_batch_norm_training_with_global_running_stats_differentiates(pls):
+    # guards the writes torch does not count (batch norm's running stats): sbp drops a kept reduction there
+    # and must not bump the version counters (autograd then refused the backward: "modified by an inplace
+    # operation", seen while fused optimizers' writes were being counted)
+    x0 = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    w0 = torch.linspace(1, 2, 4, dtype=torch.float64).requires_grad_()
+    mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    y = NATIVE_BATCH_NORM(x0, w0, None, mean, var, True, 0.5, 1e-5)[0]
+    (y ** 2).sum().backward()
+    for got in sbp.testing.spmd(functools.partial(_batch_norm_with_global_running_stats, pls=pls), (2,)):
+        for g, want in zip(got, (y.detach(), x0.grad, w0.grad, mean, var)):
+            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
