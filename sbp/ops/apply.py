@@ -24,6 +24,7 @@ from ..tensor.global_tensor import (
     is_detached,
     local_from_full,
     normal_in_inference_mode,
+    note_uncounted_write,
     notes_of,
     redistribute_raw,
 )
@@ -366,11 +367,12 @@ _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
 def _forget_reductions(leaves: list, writes: list) -> None:
-    """Drop the kept reductions of the global tensors an op wrote, for an op whose writes torch does not
-    count (`Decision.uncounted`; `sbp.tensor.global_tensor._reduced_before`)."""
+    """For an op whose writes torch does not count (`Decision.uncounted`): record the writes by storage,
+    so the kept reductions of every handle on the written data (the tensor, a detach, a view, a view's
+    base) see them (`sbp.tensor.global_tensor.note_uncounted_write`)."""
     for i, _ in writes:
         if isinstance(leaves[i], GlobalTensor):
-            leaves[i].__dict__.pop("_reduced", None)
+            note_uncounted_write(leaves[i]._local)
 
 
 def _note_views(out: Any, func, args: tuple, kwargs: dict) -> None:

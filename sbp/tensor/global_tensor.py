@@ -786,7 +786,8 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool
     out = GlobalTensor(redistribute_local(x._local, x._mesh, tuple(x.shape), x._placements, dst), x._mesh, dst,
                       tuple(x.shape))
     if summed:
-        x.__dict__["_reduced"] = (x._local, x._version, x._local._version, out, out._version, out._local._version)
+        x.__dict__["_reduced"] = (x._local, x._version, x._local._version, out, out._version, out._local._version,
+                                  _uncounted_writes(x._local))
     return out
 
 
@@ -794,6 +795,34 @@ def redistribute_raw(x: GlobalTensor, dst: tuple[Placement, ...], async_op: bool
 # full reduction is kept, and every later one is an exact move of it. `x == x.amax(1, keepdim=True)` marks
 # every row, and backward of amax (which reduces the saved input again) finds its maxima.
 _SUM = Partial("sum")
+
+
+# Writes that no version counter records, by the data pointer of the storage written: ops without an
+# ADInplaceOrView kernel (fused optimizers, amp's unscale, batch norm's running stats) bump no counter, and
+# bumping the wrapper's by hand would fail autograd's check of the tensors such an op saves (batch norm saves
+# the running stats it writes). A kept reduction made before such a write into its storage -- through the
+# tensor or any other handle on it, a view, a detach: their locals share storage, not version counters -- is
+# stale. (A freed storage's pointer reused only makes a later reduction be made again.)
+_UNCOUNTED: dict[int, int] = {}
+
+
+def _uncounted_writes(local: torch.Tensor) -> int:
+    return _UNCOUNTED.get(local.untyped_storage().data_ptr(), 0) if _UNCOUNTED else 0
+
+
+def note_uncounted_write(local: torch.Tensor) -> None:
+    """Record a write into `local`'s storage that no version counter records (`Decision.uncounted`).
+
+    >>> t = torch.ones(2)
+    >>> before = _uncounted_writes(t[1:])
+    >>> note_uncounted_write(t)
+    >>> _uncounted_writes(t[1:]) == before + 1   # the storage's count, whatever view asks
+    True
+    """
+    if is_tracing(local):
+        return
+    ptr = local.untyped_storage().data_ptr()
+    _UNCOUNTED[ptr] = _UNCOUNTED.get(ptr, 0) + 1
 
 
 def _versioned(x: GlobalTensor) -> bool:
@@ -816,10 +845,12 @@ def _reduced_before(x: GlobalTensor) -> Optional[GlobalTensor]:
     memo = x.__dict__.get("_reduced")
     if memo is None:
         return None
-    local, version, local_version, reduced, reduced_version, reduced_local_version = memo
-    # (an in-place op on a global tensor bumps its wrapper's counter; a write into its local, the local's)
+    local, version, local_version, reduced, reduced_version, reduced_local_version, uncounted = memo
+    # (an in-place op on a global tensor bumps its wrapper's counter; a write into its local, the local's; a
+    # write torch counts nowhere, the storage's entry in `_UNCOUNTED`)
     if (local is not x._local or version != x._version or local_version != local._version
-            or reduced_version != reduced._version or reduced_local_version != reduced._local._version):
+            or reduced_version != reduced._version or reduced_local_version != reduced._local._version
+            or uncounted != _uncounted_writes(local)):
         del x.__dict__["_reduced"]
         return None
     return reduced
