@@ -82,8 +82,9 @@ class Decision:
         self.writes = writes          # (input index, output slot or None) for every input the op writes
         # writes torch counts nowhere (no ADInplaceOrView kernel: fused optimizers, amp's unscale, batch norm's
         # running stats): a P(sum) tensor's kept reduction, trusted while the version counters stand, would
-        # outlive the write, so sbp drops it. (Bumping the counters instead would fail autograd's check of
-        # tensors the op saved for its backward, as batch norm saves its running stats.)
+        # outlive the write, so sbp records the write by storage (`_forget_reductions`). (Bumping the counters
+        # instead would fail autograd's check of tensors the op saved for its backward, as batch norm saves
+        # its running stats.)
         self.uncounted = bool(writes) and not _has_kernel(spec.func.name(), "ADInplaceOrView")
         self.aliases = {k: i for i, k in writes if k is not None}
         self.fallback = fallback
