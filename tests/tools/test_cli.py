@@ -128,9 +128,13 @@ def test_python_dash_m_sbp():
     assert bad.stderr == "sbp plan: error: argument --mesh: cannot parse mesh shape '2xa'; write it like '2x2'\n"
 
 
-@pytest.mark.skipif(shutil.which("sbp") is None, reason="console script not installed")
+# the console script of the interpreter running the tests (its venv's bin, on PATH or not), else PATH's
+CONSOLE_SCRIPT = shutil.which("sbp", path=os.path.dirname(sys.executable)) or shutil.which("sbp")
+
+
+@pytest.mark.skipif(CONSOLE_SCRIPT is None, reason="console script not installed")
 def test_console_script():
-    done = subprocess.run(["sbp"] + KNOWN + ["--json"], capture_output=True, text=True)
+    done = subprocess.run([CONSOLE_SCRIPT] + KNOWN + ["--json"], capture_output=True, text=True)
     assert done.returncode == 0 and json.loads(done.stdout)["bytes_per_rank"] == 1 << 20
 
 
