@@ -6,6 +6,7 @@ binding never changes equality or hashing.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -413,6 +414,16 @@ class DeviceMesh(_Bindable):
         else:
             ranks = f", ranks={list(r)}"
         return f"DeviceMesh({self.shape}{names}{ranks})"
+
+
+def _frozen(self: DeviceMesh, name: str, *_: Any) -> None:
+    raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r} of a DeviceMesh (an immutable value)")
+
+
+# the binding too is frozen: dataclasses' own __setattr__ of a slots class, reached for a name that is not a
+# field, fails with an unrelated TypeError ("super(type, obj): ...") instead
+DeviceMesh.__setattr__ = _frozen
+DeviceMesh.__delattr__ = _frozen
 
 
 

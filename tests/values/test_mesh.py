@@ -117,7 +117,11 @@ def test_frozen():
     mesh = sbp.DeviceMesh((2, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         mesh.shape = (4,)
-    assert mesh.shape == (2, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):   # not a field (kept out of the value), frozen too
+        mesh.binding = object()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del mesh.names
+    assert mesh.shape == (2, 2) and mesh.binding is None
 
 
 def test_as_mesh_shape():
