@@ -82,7 +82,7 @@ class Decision:
         self.writes = writes          # (input index, output slot or None) for every input the op writes
         # writes torch counts nowhere (no ADInplaceOrView kernel: fused optimizers, amp's unscale, batch norm's
         # running stats): a P(sum) tensor's kept reduction, trusted while the version counters stand, would
-        # outlive the write, so sbp records the write by storage (`_forget_reductions`). (Bumping the counters
+        # outlive the write, so sbp records the write by storage (`_note_uncounted_writes`). (Bumping the counters
         # instead would fail autograd's check of tensors the op saved for its backward, as batch norm saves
         # its running stats.)
         self.uncounted = bool(writes) and not _has_kernel(spec.func.name(), "ADInplaceOrView")
@@ -182,7 +182,7 @@ class Decision:
         for i, k in self.writes:
             self._write_back(i, k, leaves, locals_, mesh)
         if self.uncounted:
-            _forget_reductions(leaves, self.writes)
+            _note_uncounted_writes(leaves, self.writes)
         for view in through:
             write_through(view)
         out = self._wrap(result, mesh, leaves)
@@ -367,7 +367,7 @@ SAME_LAYOUT = frozenset((torch.ops.aten.detach.default, torch.ops.aten.alias.def
 _has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
-def _forget_reductions(leaves: list, writes: list) -> None:
+def _note_uncounted_writes(leaves: list, writes: list) -> None:
     """For an op whose writes torch does not count (`Decision.uncounted`): record the writes by storage,
     so the kept reductions of every handle on the written data (the tensor, a detach, a view, a view's
     base) see them (`sbp.tensor.global_tensor.note_uncounted_write`)."""

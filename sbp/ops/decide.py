@@ -218,11 +218,12 @@ def _writes(func, spec: OpSpec) -> list[tuple[int, Optional[int]]]:
     return found
 
 
-def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: list) -> None:
+def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: list) -> Optional[tuple]:
     """Refuse an `out=` tensor whose global shape is not the result's before anything runs: torch resizes
     such an `out`, sbp does not (a global tensor's shape is its layout), and a kernel left to fail halfway
     would leave the tensor's metadata and local disagreeing. So too an in-place op that would change its
-    tensor's shape (`resize_`, `resize_as_`, `as_strided_`). Once per decision (cached), writing ops only.
+    tensor's shape (`resize_`, `resize_as_`, `as_strided_`). Once per decision (cached), writing ops only;
+    returns the output metadata it computed (`meta_outputs`), for `decide` to reuse, or None.
 
     >>> import sbp
     >>> from sbp.tensor.global_tensor import GlobalTensor
@@ -237,13 +238,13 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
     """
     written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if not written:
-        return
+        return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch's "an output with one or more elements was resized"
             made = meta_outputs(func, args, kwargs)
     except Exception:   # noqa: BLE001 -- a bad call: the checks below name it
-        return
+        return None
     slots = dict(writes)
     for arg in written:
         ref = spec.values.get(arg.name)
@@ -261,6 +262,7 @@ def _check_out_shapes(func, args: tuple, kwargs: dict, spec: OpSpec, writes: lis
             raise ShapeError(f"{_on_inputs(spec)}: it would change a global tensor's shape in place ({have} -> "
                              f"{want}); sbp does not resize a global tensor (its shape is its layout): make a "
                              f"new one instead (x.reshape, x.new_empty, sbp.distribute)")
+    return made
 
 
 def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> Decision:
@@ -278,12 +280,14 @@ def decide(func, args: tuple, kwargs: dict, leaves: list, mesh: DeviceMesh) -> D
     _check_what_meta_skips(func, args, kwargs, spec)
     paths = _paths(args, kwargs)
     writes = _writes(func, spec)
-    _check_out_shapes(func, args, kwargs, spec, writes)
+    made = _check_out_shapes(func, args, kwargs, spec, writes)
     rule = rules.lookup(func)
     if rule is None or rule.composite is not None:   # no rule, or a composite rule that declined the call
         _check_on_meta(func, args, kwargs, spec)
         return _fallback(spec, paths, writes)
-    if rule.meta:
+    if rule.meta and made is not None:   # (an op that writes an argument: computed by the shape check)
+        spec.outputs = made
+    elif rule.meta:
         try:
             spec.outputs = meta_outputs(func, args, kwargs)
         except NotImplementedError:

@@ -19,6 +19,7 @@ forward        gradient            backward communication of ``redistribute(src 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -133,10 +134,10 @@ class _FromFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],  # type: ignore[override]
                 global_shape: tuple[int, ...]) -> GlobalTensor:
-        if gt.normal_in_inference_mode(t):   # (compiled under inference_mode: torch's detach of a traced tensor)
-            with torch.inference_mode(False):
-                return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
-        return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
+        # a normal `t` in inference mode (compiled under inference_mode: torch's detach of a traced tensor)
+        normal = torch.inference_mode(False) if gt.normal_in_inference_mode(t) else contextlib.nullcontext()
+        with normal:
+            return gt.GlobalTensor(gt.local_from_full(t.detach(), mesh, pls), mesh, pls, global_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -95,9 +95,6 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...],
                 global_shape: Sequence[int], *, requires_grad: bool = False) -> "GlobalTensor":
-        if normal_in_inference_mode(local):
-            with torch.inference_mode(False):
-                return cls(local, mesh, placements, global_shape, requires_grad=requires_grad)
         shape = tuple(global_shape)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=contiguous_strides(shape), dtype=local.dtype, device=local.device,

@@ -426,7 +426,6 @@ DeviceMesh.__setattr__ = _frozen
 DeviceMesh.__delattr__ = _frozen
 
 
-
 class LiveMeshes:
     """The bound meshes of this process, by description: what an unpickled mesh binds to.
 
