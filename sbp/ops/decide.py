@@ -535,11 +535,10 @@ class DecisionClass:
     def __init__(self, decision: Decision, values: list[int]) -> None:
         self.decision = decision
         self.values = values
-        self.sized = tuple((i, arg.name) for i, arg in enumerate(decision.spec.func._schema.arguments)
-                           if arg.name in SIZE_ARGS)   # (position, name) of the size arguments
+        self.sized = size_arguments(decision.spec.func)
         self.found = None   # a priced class's `candidates`, made at its first instantiation
         self.formula = _formula(decision, values)
-        self.free = not decision.fallback and _free(decision)
+        self.free = not decision.fallback and free(decision)
         if self.formula is not None:
             self.state = "candidate" if self.free else "priced?"
         else:   # output sizes no symbol gives: only calls with symbolic sizes may share the choice
@@ -640,13 +639,22 @@ def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict,
     return _resized(made, spec, keyed=False)
 
 
-def instantiate_shaped(record: DecisionClass, args: tuple, kwargs: dict, leaves: list,
+def size_arguments(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of `func`'s size arguments (`SIZE_ARGS`).
+
+    >>> size_arguments(torch.ops.aten.view.default)
+    ((1, 'size'),)
+    """
+    return tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments) if arg.name in SIZE_ARGS)
+
+
+def instantiate_shaped(made: Decision, sized: tuple, args: tuple, kwargs: dict, leaves: list,
                        outputs: tuple) -> Decision:
-    """A *shaped* class's decision for a call with symbolic sizes: the class's choice (`sbp.ops.symbolic`
-    checks one that is not free against the call's hint sizes), the output shapes torch's meta kernels gave
-    for the call's symbolic shapes (`outputs`: a shape or None each)."""
-    made = record.decision
-    spec = _respec(made.spec, args, kwargs, leaves, record.sized)
+    """`made`'s choice for a call with symbolic sizes of its shape class (a *shaped* class's decision, whose
+    size arguments are `sized`, or a replicated call's decision at its hints: `sbp.ops.symbolic` checks that
+    either holds at every size), with the output shapes torch's meta kernels gave for the call's symbolic
+    shapes (`outputs`: a shape or None each)."""
+    spec = _respec(made.spec, args, kwargs, leaves, sized)
     spec.outputs = tuple(None if m is None or o is None else TensorMeta(tuple(o), m.dtype)
                          for m, o in zip(made.spec.outputs, outputs))
     return _resized(made, spec, keyed=False)
@@ -835,7 +843,7 @@ def _given(decision: Decision) -> bool:
     return all(shape is None or shape in given for shape in _out_shapes(decision))
 
 
-def _free(decision: Decision) -> bool:
+def free(decision: Decision) -> bool:
     """Whether the decision's choice costs nothing: nothing moves, or only by local moves (no bytes, no
     collective, no new Partial to reduce); otherwise it won on price, and sizes decide."""
     spec, choice = decision.spec, decision.choice

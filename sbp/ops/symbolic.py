@@ -13,7 +13,8 @@ dim (redistributes an input along it, other than cutting each rank's block:
 `sbp.runtime.symbolic.narrows`), or a class that is neither (a fallback, a choice that differs),
 specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
 sizes), and it is decided as any call with int sizes -- or, where only some symbols break the made-up
-sizes or change the choice, those alone are pinned and the call is tried again. Made-up sizes break a call
+sizes or change the choice, those alone are pinned and the call is tried again (a call whose global inputs
+are all Broadcast is decided at its hint sizes instead: nothing moves at any size). Made-up sizes break a call
 where deciding it there fails (whatever torch or sbp raises) or gives output sizes other than torch's
 symbolic ones taken at those sizes (they lie outside torch's guards: a slice bound that is a symbol of its
 own, moved past the end of a static dim). A symbolic float argument is pinned alone.
@@ -29,8 +30,19 @@ from ..runtime import symbolic
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import SbpError
 from ..values.layout import splitters
+from ..values.placement import Broadcast
 from .cache import DECISIONS
-from .decide import KEEP_SIZES, Decision, DecisionClass, decide, instantiate_shaped, instantiate_symbolic, meta_outputs
+from .decide import (
+    KEEP_SIZES,
+    Decision,
+    DecisionClass,
+    decide,
+    free,
+    instantiate_shaped,
+    instantiate_symbolic,
+    meta_outputs,
+    size_arguments,
+)
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
 
@@ -91,6 +103,9 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
         if decision is not None and not _fits(decision, outputs):   # the class's formula is not this call's
             record = None   # (``x[:, 0:6:k]`` with a symbolic step k: 1 column at both made-up k)
     if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
+        decision = _replicated(func, args, kwargs, leaves, mesh, outputs)
+        if decision is not None:
+            return decision.execute(func, args, kwargs, leaves)
         if retry and _pin_breaking(func, args, kwargs, mesh, values, outputs):
             return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)
         return _specialized(func, args, kwargs, leaves, mesh)
@@ -99,12 +114,45 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
         return handle_symbolic(func, args, kwargs, leaves, mesh, class_key, retry=False)   # change (a split's pieces)
     if record.state == "shaped" and outputs is not None and len(outputs) == len(record.decision.spec.outputs) \
             and (record.free or _at_hints(func, args, kwargs, mesh).choice == record.decision.choice):
-        known = [n for t in leaves if isinstance(t, torch.Tensor) for n in t.shape] + values
-        shapes = tuple(None if meta is None else symbolic.canonical(meta.shape, known) for meta in outputs)
-        decision = instantiate_shaped(record, args, kwargs, leaves, shapes)
+        decision = instantiate_shaped(record.decision, record.sized, args, kwargs, leaves,
+                                      _output_shapes(outputs, leaves, values))
     if decision is not None and keeps_symbolic_splits(decision):
         return decision.execute(func, args, kwargs, leaves)
     return _specialized(func, args, kwargs, leaves, mesh)
+
+
+def _output_shapes(outputs: tuple, leaves: list, values: list) -> tuple:
+    """The shapes of torch's meta `outputs` for a call, in the symbols of its inputs and sizes."""
+    known = [n for t in leaves if isinstance(t, torch.Tensor) for n in t.shape] + values
+    return tuple(None if meta is None else symbolic.canonical(meta.shape, known) for meta in outputs)
+
+
+def _replicated(func, args: tuple, kwargs: dict, leaves: list, mesh, outputs: Optional[tuple]) -> Optional[Decision]:
+    """The decision of a call whose made-up sizes break it (``base.view(B, T, 8)`` of a symbolic (B x T, 8),
+    torch.compile's replay of a view input: the view's sizes are symbols of their own, tied to the base's
+    by torch's guards only) where every global input is Broadcast on every axis: its choice at its hint
+    sizes if nothing moves and every output is Broadcast -- each rank runs torch's op on whole tensors,
+    at any sizes torch's guards admit -- with torch's symbolic output sizes; else None. An op with a size
+    argument (a view) keeps the sizes it was given, not those torch's meta kernel derives from them (T as
+    rows // B): the replay's check ties the given symbols to the input's, and no guard is left that names
+    a symbol of the replay alone (dynamo could not write it)."""
+    if outputs is None or any(isinstance(t, GlobalTensor) and any(type(p) is not Broadcast for p in t._placements)
+                              for t in leaves):
+        return None
+    try:
+        made = _at_hints(func, args, kwargs, mesh)
+    except Exception:   # noqa: BLE001 -- left to the pinned decision, which raises it as eagerly
+        return None
+    if made.fallback or len(outputs) != len(made.spec.outputs) or not free(made) \
+            or any(type(p) is not Broadcast for pls in made.choice.outputs for p in pls):
+        return None
+    sized = size_arguments(func)
+    shapes = _output_shapes(outputs, leaves, _call_sizes([], args, kwargs))
+    given = [args[i] if i < len(args) else kwargs.get(name) for i, name in sized]
+    if len(shapes) == 1 and len(given) == 1 and isinstance(given[0], (list, tuple)) \
+            and len(given[0]) == len(shapes[0]):   # -1: torch's size (a view's inferred dim, expand's kept one)
+        shapes = (tuple(n if isinstance(g, int) and g == -1 else g for n, g in zip(shapes[0], given[0])),)
+    return instantiate_shaped(made, sized, args, kwargs, leaves, shapes)
 
 
 def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, record: Optional[DecisionClass],
