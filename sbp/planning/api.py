@@ -49,15 +49,17 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
       bytes/rank=192 (lower bound 192)  collectives=1  peak=576
       1. axes[0] reduce_scatter(sum)  (P(sum),) -> (S(0),) dims=0  bytes=192 peak=576
     """
-    if isinstance(latency_bytes, bool) or not isinstance(latency_bytes, int) or latency_bytes < 0:
+    latency = search.as_int(latency_bytes)
+    if latency is None or latency < 0:
         raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
+    latency_bytes = latency
     if dst_mesh is not None:
         if topology is not None or latency_bytes:
             raise PlanError("a cross-mesh plan (dst_mesh=) is priced in bytes only: topology= and latency_bytes= "
                             "apply to plans on one mesh")
         src_mesh = mesh_shape if isinstance(mesh_shape, DeviceMesh) else DeviceMesh(as_mesh_shape(mesh_shape))
         return plan_cross_mesh(global_shape, src_mesh, src, dst_mesh, dst, itemsize)
-    shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
+    shape, mshape, s, d, itemsize = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
     if topology is not None:
         if not isinstance(topology, Topology):
             raise PlanError(f"topology must be an sbp.Topology (or None), got {type(topology).__name__}: "
@@ -80,7 +82,7 @@ def lower_bound_bytes(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Seq
     >>> lower_bound_bytes((1024, 1024), (4,), "P", "B")
     6291456
     """
-    shape, mshape, s, d = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
+    shape, mshape, s, d, itemsize = _normalize_args(global_shape, mesh_shape, src, dst, itemsize)
     return Bounds(Costing(shape, mshape, itemsize)).lower_bound(s, d)
 
 
@@ -89,10 +91,11 @@ def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
     mshape = mesh_shape.shape if isinstance(mesh_shape, DeviceMesh) else as_mesh_shape(mesh_shape)
     s = normalize(src, len(shape), len(mshape))
     d = normalize(dst, len(shape), len(mshape))
-    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+    size = search.as_int(itemsize)
+    if size is None or size < 1:
         hint = f" (a dtype's is {itemsize!r}.itemsize)" if type(itemsize).__name__ == "dtype" else ""
         raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}{hint}")
-    return shape, mshape, s, d
+    return shape, mshape, s, d, size
 
 
 def clear_caches() -> None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..values.placement import Partial, Split
 from ..values.steps import STEP_CALLS, Step
-from ..values.topology import Topology
+from ..values.topology import Topology, traffic_axes
 from . import fields
 from .blocks import LARGE_TABLE, Blocks, digit_grid, first_rows, shared_axes
 from .exchange import complete_grid, reduce_recv_max, reduce_recv_max_tiles, slab_numel
@@ -659,14 +659,16 @@ class Pricing:
     ((128, 0), (1016, 128))
     """
 
-    __slots__ = ("costing", "latency", "topology")
+    __slots__ = ("costing", "latency", "topology", "_traffic")
 
     def __init__(self, costing: Costing, latency_bytes: int, topology: Optional[Topology] = None) -> None:
         self.costing, self.latency, self.topology = costing, latency_bytes, topology
+        self._traffic = traffic_axes(costing.mesh_shape)
 
     def time_ns(self, step: Step) -> int:
         """Modeled time of `step` (needs a topology): `Step.calls` x call cost + `Costing.rounds` x alpha +
-        bytes / beta, slowest link (`sbp.Topology.time_ns`; the call cost is 0 without `call_us`).
+        bytes / beta, slowest link of its axes of size > 1 (`sbp.Topology.time_ns`; the call cost is 0
+        without `call_us`): a group has one member along an axis of size 1, so no traffic crosses its link.
 
         >>> from sbp import S, B
         >>> c = Costing((8, 8), (2,), 4)
@@ -676,8 +678,9 @@ class Pricing:
         >>> Pricing(c, 0, Topology((1.0,), (8.0,), call_us=(5.0,))).time_ns(step)   # one call: 5 µs more
         6016
         """
-        return self.topology.time_ns(step.axes, self.costing.rounds(step), step.bytes,
-                                     step.kind in EXCHANGE_KINDS, step.calls)
+        axes = tuple(a for a in step.axes if a in self._traffic)
+        return self.topology.time_ns(axes, self.costing.rounds(step), step.bytes, step.kind in EXCHANGE_KINDS,
+                                     step.calls)
 
     def price(self, step: Step) -> tuple[int, int]:
         """(primary, secondary) of a priced step."""
@@ -709,7 +712,22 @@ class Pricing:
         weighted = nbytes + self.latency * calls
         if self.topology is None:
             return weighted, 0
-        return self.topology.bound_ns(nbytes, calls if nbytes > 0 else 0), weighted
+        return self.topology.bound_ns(nbytes, calls if nbytes > 0 else 0, self._traffic), weighted
+
+    def above_bound(self, steps, bound: int) -> bool:
+        """Whether `steps` cost more than the lower bound `bound` (bytes) allows under this objective: more
+        bytes than `bound` without a topology; with one, more time than `bound`'s time form (`estimate`,
+        as `sbp.Plan.lower_bound_time_us`). The search reruns without the memory cap only then.
+
+        >>> from sbp import S, B
+        >>> c = Costing((8, 8), (2,), 4)
+        >>> steps = [c.step("all_gather", (0,), (S(0),), (B,), dims=(0,))]
+        >>> Pricing(c, 0).above_bound(steps, 128), Pricing(c, 0, Topology((1.0,), (8.0,))).above_bound(steps, 128)
+        (False, False)
+        """
+        if self.topology is None:
+            return sum(s.bytes for s in steps) > bound
+        return self.total(steps)[0] > self.estimate(bound, int(bound > 0))[0]
 
     def total(self, steps) -> tuple[int, int]:
         """The objective of a list of steps (the sum of their prices)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
@@ -29,6 +30,22 @@ from .states import State, pending
 
 _B = Broadcast()
 _DEFERRED = ("point-to-point moves",)  # a queue entry standing for all of them out of one state
+
+
+def as_int(value) -> int | None:
+    """`value` as an int when it is an integer (an int, a numpy integer, anything with ``__index__``, as
+    shapes take them), else None; a bool is no count, so None too.
+
+    >>> import numpy as np
+    >>> as_int(np.int64(4)), as_int(4.0), as_int(True)
+    (4, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @lru_cache(maxsize=4096)
@@ -68,11 +85,11 @@ def plan_cached(shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: State,
             steps = direct
     if steps is None:
         steps = find_steps(costing, src, dst, latency_bytes, cap, bounds=bounds, capped=capped, pricing=pricing)
-    if steps is None or (capped and sum(s.bytes for s in steps) > bound):
-        # the cap is a preference, bytes come first: a plan above the lower bound, found by a search the
-        # cap pruned, is checked against the search without the cap (which still keeps the whole tensor
-        # off the ranks) and loses to a plan receiving fewer bytes (a few Partial sources, whose local is
-        # full-size already)
+    if steps is None or (capped and pricing.above_bound(steps, bound)):
+        # the cap is a preference, the objective comes first: a plan above the lower bound (bytes; with a
+        # topology its time form), found by a search the cap pruned, is checked against the search without
+        # the cap (which still keeps the whole tensor off the ranks) and loses to a cheaper plan (bytes: a
+        # few Partial sources, whose local is full-size already; time: also a gather that cuts the peers)
         free = find_steps(costing, src, dst, latency_bytes, None, bounds=bounds, pricing=pricing)
         if steps is None or (free is not None and pricing.total(free) < pricing.total(steps)):
             steps = free

@@ -108,6 +108,16 @@ def _placements(text: str) -> tuple:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sbp`` argument parser (one subcommand: ``plan``)."""
     parser = _Parser(prog="sbp", description="sbp: sharded global tensors; plan redistributions offline.")
@@ -125,14 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="FILE|PRESET", default=None,
                    help=f"minimise modeled time on this network: a topology JSON file (Topology.to_json, "
                         f"sbp.calibrate) or a preset ({', '.join(sorted(PRESETS))})")
-    p.add_argument("--devices-per-host", default=8, type=int, metavar="N",
+    p.add_argument("--devices-per-host", default=8, type=_positive_int, metavar="N",
                    help="with a --topology preset: devices per host, innermost mesh axes first (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
 
 def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int = 8) -> Topology:
-    """A `--topology` argument: a preset name laid over the mesh, else a path to a topology JSON file.
+    """A `--topology` argument: a preset name laid over the mesh, else a path to a topology JSON file,
+    which must describe the mesh's axes (`Topology.check`).
 
     >>> load_topology("dgx-h100", (2, 8)).spans_hosts
     (True, False)
@@ -146,7 +157,7 @@ def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int 
         why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason}"
         raise SbpError(f"--topology {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a readable "
                        f"JSON file ({why})") from None
-    return Topology.from_json(data)
+    return Topology.from_json(data).check(mesh_shape)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -158,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     0
     """
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_attach_dims(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # argparse already printed its one-line error (or --help)
         return e.code if isinstance(e.code, int) else 2
     if args.command is None:
@@ -194,6 +205,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"collectives: {p.num_collectives}, peak: {p.peak_bytes} ({_human(p.peak_bytes)})"
           + ("" if p.time_us is None else f", modeled time: {p.time_us:.3f} us"))
     return 0
+
+
+def _attach_dims(argv: list[str]) -> list[str]:
+    """``--shape -4x4`` as ``--shape=-4x4``: argparse takes a value that starts with '-' (and is no plain
+    negative number) for an option, so the bad size would be reported as a missing value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--mesh", "--shape") and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _fail(line: str) -> int:

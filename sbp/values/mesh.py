@@ -82,8 +82,13 @@ class DeviceMesh(_Bindable):
             shape = tuple(shape)
         except TypeError:
             raise MeshError(f"mesh shape must be a tuple of positive ints, got {self.shape!r}") from None
-        if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        try:   # any integer (numpy's too: `operator.index`, as global shapes and coords take them), no bool
+            ints = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
+        except TypeError:
+            ints = ()
+        if not shape or len(ints) != len(shape) or any(n < 1 for n in ints):
             raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
+        shape = ints
         object.__setattr__(self, "shape", shape)
         for what in ("names", "ranks"):   # an unordered collection would give each process its own order
             if isinstance(getattr(self, what), (set, frozenset, dict)):

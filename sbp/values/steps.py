@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .placement import Placement
-from .topology import Topology
+from .topology import Topology, traffic_axes
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "transfer", "reduce_transfer")
 
@@ -140,7 +140,7 @@ class Plan:
     @property
     def lower_bound_time_us(self) -> Optional[float]:
         """A lower bound on `time_us` (None without a topology): the lower bound's bytes over the fastest
-        link, plus one round of the lowest latency when anything moves.
+        link of the mesh axes of size > 1, plus one round of the lowest latency when anything moves.
 
         >>> import sbp
         >>> sbp.plan((8, 8), (2,), "S(0)", "B", topology=sbp.Topology((1.0,), (8.0,))).lower_bound_time_us
@@ -148,7 +148,7 @@ class Plan:
         """
         if self.topology is None:
             return None
-        return self.topology.bound_ns(self.lower_bound, int(self.lower_bound > 0)) / 1000
+        return self.topology.bound_ns(self.lower_bound, int(self.lower_bound > 0), traffic_axes(self.mesh_shape)) / 1000
 
     @property
     def bytes_per_rank(self) -> int:

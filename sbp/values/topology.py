@@ -4,12 +4,12 @@ for exchanges (all_to_all, transfers, reduce_transfers), whose messages to diffe
 together rather than passed round a ring; optionally a fixed cost per collective call, whatever its group size.
 
 `sbp.plan(..., topology=...)` prices a step as ``calls x call + rounds x alpha + bytes / beta`` of the
-slowest link the step crosses (the largest call cost and alpha, the smallest beta over its axes): the
-alpha-beta model, with a per-call term (0 unless `call_us` is given). Presets are
+slowest link the step crosses (the largest call cost and alpha, the smallest beta over its axes of size > 1:
+`traffic_axes`): the alpha-beta model, with a per-call term (0 unless `call_us` is given). Presets are
 named by hardware (`PRESETS`, values from the public sources cited in docs/scale.md); `Topology.for_mesh`
-places a mesh on hosts of ``devices_per_host`` devices (row-major, innermost axes inside a host) and
-gives the axes inside a host the intra-host link, the others the inter-host link. `sbp.calibrate` measures
-one. Saved and loaded as JSON (`to_json`, `from_json`).
+places a mesh on hosts of ``devices_per_host`` devices (row-major, innermost axes first) and gives the axes
+whose groups all lie inside a host the intra-host link, the others the inter-host link. `sbp.calibrate`
+measures one. Saved and loaded as JSON (`to_json`, `from_json`).
 
 >>> t = Topology.preset("dgx-h100", (4, 8))
 >>> t.spans_hosts, t.beta_gbps
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -131,19 +132,26 @@ class Topology:
     def for_mesh(cls, mesh_shape: Sequence[int], devices_per_host: int, intra: tuple[float, float],
                  inter: tuple[float, float], name: str = "custom") -> "Topology":
         """Place a mesh of `mesh_shape` on hosts of `devices_per_host` (row-major: the innermost axes fill a
-        host first, as torch does): an axis whose groups stay inside a host gets `intra` (alpha µs, beta
-        GB/s), one whose groups cross hosts gets `inter`.
+        host first, as torch does): an axis whose groups all stay inside a host gets `intra` (alpha µs, beta
+        GB/s), one with a group that crosses hosts gets `inter`. An axis of size > 1 is inside a host
+        exactly when `devices_per_host` is a multiple of the product of its size and the later axes' sizes
+        (its groups then tile the hosts), or the whole mesh fits on one host; an axis of size 1 always is.
 
         >>> Topology.for_mesh((2, 4, 8), 8, (1.0, 300.0), (5.0, 25.0)).spans_hosts
         (True, True, False)
+        >>> Topology.for_mesh((8, 3), 8, (1.0, 300.0), (5.0, 25.0)).spans_hosts   # ranks 6, 7, 8 cross hosts
+        (True, True)
         """
         shape = _shape(mesh_shape)
-        if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) or devices_per_host < 1:
+        per_host = _ints((devices_per_host,))
+        if per_host is None or per_host[0] < 1:
             raise PlanError(f"devices_per_host must be a positive int, got {devices_per_host!r}")
+        devices_per_host = per_host[0]
+        one_host = math.prod(shape) <= devices_per_host
         spans, inner = [], 1
         for n in reversed(shape):
-            inner *= n
-            spans.append(inner > devices_per_host and n > 1)
+            inner *= n   # a group of this axis lies in one block of `inner` consecutive ranks, and reaches across it
+            spans.append(n > 1 and not one_host and devices_per_host % inner != 0)
         spans.reverse()
         links = {}
         for what, link in (("intra", intra), ("inter", inter)):
@@ -198,6 +206,7 @@ class Topology:
         """Modeled time of one step, in whole ns (rounded up): ``calls x call + rounds x alpha + nbytes / beta``
         of the slowest link over `axes` (1 GB/s moves one byte per ns; call: `call_cost_us`); for an
         `exchange` (rounds: its peers), alpha is `exchange_us`. A step with no rounds and no bytes is free.
+        `axes` are the axes the step's traffic crosses: the planner leaves out its axes of size 1.
 
         >>> Topology((2.0,), (10.0,)).time_ns((0,), 1, 1001)
         2101
@@ -211,21 +220,27 @@ class Topology:
         alpha, beta = self.link(axes, exchange)
         return math.ceil((calls * self.call_cost_us(axes) + rounds * alpha) * 1000.0 + nbytes / beta)
 
-    def bound_ns(self, nbytes: int, rounds: int) -> int:
+    def bound_ns(self, nbytes: int, rounds: int, axes: Sequence[int] | None = None) -> int:
         """A lower bound on the time of any steps that receive `nbytes` at the busiest rank over at least
-        `rounds` rounds: the fastest link everywhere, rounded down; with `call_us`, one call of the cheapest
-        axis when there is a round (a round is in some call; one call may hold all of them).
+        `rounds` rounds: the fastest link of `axes` (None or none: every axis; the planner passes the axes
+        of size > 1, the only ones traffic crosses), rounded down; with `call_us`, one call of the cheapest
+        such axis when there is a round (a round is in some call; one call may hold all of them).
 
         >>> Topology((2.0, 1.0), (10.0, 100.0)).bound_ns(1000, 1)
         1010
         >>> Topology((2.0, 1.0), (10.0, 100.0), call_us=(5.0, 3.0)).bound_ns(1000, 2)   # + 1 call x 3 µs
         5010
+        >>> Topology((2.0, 1.0), (10.0, 100.0)).bound_ns(1000, 1, axes=(0,))   # axis 1 has size 1: no traffic
+        2100
         """
         if nbytes <= 0 and rounds <= 0:
             return 0
-        alpha = min(self.alpha_us + (self.exchange_us or ()))
-        call = min(self.call_us) if self.call_us is not None and rounds > 0 else 0.0
-        return math.floor((call + rounds * alpha) * 1000.0 + nbytes / max(self.beta_gbps))
+        axes = tuple(axes) if axes else tuple(range(self.ndim))
+        alpha = min(self.alpha_us[a] for a in axes)
+        if self.exchange_us is not None:
+            alpha = min(alpha, min(self.exchange_us[a] for a in axes))
+        call = min(self.call_us[a] for a in axes) if self.call_us is not None and rounds > 0 else 0.0
+        return math.floor((call + rounds * alpha) * 1000.0 + nbytes / max(self.beta_gbps[a] for a in axes))
 
     def check(self, mesh_shape: Sequence[int]) -> "Topology":
         """This topology when it describes `mesh_shape` (one entry per axis), else a `PlanError`.
@@ -318,6 +333,16 @@ class Topology:
         return cls.from_dict(data)
 
 
+def traffic_axes(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The mesh axes that traffic can cross: those of size > 1. Along an axis of size 1 a group has one
+    member, so nothing crosses its link and a step's time and the time bound leave it out.
+
+    >>> traffic_axes((4, 1, 8))
+    (0, 2)
+    """
+    return tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+
+
 _AXIS_FIELDS = ("latency_us", "bandwidth_gbps", "spans_hosts", "exchange_us", "call_us", "alpha_us", "beta_gbps")
 
 
@@ -339,9 +364,19 @@ def _shape(mesh_shape: "DeviceMesh | Sequence[int]") -> tuple[int, ...]:
     if isinstance(mesh_shape, DeviceMesh):
         return mesh_shape.shape
     try:
-        shape = tuple(mesh_shape)
+        shape = _ints(tuple(mesh_shape))
     except TypeError:
         raise PlanError(f"a mesh shape is a tuple of positive ints, got {mesh_shape!r}") from None
-    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+    if not shape or any(n < 1 for n in shape):
         raise PlanError(f"a mesh shape is a non-empty tuple of positive ints, got {mesh_shape!r}")
     return shape
+
+
+def _ints(values: tuple) -> tuple[int, ...] | None:
+    """`values` as ints when each is an integer (int, numpy integer: `operator.index`) and none a bool, else None."""
+    if any(isinstance(v, bool) for v in values):
+        return None
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        return None

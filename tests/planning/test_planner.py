@@ -450,3 +450,21 @@ def test_plans_never_below_their_lower_bound():
         src, dst = (",".join(rng.choice(kinds) for _ in mesh) for _ in range(2))
         p = sbp.plan(shape, mesh, src, dst)
         assert p.bytes_per_rank >= p.lower_bound, p.explain()
+
+
+def test_numpy_integers_count_as_ints_for_itemsize_and_latency_bytes_as_for_shapes():
+    # global_shape takes any integer (`operator.index`); itemsize and latency_bytes do too, and plan the same
+    import numpy as np
+    want = sbp.plan((8, 8), (2,), "S(0)", "B", itemsize=2, latency_bytes=3)
+    got = sbp.plan((np.int64(8), 8), (2,), "S(0)", "B", itemsize=np.int64(2), latency_bytes=np.int32(3))
+    assert got == want and type(got.itemsize) is int
+    assert sbp.lower_bound_bytes((8, 8), (2,), "S(0)", "B", itemsize=np.uint8(2)) == 64
+    cross = sbp.plan_cross_mesh((4, 4), sbp.DeviceMesh((2,)), "S(0)", sbp.DeviceMesh((2,), ranks=[2, 3]), "S(1)",
+                                itemsize=np.int16(8))
+    assert cross.itemsize == 8
+    for bad in (True, 2.0, "4", 0, np.float32(4)):   # still refused, with the same message
+        with pytest.raises(sbp.PlanError, match=r"itemsize must be a positive int \(bytes per element\), got"):
+            sbp.plan((8, 8), (2,), "S(0)", "B", itemsize=bad)
+    for bad in (False, -1, 1.5):
+        with pytest.raises(sbp.PlanError, match="latency_bytes must be a non-negative int"):
+            sbp.plan((8, 8), (2,), "S(0)", "B", latency_bytes=bad)

@@ -20,6 +20,7 @@ import pytest
 
 import sbp
 from sbp.planning.cost import Costing, Pricing
+from sbp.planning.search import find_steps
 from sbp.values.topology import PRESETS
 
 GOLDEN = pathlib.Path(__file__).with_name("golden_plans.txt")
@@ -73,6 +74,40 @@ def test_for_mesh_puts_inner_axes_inside_a_host():
     assert sbp.Topology.for_mesh((2, 4, 2), 4, (1.0, 300.0), (5.0, 20.0)).spans_hosts == (True, True, False)
     assert sbp.Topology.for_mesh((16,), 8, (1.0, 300.0), (5.0, 20.0)).spans_hosts == (True,)
     assert sbp.Topology.for_mesh((1, 8), 8, (1.0, 300.0), (5.0, 20.0)).spans_hosts == (False, False)
+
+
+def _groups_cross_hosts(mesh, axis, per_host) -> bool:
+    # by brute force: ranks row-major, host of rank r = r // per_host; a group varies the coord along `axis`
+    ranks = list(range(math.prod(mesh)))
+    coords = list(itertools.product(*map(range, mesh)))
+    hosts = {}
+    for r, c in zip(ranks, coords):
+        hosts.setdefault(c[:axis] + c[axis + 1:], set()).add(r // per_host)
+    return any(len(h) > 1 for h in hosts.values())
+
+
+def test_for_mesh_calls_an_axis_intra_host_only_when_every_group_lies_within_one_host():
+    # (8, 3) on hosts of 8: the last axis's group of ranks 6, 7, 8 crosses a host boundary though 3 <= 8
+    assert sbp.Topology.for_mesh((8, 3), 8, (1.0, 300.0), (5.0, 20.0)).spans_hosts == (True, True)
+    assert sbp.Topology.preset("dgx-h100", (4, 6), 8).beta_gbps == (50.0, 50.0)
+    for mesh in [(2, 3), (8, 3), (4, 6), (3, 4), (2, 2, 3), (3, 1, 2), (6,), (1, 5), (2, 4, 2), (5, 2, 2)]:
+        for per_host in range(1, 14):
+            t = sbp.Topology.for_mesh(mesh, per_host, (1.0, 300.0), (5.0, 20.0))
+            assert t.spans_hosts == tuple(_groups_cross_hosts(mesh, a, per_host) for a in range(len(mesh))), \
+                (mesh, per_host)
+
+
+def test_for_mesh_takes_numpy_integers_as_shapes_do_and_refuses_bools_and_floats():
+    import numpy as np
+    want = sbp.Topology.preset("dgx-h100", (2, 8), devices_per_host=4)
+    assert sbp.Topology.preset("dgx-h100", np.array([2, 8]), devices_per_host=np.int64(4)) == want
+    assert sbp.Topology.for_mesh((np.int32(2), 8), 4, (0.6, 450.0), (2.7, 50.0), "dgx-h100") == want
+    for bad in ((True, 8), (2.0, 8), np.array([2.5])):
+        with pytest.raises(sbp.PlanError, match="a mesh shape is a non-empty tuple of positive ints"):
+            sbp.Topology.preset("dgx-h100", bad)
+    for bad in (True, 4.0, 0):
+        with pytest.raises(sbp.PlanError, match="devices_per_host must be a positive int"):
+            sbp.Topology.preset("dgx-h100", (2, 8), devices_per_host=bad)
 
 
 def test_link_is_the_slowest_axis_of_the_step():
@@ -185,6 +220,27 @@ def test_transfer_rounds_cover_the_peers_each_rank_receives_from():
     assert (step.kind, step.time_ns) == ("transfer", 2 * 10_000 + step.bytes)
     p = sbp.plan((1,), (1, 4), "P(min), S(0)", "B, B", topology=sbp.Topology((1, 1), (100, 100)))
     assert 0 < p.lower_bound_time_us <= p.time_us
+
+
+@pytest.mark.parametrize("link", [(1000.0, 0.001), (0.001, 1e6)])
+def test_an_axis_of_size_1_carries_no_traffic_so_its_link_prices_nothing(link):
+    # a group has one member along an axis of size 1: a step listing that axis (a transfer over every axis)
+    # is priced on the links of the other axes, and so is the time bound; a slow or fast link there changes
+    # nothing (the plan, its time and its bound equal those on the mesh without that axis)
+    shape = (1, 64)
+    flat = sbp.plan(shape, (3, 3), "S(0), S(1)", "S(1), S(1)", topology=sbp.Topology((1.0, 2.0), (100.0, 50.0)))
+    topo = sbp.Topology((1.0, 2.0, link[0]), (100.0, 50.0, link[1]))
+    p = sbp.plan(shape, (3, 3, 1), "S(0), S(1), B", "S(1), S(1), B", topology=topo)
+    assert [(s.kind, s.axes) for s in p.steps] == [("transfer", (0, 1, 2))]
+    assert [s.time_ns for s in p.steps] == [s.time_ns for s in flat.steps]
+    assert (p.time_us, p.lower_bound_time_us) == (flat.time_us, flat.lower_bound_time_us)
+    rng = random.Random(3)
+    one = [sbp.B, sbp.S(0), sbp.S(1)]
+    for _ in range(40):   # the size-1 axis's link never changes a plan's time
+        s, d = ((*rng.choices(one, k=2), sbp.B) for _ in range(2))
+        times = {sbp.plan((6, 5), (2, 3, 1), s, d, topology=sbp.Topology((1.0, 3.0, a), (40.0, 9.0, b))).time_us
+                 for a, b in ((1.0, 40.0), link)}
+        assert len(times) == 1, (s, d, times)
 
 
 def _time_of(steps, shape, mesh, topology) -> int:
@@ -326,6 +382,39 @@ def test_time_objective_keeps_traffic_off_the_slow_axis():
     by_time = sbp.plan((64, 64), (4, 4), "B, P", "B, S(0)", topology=topo)
     assert [(s.kind, s.axes) for s in by_bytes.steps] == [("reduce_transfer", (0, 1))]
     assert [(s.kind, s.axes) for s in by_time.steps] == [("reduce_scatter", (1,))]
+
+
+def _cap(shape, mesh, src, dst) -> int:
+    c = Costing(shape, mesh, 4)
+    return 2 * (c.max_local_bytes(sbp.placements(src)) + c.max_local_bytes(sbp.placements(dst)))
+
+
+def test_under_a_topology_the_memory_cap_yields_to_time_as_it_yields_to_bytes_without_one():
+    # the capped plan (one transfer) meets the byte bound, so a byte test kept it although gathering axis 0
+    # first (peak above the 2x cap, never the whole tensor) halves the modeled time: time decides
+    shape, mesh, src, dst = (64, 64), (4, 4), "S(0), S(1)", "S(1), S(1)"
+    p = sbp.plan(shape, mesh, src, dst, topology=sbp.Topology((1.0, 3.0), (10.0, 100.0)))
+    assert [(s.kind, s.axes) for s in p.steps] == [("all_gather", (0,)), ("transfer", (0, 1))]
+    assert (p.time_us, p.bytes_per_rank) == (6.411, 4096)
+    assert _cap(shape, mesh, src, dst) < p.peak_bytes < 64 * 64 * 4
+    # without a topology the cap stands: the byte bound is met under it
+    assert [s.kind for s in sbp.plan(shape, mesh, src, dst).steps] == ["transfer"]
+
+
+def test_under_a_topology_the_cap_never_costs_modeled_time():
+    # one rule whatever the capped plan's bytes: the plan is as fast as the search without the cap (which keeps
+    # the whole tensor off the ranks); the cap only chooses among plans equal in time and bytes
+    rng = random.Random(1)
+    opts = ["B", "S(0)", "S(1)", "S(0)", "S(1)"]
+    for _ in range(300):
+        mesh = tuple(rng.choice([2, 4]) for _ in range(rng.choice([2, 3])))
+        src, dst = (", ".join(rng.choice(opts) for _ in mesh) for _ in range(2))
+        topo = sbp.Topology(tuple(rng.choice([1.0, 3.0]) for _ in mesh), tuple(rng.choice([10.0, 100.0]) for _ in mesh))
+        p = sbp.plan((64, 64), mesh, src, dst, topology=topo)
+        c = Costing((64, 64), mesh, 4)
+        pricing = Pricing(c, 0, topo)
+        free = find_steps(c, sbp.placements(src), sbp.placements(dst), 0, None, pricing=pricing)
+        assert round(p.time_us * 1000) == pricing.total(free)[0], (mesh, src, dst, topo)
 
 
 def test_topology_plans_are_cached_by_value():

@@ -105,6 +105,14 @@ def test_reduce_transfer_in_text_and_json(capsys):
     (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--frob"], "--frob"),
     (["frob"], "frob"),
     ([], "command"),
+    # a value starting with '-' is no option here: the negative size is named (not "expected one argument")
+    (["plan", "--mesh", "2x2", "--shape", "-4x4", "--src", "S0,S1", "--dst", "S1,S0"], "--shape: global_shape"),
+    (["plan", "--mesh", "-2x2", "--shape", "4x4", "--src", "S0,S1", "--dst", "S1,S0"], "--mesh: mesh shape"),
+    # refused with or without a --topology preset
+    (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--devices-per-host", "0"],
+     "argument --devices-per-host: must be a positive int, got '0'"),
+    (["plan", "--mesh", "2", "--shape", "4", "--src", "S0", "--dst", "B", "--devices-per-host", "two"],
+     "argument --devices-per-host"),
 ])
 def test_bad_arguments_exit_2_with_one_line_naming_them(argv, names, capsys):
     rc, out, err = run(argv, capsys)

@@ -77,3 +77,4 @@ def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert "--topology" in err or "topology" in err
         assert words in err and "Traceback" not in err
+        assert err.startswith("sbp plan: error: argument --topology: "), err   # the file's axes too

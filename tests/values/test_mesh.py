@@ -58,6 +58,10 @@ def test_shape_forms():
     assert sbp.DeviceMesh((2, 2), names=["a", "b"]).names == ("a", "b")
     assert repr(sbp.DeviceMesh((2,), ranks=[2, 3])) == "DeviceMesh((2,), ranks=[2, 3])"
     assert repr(sbp.DeviceMesh((4,))) == "DeviceMesh((4,))"
+    # numpy integers count as ints, as in global shapes and coords (they were refused here only)
+    assert sbp.DeviceMesh((np.int64(2), np.int32(2))).shape == (2, 2)
+    assert type(sbp.DeviceMesh(np.array([2, 4])).shape[0]) is int
+    assert sbp.plan((8,), np.array([2]), "S(0)", "B", itemsize=np.int64(4)).bytes_per_rank == 16
 
 
 def test_pinned_coords_and_groups():
@@ -196,6 +200,10 @@ def test_submesh(case, data):
     (lambda: sbp.DeviceMesh((2, -1)), "mesh shape must be a non-empty tuple of positive ints, got (2, -1)"),
     (lambda: sbp.DeviceMesh((2.0,)), "mesh shape must be a non-empty tuple of positive ints, got (2.0,)"),
     (lambda: sbp.DeviceMesh((2, True)), "mesh shape must be a non-empty tuple of positive ints, got (2, True)"),
+    (lambda: sbp.DeviceMesh((2, np.bool_(True))),
+     "mesh shape must be a non-empty tuple of positive ints, got (2, np.True_)"),
+    (lambda: sbp.DeviceMesh((np.int64(0),)),
+     "mesh shape must be a non-empty tuple of positive ints, got (np.int64(0),)"),
     (lambda: sbp.DeviceMesh("2x2"), "mesh shape must be a non-empty tuple of positive ints, got '2x2'"),
     (lambda: sbp.DeviceMesh(None), "mesh shape must be a tuple of positive ints, got None"),
     (lambda: sbp.DeviceMesh((2, 2), names=("a",)), "mesh names ('a',) must have one name per axis of shape (2, 2)"),
