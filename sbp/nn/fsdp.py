@@ -808,6 +808,9 @@ class Schedule:
                     _accumulate(p, g)
 
 
+MIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   # param_dtype / reduce_dtype
+
+
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *,
                 reshard_after_forward: Optional[bool] = True,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
@@ -866,8 +869,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
         raise SbpError(f"fully_shard(local_batch={local_batch!r}): needs None (verify on the first forward), True or "
                        f"False")
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise SbpError(f"fully_shard({what}={dtype!r}): needs a floating point torch.dtype or None")
+        if dtype is not None and dtype not in MIXED_DTYPES:   # float8 computes no ops, reduces no sums on CPU
+            raise SbpError(f"fully_shard({what}={dtype!r}): needs None or one of "
+                           f"{', '.join(map(str, MIXED_DTYPES))} (the dtypes torch computes and reduces in)")
     unit = Unit(module, mesh, a, reshard_after_forward, param_dtype, reduce_dtype, "<root>")
     inner = [_UNITS[m] for m in module.modules() if m is not module and m in _UNITS]
     inner_modules = {id(u.module) for u in inner}

@@ -366,7 +366,7 @@ def _send_recv(step: Step, local: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
             buf = local.new_empty(shape)
             recvs.append((peer, buf))
             unpack.append((where, buf))
-    ctx.comm.send_recv(sends, recvs, step.axes, meanwhile=keep)
+    ctx.comm.send_recv(sends, recvs, step.axes, meanwhile=keep, dtype=local.dtype)
     for where, buf in unpack:
         out[where] = buf
     return out

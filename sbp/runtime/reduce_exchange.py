@@ -76,7 +76,7 @@ def _all_to_all(comm: Communicator, axes: tuple[int, ...], send: Pairs, recv: Pa
     if comm.exchange_route != "all_to_all":  # messages copy no more here: a block in one run goes as it is
         got = {peer: source.new_empty(k) for peer, k in enumerate(sizes) if k}
         comm.send_recv([(peer, functools.partial(_flat, parts)) for peer, parts in enumerate(outbox) if parts],
-                       list(got.items()), axes)
+                       list(got.items()), axes, dtype=source.dtype)
     else:
         empty = source.new_empty(0)
         got = dict(enumerate(comm.all_to_all([_flat(parts) if parts else empty for parts in outbox],

@@ -78,7 +78,7 @@ def move_rows(local: torch.Tensor, have: Sequence[Run], want: Sequence[Run], me:
             messages.append((m, local[s_start - mine[0]:s_start - mine[0] + s_len].contiguous()))
         if r_len:
             inbox.append((m, out[r_start - target[0]:r_start - target[0] + r_len]))
-    comm.send_recv(messages, inbox, axes)   # every member calls it, also one with nothing to move
+    comm.send_recv(messages, inbox, axes, dtype=out.dtype)   # every member calls it, also one with nothing to move
     return out
 
 

@@ -271,7 +271,7 @@ def _scatter(tensor, mesh: DeviceMesh, placements, src: int):
                 sends = [(i, got) for i in range(len(group)) if i != leader]
             else:
                 recvs = [(leader, got)]
-        comm.send_recv(sends, recvs, repeat)
+        comm.send_recv(sends, recvs, repeat, dtype=dtype)
     local = got if holds[mine] else torch.zeros(blocks[mine], dtype=dtype, device=device)
     return local, pls, shape, bool(grad)
 

@@ -18,16 +18,18 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
 
     Either may be a `GlobalTensor` or a plain tensor (the full value). An SPMD call: the full tensors are
     gathered (planned redistributions), so every rank compares the same values and all fail together.
-    Comparison is exact unless a Partial placement is involved (reduction order may differ), then
-    `torch.testing.assert_close` with `rtol` / `atol`; `exact=` forces either. The message names the
-    placements, the max abs difference and where it is.
+    Comparison is exact unless tolerances are given or a Partial placement is involved (reduction order may
+    differ), then `torch.testing.assert_close` with `rtol` / `atol` (the dtype's defaults when not given);
+    `exact=` forces either (tolerances with ``exact=True`` are an error). The message names the placements,
+    the comparison, the max abs difference and where it is.
 
     >>> import torch
     >>> assert_layout_equivalent(torch.ones(2), torch.ones(2))
     >>> assert_layout_equivalent(torch.ones(2), torch.zeros(2))
     Traceback (most recent call last):
     ...
-    AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,): max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
+    AssertionError: not the same logical tensor: x (plain) vs y (plain), shape (2,), compared exactly: max abs diff 1.0 at index (0,) (x=1.0, y=0.0)
+    >>> assert_layout_equivalent(torch.ones(2), torch.ones(2) + 1e-6, rtol=1e-5, atol=1e-5)
     """
     for name, t in (("x", x), ("y", y)):
         if not isinstance(t, torch.Tensor):
@@ -36,6 +38,9 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     if exact is not None and not isinstance(exact, bool):
         raise SbpError(f"assert_layout_equivalent(exact=...) must be None or a bool, got {exact!r}")
     _check_tolerances(rtol, atol)
+    if exact and rtol is not None:
+        raise SbpError(f"assert_layout_equivalent: rtol={rtol!r} and atol={atol!r} apply to the close comparison, "
+                       f"not to exact=True: drop them, or drop exact=True")
     if isinstance(x, GlobalTensor) and isinstance(y, GlobalTensor) and x.mesh != y.mesh:
         raise SbpError(f"assert_layout_equivalent compares tensors on one mesh; x is on {x.mesh!r}, y on "
                        f"{y.mesh!r}: redistribute one onto the other's mesh first (redistribute(..., mesh=...))")
@@ -52,13 +57,18 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
         raise AssertionError(f"not the same logical tensor: {what}: dtypes {x.dtype} != {y.dtype}")
     if any(isinstance(t, GlobalTensor) and t.mesh.coord is None for t in (x, y)):
         return   # this rank is outside the tensor's mesh: it holds nothing of it to compare
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, GlobalTensor) and t.is_meta:
+            raise SbpError(f"assert_layout_equivalent compares values; {name} is a meta tensor (shape and dtype only)")
     with torch.no_grad():
         fx = x.full() if isinstance(x, GlobalTensor) else x.detach()
         fy = y.full() if isinstance(y, GlobalTensor) else y.detach()
+    if fx.dtype == torch.complex32:   # torch compares no ComplexHalf on CPU: exactly widened
+        fx, fy = fx.to(torch.complex64), fy.to(torch.complex64)
     if exact is None:   # only sums round differently by order: P(max|min) are exact
-        exact = not any(isinstance(t, GlobalTensor) and any(isinstance(p, Partial) and p.op == "sum"
-                                                            for p in t.placements) for t in (x, y)) \
-            or not fx.dtype.is_floating_point
+        exact = rtol is None and not any(isinstance(t, GlobalTensor) and any(
+            isinstance(p, Partial) and p.op == "sum" for p in t.placements) for t in (x, y)) \
+            or not (fx.dtype.is_floating_point or fx.dtype.is_complex)
     same = _same(fx, fy, exact, rtol, atol)
     mesh = next((t.mesh for t in (x, y) if isinstance(t, GlobalTensor)), None)
     if mesh is not None and (isinstance(x, GlobalTensor) != isinstance(y, GlobalTensor)):
@@ -70,7 +80,9 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
             raise AssertionError(f"not the same logical tensor on every rank: {what}: ranks {failed} see a difference "
                                  f"(a plain tensor that differs between ranks?)")
     if not same:
-        raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}: "
+        how = "compared exactly" if exact else \
+            "compared with " + ("the dtype's default tolerances" if rtol is None else f"rtol={rtol}, atol={atol}")
+        raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}, {how}: "
                              f"{_where(fx, fy, exact, rtol, atol)}")
 
 

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
 from ..runtime.agreement import debug, is_enabled
-from ..runtime.backends.dist import MAX_TIMEOUT_S, collective_failures, init_mesh
+from ..runtime.backends.dist import MAX_TIMEOUT_S, MIN_TIMEOUT_S, collective_failures, init_mesh
 from ..runtime.backends.threads import spmd_threads
 from ..values.errors import CommError, MeshError, SbpError
 from ..values.mesh import LIVE_MESHES, DeviceMesh
@@ -72,9 +72,12 @@ def spmd(fn: Callable[[DeviceMesh], Any], mesh_shape: "int | Sequence[int]", bac
         raise SbpError(f"spmd backend must be one of {BACKENDS}, got {backend!r}")
     if not callable(fn):
         raise SbpError(f"spmd runs fn(mesh) on every rank; fn must be callable, got {type(fn).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise SbpError(f"spmd timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (it bounds "
-                       f"every collective), got {timeout!r}")
+    least = MIN_TIMEOUT_S if backend == "gloo" else 0   # torch.distributed counts whole milliseconds
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S \
+            or timeout < least:
+        raise SbpError(f"spmd timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}"
+                       + (f" and at least {least:g} on gloo" if least else "")
+                       + f" (it bounds every collective), got {timeout!r}")
     mesh = DeviceMesh(mesh_shape, names)
     if backend == "threads":
         results, errors, order = spmd_threads(fn, mesh, timeout)
@@ -275,7 +278,11 @@ class _Pools:
             others = sorted(r for r in errors if r != rank)
             if others:  # knock-on failures (a broken collective), or their own: named, the first is chained
                 message += f"; ranks {others} failed too"
-            if first_run:
+            if exc.exitcode == -signal.SIGABRT:   # gloo's own check of a message's size failed
+                message += ("; gloo aborts a process whose collective receives another size than it expects: "
+                            "ranks that disagree (shapes, placements, dtypes, calls; run under sbp.debug() to have "
+                            "them named)")
+            elif first_run and exc.exitcode == 1:   # an exception ended it (a signal or os._exit: not this)
                 message += ("; the workers start by importing the calling script as __main__ (multiprocessing's "
                             "forkserver or spawn): a script that calls spmd(..., backend=\"gloo\") at its top level "
                             "needs an `if __name__ == \"__main__\":` guard, or each worker runs it again and dies")
@@ -308,6 +315,9 @@ def _first_cause(errors: dict[int, tuple], fallback: int | None = None) -> int:
 _POOLS = _Pools()
 
 
+START_S = 60.0   # the least time a worker waits for the others to join the world (they may start slowly)
+
+
 def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -> None:
     """Worker main loop: join the gloo world, then run jobs until told to stop (None)."""
     import torch
@@ -315,7 +325,7 @@ def _worker(rank: int, size: int, port: int, conn: Connection, timeout: float) -
 
 
     torch.set_num_threads(1)  # several ranks share the cores
-    delta = timedelta(seconds=timeout)
+    delta = timedelta(seconds=max(timeout, START_S))   # joining the world is no collective of the job's
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=delta)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=delta)
     meshes: dict[tuple, DeviceMesh] = {}

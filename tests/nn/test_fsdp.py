@@ -822,6 +822,10 @@ def _bad(mesh, case: str):
         sbp.nn.fully_shard(net, mesh, "dp").set_requires_gradient_sync("no")   # truthy: would keep syncing
     elif case == "local_batch_str":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch="False")   # truthy: would skip the check
+    elif case == "float8":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", param_dtype=torch.float8_e4m3fn)   # forward: no clamp_min
+    elif case == "float8_reduce":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reduce_dtype=torch.float8_e5m2)    # gradients summed in 8 bits
 
 
 @pytest.mark.parametrize("case, message", [
@@ -831,6 +835,8 @@ def _bad(mesh, case: str):
     ("local_tp", "local_batch=True. computes on plain tensors"),
     ("reshard_int", "reshard_after_forward=2.: needs True, False or None"),
     ("local_batch_str", "local_batch='False'.: needs None"),
+    ("float8", r"param_dtype=torch.float8_e4m3fn.: needs None or one of torch.float16, torch.bfloat16"),
+    ("float8_reduce", r"reduce_dtype=torch.float8_e5m2.: needs None or one of"),
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
     ("tp_first", "on mesh axis 'rep', which comes before the sharding axis 'dp'"),

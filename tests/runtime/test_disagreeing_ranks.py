@@ -117,6 +117,24 @@ def test_threads_backend_names_ranks_calling_different_collectives():
         "rank 0 calls all_reduce(sum) on axes (0,)" in str(info.value.__cause__)
 
 
+@pytest.mark.parametrize("route", ["full", "reduce", "transfer"])
+def test_threads_backend_catches_ranks_that_disagree_on_dtype(route):
+    """Without debug, the in-process backend sees every member's tensor: ranks that distributed different
+    dtypes of the same itemsize (float32 / int32) fail at the first collective, by rank (a gathered float
+    was cast to int on the other rank, silently)."""
+    def fn(mesh):
+        t = torch.tensor([0.5, 1.5, 2.5, 3.5]) if mesh.rank == 0 else torch.arange(4, dtype=torch.int32)
+        if route == "full":
+            sbp.distribute(t, mesh, "S(0)").full()
+        elif route == "reduce":
+            sbp.distribute(t, mesh, "P(sum)").redistribute("B")
+        else:
+            sbp.distribute(t.reshape(2, 2), mesh, "S(0)").redistribute("S(1)")
+
+    message = raises_mismatch(fn, (2,))
+    assert "ranks disagree on dtype" in message and "torch.float32 on ranks [0]; torch.int32 on ranks [1]" in message
+
+
 # ---- under sbp.debug(): every call ------------------------------------------------------------------------
 
 def test_debug_redistribute_dst_disagree():

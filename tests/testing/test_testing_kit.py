@@ -60,7 +60,8 @@ def test_assert_layout_equivalent_messages():
     for messages in sbp.testing.spmd(_equivalence, (2, 2)):
         assert messages == [
             "not the same logical tensor: x ((S(0), P(sum)) on mesh (2, 2)) vs y ((S(1), B) on mesh (2, 2)), "
-            "shape (3, 4): max abs diff 4.0 at index (0, 0) (x=0.0, y=4.0)",
+            "shape (3, 4), compared with the dtype's default tolerances: max abs diff 4.0 at index (0, 0) "
+            "(x=0.0, y=4.0)",
             "not the same logical tensor: x ((S(0), P(sum)) on mesh (2, 2)) vs y ((B, B) on mesh (2, 2)): "
             "global shapes (3, 4) != (4, 3)",
             "not the same logical tensor: x ((S(0), P(sum)) on mesh (2, 2)) vs y ((B, B) on mesh (2, 2)): "
@@ -98,6 +99,46 @@ def test_assert_layout_equivalent_nan_and_ranks_outside_the_mesh():
 
     for message in sbp.testing.spmd(fn, (2,)):
         assert message is not None and "at index (1,) (x=1.0, y=nan)" in message
+
+
+def test_assert_layout_equivalent_takes_given_tolerances():
+    """Tolerances choose the close comparison (they were ignored where no Partial was involved: a row-parallel
+    result reduced to B failed against its reference on a difference of one float32 rounding); with
+    exact=True they are an error, and the message says which comparison failed."""
+    a, b = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), torch.randn(8, 8)
+
+    def fn(mesh):
+        x = (sbp.distribute(a, mesh, "S(1)") @ sbp.distribute(b, mesh, "S(0)")).redistribute("B")
+        want = a @ b
+        out = []
+        for near in (want + 1e-6 * want.abs().max(), want + 1.0):
+            try:
+                sbp.testing.assert_layout_equivalent(x, near, rtol=1e-4, atol=1e-4)
+                out.append("close")
+            except AssertionError as e:
+                out.append(str(e).split(": max abs")[0].split("(8, 8), ")[-1])
+        with pytest.raises(sbp.SbpError, match="apply to the close comparison"):
+            sbp.testing.assert_layout_equivalent(x, want, exact=True, rtol=1e-4, atol=1e-4)
+        return out
+
+    for out in sbp.testing.spmd(fn, (2,)):
+        assert out == ["close", "compared with rtol=0.0001, atol=0.0001"]
+
+
+def test_assert_layout_equivalent_of_complex32_and_meta_tensors():
+    """complex32 compares (torch has no ComplexHalf comparison on CPU: widened exactly); a meta tensor has
+    no values to compare: an SbpError, not torch's NotImplementedError."""
+    t = torch.tensor([1 + 2j, 3 - 1j, 0.5j, 2]).to(torch.complex32)
+
+    def fn(mesh):
+        sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), t)
+        with pytest.raises(AssertionError, match=r"at index \(1,\)"):
+            sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), t * torch.tensor([1, 2, 1, 1]))
+        with pytest.raises(sbp.SbpError, match="y is a meta tensor"):
+            sbp.testing.assert_layout_equivalent(sbp.distribute(t, mesh, "S(0)"), t.to("meta"))
+        return True
+
+    assert all(sbp.testing.spmd(fn, (2,)))
 
 
 def test_assert_layout_equivalent_fails_every_rank_when_a_plain_side_differs_between_ranks():
@@ -182,6 +223,36 @@ def test_gloo_worker_that_dies_is_named_and_the_pool_restarts():
     assert sbp.testing.spmd(_says_second, (2,), backend="gloo", timeout=60) == ["second", "second"]
 
 
+def _rank_1_aborts(mesh):
+    if mesh.rank == 1:
+        os.abort()
+    return mesh.rank
+
+
+@pytest.mark.gloo
+def test_gloo_worker_that_aborts_is_not_blamed_on_a_missing_main_guard():
+    # a worker gloo aborts (SIGABRT: a collective received another size than it expected, ranks that
+    # disagree) on a fresh pool was reported with the hint for a script without an `if __name__` guard;
+    # the second call is always a fresh pool's first (the first one's death replaced the pool)
+    for _ in range(2):
+        with pytest.raises(sbp.testing.SpmdError, match=r"^rank 1 of 2 died: .*SIGABRT") as info:
+            sbp.testing.spmd(_rank_1_aborts, (2,), backend="gloo", timeout=60)
+    message = str(info.value)
+    assert "__main__" not in message and "ranks that disagree" in message, message
+
+
+def _returns_a_global_tensor(mesh):
+    return sbp.distribute(torch.arange(4.0), mesh, "S(0)")
+
+
+def test_a_global_tensor_returned_by_threads_spmd_runs_no_collective_after_the_run():
+    # its thread-ranks are gone: a collective on it waited out the whole timeout, then blamed rank 1
+    x = sbp.testing.spmd(_returns_a_global_tensor, (2,), timeout=5)[0]
+    assert torch.equal(x.to_local(), torch.arange(2.0))   # its local is still there
+    with pytest.raises(sbp.CommError, match="the spmd run of this mesh has ended"):
+        x.full()
+
+
 def _rank_0_times_out_and_catches_it(mesh):
     if mesh.rank == 1:
         return "skipped the all_reduce"
@@ -240,7 +311,7 @@ def _mismatch(x, y, **kw):
     try:
         assert_layout_equivalent(x, y, **kw)
     except AssertionError as e:
-        return str(e).split("): ")[-1]
+        return "max abs" + str(e).split(": max abs", 1)[1]
     return None
 
 

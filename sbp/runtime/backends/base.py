@@ -207,13 +207,15 @@ class BoundComm:
         return out
 
     def send_recv(self, sends: Sequence[tuple[int, Outgoing]], recvs: Sequence[tuple[int, torch.Tensor]],
-                  axes: tuple[int, ...], *, meanwhile: Callable[[], object] | None = None) -> None:
+                  axes: tuple[int, ...], *, meanwhile: Callable[[], object] | None = None,
+                  dtype: torch.dtype | None = None) -> None:
         """Point-to-point inside the group along `axes`, every member calling (SPMD), also one with nothing
         to move. ``(i, t)`` in `sends` sends the contiguous `t` to member i; `t` may be a function that
         returns it, called when its turn comes (packing then overlaps the sends already in flight).
         ``(i, buf)`` in `recvs` fills the contiguous `buf` with member i's message, whose size the caller
         knows. At most one message per peer and direction; a rank never sends to itself (it copies).
-        `meanwhile`: local work touching none of the buffers, run while messages are in flight.
+        `meanwhile`: local work touching none of the buffers, run while messages are in flight. `dtype`: the
+        messages' dtype, for a member with nothing to move (it takes part with empty buffers of it).
 
         >>> import sbp, sbp.testing, torch
         >>> def fn(mesh):
@@ -240,7 +242,7 @@ class BoundComm:
             if meanwhile is not None:
                 meanwhile()
             return
-        sent = self._send_recv(list(sends), list(recvs), members, axes, meanwhile)
+        sent = self._send_recv(list(sends), list(recvs), members, axes, meanwhile, dtype)
         itemsize = recvs[0][1].element_size() if recvs else max((t.element_size() for t in sent), default=1)
         self._count(count_send_recv(sum(t.numel() for t in sent), sum(b.numel() for _, b in recvs), itemsize),
                     axes)
@@ -291,15 +293,15 @@ class BoundComm:
         return out[:numels[members.index(self.rank)]], width
 
     def _send_recv(self, sends: list[tuple[int, Outgoing]], recvs: list[tuple[int, torch.Tensor]],
-                   members: Members, axes: tuple[int, ...],
-                   meanwhile: Callable[[], object] | None) -> list[torch.Tensor]:
+                   members: Members, axes: tuple[int, ...], meanwhile: Callable[[], object] | None,
+                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Messages as one `_all_to_all` (every member takes part): sends packed in member order, receives
         unpacked. Returns the tensors sent."""
         n = len(members)
         outgoing = [(i, outgoing_tensor(t)) for i, t in sends]
         ref = outgoing[0][1] if outgoing else (recvs[0][1] if recvs else None)
         if ref is None:  # nothing to move here, but the others may: take part with empty buffers
-            ref = torch.empty(0, device=self.mesh.device_type)
+            ref = torch.empty(0, dtype=dtype, device=self.mesh.device_type)
         in_splits, out_splits = [0] * n, [0] * n
         for i, t in outgoing:
             in_splits[i] = t.numel()

@@ -117,6 +117,7 @@ def init_mesh(shape: "int | Sequence[int]", names: Sequence[str] | None = None, 
     return bound(mesh, DistComm(mesh, rank, {k: g for k, g in groups.items() if g is not None}, timeout))
 
 
+MIN_TIMEOUT_S = 1e-3   # torch.distributed rounds a timeout down to whole milliseconds: less is none at all
 MAX_TIMEOUT_S = 1e8   # about three years: longer waits overflow the clocks that time them (timedelta, time_t)
 
 
@@ -132,9 +133,10 @@ def as_timeout(timeout: "timedelta | float") -> timedelta:
         seconds = float(timeout) if not isinstance(timeout, int) or abs(timeout) < 2 ** 53 else float("inf")
     else:
         raise MeshError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if not 0 < seconds <= MAX_TIMEOUT_S:
-        raise MeshError(f"timeout must be a positive, finite duration of at most {MAX_TIMEOUT_S:g} s (collectives "
-                        f"fail after it), got {timeout!r}")
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
+        raise MeshError(f"timeout must be a positive, finite duration of at least {MIN_TIMEOUT_S:g} s (torch."
+                        f"distributed counts whole milliseconds) and at most {MAX_TIMEOUT_S:g} s (collectives fail "
+                        f"after it), got {timeout!r}")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
@@ -225,7 +227,11 @@ class ProcessGroups:
         self._check_world()
         key = (tuple(sorted(members)), backend, timeout)
         if key not in self._groups:
-            pg = dist.new_group(list(key[0]), timeout=timeout, backend=backend)
+            try:
+                pg = dist.new_group(list(key[0]), timeout=timeout, backend=backend)
+            except dist.DistError as e:   # its rendezvous through the store timed out, or the store is gone
+                raise CommError(f"could not create the {backend} process group of ranks {list(key[0])} "
+                                f"(timeout {timeout.total_seconds():g} s): {type(e).__name__}: {e}") from e
             self.made += 1
             self._groups[key] = pg if dist.get_rank() in key[0] else None
         return self._groups[key]
@@ -400,12 +406,12 @@ class DistComm(BoundComm):
             piece.copy_(where[m])
 
     def _send_recv(self, sends: list[tuple[int, Outgoing]], recvs: list[tuple[int, torch.Tensor]],
-                   members: Members, axes: tuple[int, ...],
-                   meanwhile: Callable[[], object] | None) -> list[torch.Tensor]:
+                   members: Members, axes: tuple[int, ...], meanwhile: Callable[[], object] | None,
+                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """gloo: isend/irecv on the group's process group, receives posted first; every wait is bounded by
         the mesh's timeout. NCCL: one all_to_all_single (see the module notes)."""
         if not self._gloo:
-            return super()._send_recv(sends, recvs, members, axes, meanwhile)
+            return super()._send_recv(sends, recvs, members, axes, meanwhile, dtype)
         pg, _ = self._group(members)
         what = f"send_recv (to ranks {[members[i] for i, _ in sends]}, from ranks {[members[i] for i, _ in recvs]})"
         works, sent = [], []

@@ -19,6 +19,7 @@ import torch
 
 from ...values.errors import CommError, MeshError, RankMismatchError
 from ...values.mesh import DeviceMesh
+from ..agreement import mismatch
 from ..communicator import Counters, reduce_list
 from .base import BoundComm, Members, bound
 
@@ -114,7 +115,8 @@ class ThreadComm(BoundComm):
         return self.world.bind(mesh, self.rank, self.counters)
 
     def _meet(self, members: Members, axes: tuple[int, ...], what: str, payload: Any) -> list[Any]:
-        return self.world.meet(self.rank, members, f"{what} on axes {axes}{self.axis_names(axes)}", payload)
+        what = f"{what} on axes {axes}{self.axis_names(axes)}"
+        return _same_dtype(what, self.world.meet(self.rank, members, what, payload), members)
 
     def _all_gather(self, t: torch.Tensor, out: torch.Tensor, members: Members, axes: tuple[int, ...]) -> None:
         items = self._meet(members, axes, "all_gather", t.clone())
@@ -152,7 +154,7 @@ class ThreadComm(BoundComm):
     def _exchange(self, ranks: Members, send: dict[int, list[torch.Tensor]], recv_shapes: dict[int, list[tuple]],
                   dtype: torch.dtype, device: torch.device) -> dict[int, list[torch.Tensor]]:
         payload = {peer: [t.clone() for t in pieces] for peer, pieces in send.items()}
-        items = dict(zip(ranks, self.world.meet(self.rank, ranks, "exchange", payload)))
+        items = dict(zip(ranks, _same_dtype("exchange", self.world.meet(self.rank, ranks, "exchange", payload), ranks)))
         out = {}
         for peer, shapes in recv_shapes.items():
             pieces = items[peer].get(self.rank, [])
@@ -161,6 +163,23 @@ class ThreadComm(BoundComm):
                                         f"{peer}, which sent {[tuple(t.shape) for t in pieces]}")
             out[peer] = [t.clone() for t in pieces]
         return out
+
+
+def _same_dtype(what: str, items: list[Any], members: Members) -> list[Any]:
+    """`items` (the members' payloads of one collective), unless members sent different dtypes: ranks that
+    disagree on a tensor's dtype (an SPMD slip: torch.distributed would reinterpret the bytes or abort) raise
+    a `RankMismatchError` naming them. A member that sent no tensor (an empty exchange) agrees with any."""
+    dtypes = [_dtype_of(x) for x in items]
+    if len({d for d in dtypes if d is not None}) > 1:
+        raise mismatch(what, "dtype", dtypes, members)
+    return items
+
+
+def _dtype_of(payload: Any) -> "torch.dtype | None":
+    if isinstance(payload, torch.Tensor):
+        return payload.dtype
+    values = payload.values() if isinstance(payload, dict) else payload if isinstance(payload, (list, tuple)) else ()
+    return next((d for d in map(_dtype_of, values) if d is not None), None)
 
 
 JOB_GRACE_S = 30.0   # a job may compute this long beyond the collective timeout before it counts as hung
@@ -208,4 +227,6 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
                 f"rank {rank} did not finish within {FAILURE_GRACE_S:g} s of rank {first}'s error")
             order.append(rank)
             world.abort(f"rank {rank} did not finish")
+    world.abort("the spmd run of this mesh has ended and its thread-ranks with it: a global tensor that fn "
+                "returned can run no collective (return x.full() or x.to_local() from fn instead)")
     return results, errors, order
