@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from ..values.errors import PlanError
 from ..values.layout import block, check_global_shape
-from ..values.mesh import DeviceMesh, as_mesh_shape
+from ..values.mesh import DeviceMesh, as_ints, as_mesh_shape
 from ..values.placement import normalize
 from ..values.steps import Plan
 from ..values.topology import Topology
@@ -49,10 +49,10 @@ def plan(global_shape: Sequence[int], mesh_shape: "DeviceMesh | Sequence[int]", 
       bytes/rank=192 (lower bound 192)  collectives=1  peak=576
       1. axes[0] reduce_scatter(sum)  (P(sum),) -> (S(0),) dims=0  bytes=192 peak=576
     """
-    latency = search.as_int(latency_bytes)
-    if latency is None or latency < 0:
+    latency = as_ints((latency_bytes,))
+    if latency is None or latency[0] < 0:
         raise PlanError(f"latency_bytes must be a non-negative int, got {latency_bytes!r}")
-    latency_bytes = latency
+    latency_bytes = latency[0]
     if dst_mesh is not None:
         if topology is not None or latency_bytes:
             raise PlanError("a cross-mesh plan (dst_mesh=) is priced in bytes only: topology= and latency_bytes= "
@@ -91,11 +91,11 @@ def _normalize_args(global_shape, mesh_shape, src, dst, itemsize):
     mshape = mesh_shape.shape if isinstance(mesh_shape, DeviceMesh) else as_mesh_shape(mesh_shape)
     s = normalize(src, len(shape), len(mshape))
     d = normalize(dst, len(shape), len(mshape))
-    size = search.as_int(itemsize)
-    if size is None or size < 1:
+    size = as_ints((itemsize,))
+    if size is None or size[0] < 1:
         hint = f" (a dtype's is {itemsize!r}.itemsize)" if type(itemsize).__name__ == "dtype" else ""
         raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}{hint}")
-    return shape, mshape, s, d, size
+    return shape, mshape, s, d, size[0]
 
 
 def clear_caches() -> None:

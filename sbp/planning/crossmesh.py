@@ -19,10 +19,10 @@ from typing import Optional, Sequence
 
 from ..values.errors import MeshError, PlanError
 from ..values.layout import Block, block, block_numel, check_global_shape, intersect
-from ..values.mesh import DeviceMesh
+from ..values.mesh import DeviceMesh, as_ints
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from ..values.steps import Plan
-from .search import as_int, plan_cached
+from .search import plan_cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,10 +180,10 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
             raise MeshError(f"{name} must be a sbp.DeviceMesh (with the world ranks it covers), got {type(m).__name__}")
     s = normalize(src, len(shape), src_mesh.ndim)
     d = normalize(dst, len(shape), dst_mesh.ndim)
-    size = as_int(itemsize)
-    if size is None or size < 1:
+    size = as_ints((itemsize,))
+    if size is None or size[0] < 1:
         raise PlanError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}")
-    itemsize = size
+    itemsize = size[0]
     key = lambda m: DeviceMesh(m.shape, m.names, m.ranks, m.device_type)  # drop the binding for caching
     return _cross_cached(shape, key(src_mesh), s, key(dst_mesh), d, itemsize)
 

@@ -69,11 +69,13 @@ class Move:
 class _Origin:
     """The state moves start from, with what every generator reads of it (computed once per state)."""
 
-    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits", "direct_fills", "mesh")
+    __slots__ = ("s", "dst", "ndim", "splitters", "last", "by_op", "pending", "splits", "direct_fills", "mesh",
+                 "subgroups")
 
     def __init__(self, ndim: int, s: State, dst: State, direct_fills: bool = False,
-                 mesh: tuple[int, ...] = ()) -> None:
+                 mesh: tuple[int, ...] = (), subgroups: bool = False) -> None:
         self.s, self.dst, self.ndim, self.direct_fills, self.mesh = s, dst, ndim, direct_fills, mesh
+        self.subgroups = subgroups
         self.splitters: list[list[int]] = [[] for _ in range(ndim)]  # per dim, its splitters in axis order
         # per dim, its last splitter (-1: none): a new split of d on axis a nests inside when a > last[d]
         self.last = [-1] * ndim
@@ -185,6 +187,56 @@ def _transfers(o: _Origin, out: list[Candidate]) -> None:
                           for x, p in zip(tc, s))
                 out.append(("transfer", group, t, (), None))
                 break
+    if o.subgroups:
+        _subgroup_transfers(o, sc, dc, out)
+
+
+def _subgroup_transfers(o: _Origin, sc: tuple[int, ...], dc: tuple[int, ...], out: list[Candidate]) -> None:
+    """(Under a topology only.) Transfers to intermediate layouts: for each group U of the axes whose
+    Split/Broadcast target differs (`_subsets`: every one for up to 3 such axes, else the runs of
+    consecutive ones), U takes dst's placement and every other axis keeps its own, over the smallest
+    self-contained group holding U (`_contained_closure`). Bytes never gain from them (one transfer to
+    dst meets the lower bound), but time charges a round per peer, and two transfers over small groups
+    can meet far fewer peers than one over many."""
+    changed = tuple(a for a, (p, q) in enumerate(zip(sc, dc)) if q >= BROADCAST_CODE and p != q)
+    if not changed:
+        return
+    s, seen = o.s, {(c[1], c[2]) for c in out}
+    for fix in _subsets(changed):
+        tc = tuple(q if a in fix else p for a, (p, q) in enumerate(zip(sc, dc)))
+        group = _contained_closure(sc, tc, fix)
+        if group is None:
+            continue
+        t = tuple(o.splits[x] if x > BROADCAST_CODE else B if x == BROADCAST_CODE else p for x, p in zip(tc, s))
+        if (group, t) not in seen:
+            seen.add((group, t))
+            out.append(("transfer", group, t, (), None))
+
+
+def _contained_closure(sc: tuple[int, ...], tc: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The smallest group holding `axes` that is self-contained in both states (`contained`): an outside
+    splitter of a dim after an inside one joins the group, until none is left; None when a Partial axis
+    would join.
+
+    >>> _contained_closure((1, 1, 0), (1, 0, 0), (1,)), _contained_closure((0, 0), (-1, -2), (0,))
+    ((1, 2), None)
+    """
+    group = set(axes)
+    grown = True
+    while grown:
+        grown = False
+        for state in (sc, tc):
+            inside: set[int] = set()
+            for a, d in enumerate(state):
+                if a in group:
+                    if d < BROADCAST_CODE:
+                        return None
+                    if d > BROADCAST_CODE:
+                        inside.add(d)
+                elif d in inside:
+                    group.add(a)
+                    grown = True
+    return tuple(sorted(group))
 
 
 def _reduce_transfers(o: _Origin, out: list[Candidate]) -> None:
@@ -273,10 +325,11 @@ _RING_AND_LOCAL, _POINT_TO_POINT = _runs(False), _runs(True)
 
 
 def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool = False,
-               direct_fills: bool = False) -> list[Candidate]:
+               direct_fills: bool = False, subgroups: bool = False) -> list[Candidate]:
     """The unpriced moves out of `s` towards `dst`, in generation order: the collectives and local
     moves, or (`point_to_point=True`) the transfers and reduce_transfers. With `direct_fills` a
-    Broadcast axis with a Partial target is zero-filled, never sliced first.
+    Broadcast axis with a Partial target is zero-filled, never sliced first; with `subgroups` (the search
+    under a topology) also transfers to intermediate layouts on subgroups of axes (`_subgroup_transfers`).
 
     >>> from sbp import S, B
     >>> [c[0] for c in candidates(Costing((8, 8), (2,), 4), (S(0),), (B,))]
@@ -284,7 +337,7 @@ def candidates(costing: Costing, s: State, dst: State, *, point_to_point: bool =
     >>> [c[0] for c in candidates(Costing((8, 8), (2,), 4), (S(0),), (B,), point_to_point=True)]
     ['transfer']
     """
-    o = _Origin(costing.ndim, s, dst, direct_fills, costing.mesh_shape)
+    o = _Origin(costing.ndim, s, dst, direct_fills, costing.mesh_shape, subgroups)
     out: list[Candidate] = []
     for scope, gens, per_kinds in _POINT_TO_POINT if point_to_point else _RING_AND_LOCAL:
         match scope:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
 from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
@@ -30,22 +29,6 @@ from .states import State, pending
 
 _B = Broadcast()
 _DEFERRED = ("point-to-point moves",)  # a queue entry standing for all of them out of one state
-
-
-def as_int(value) -> int | None:
-    """`value` as an int when it is an integer (an int, a numpy integer, anything with ``__index__``, as
-    shapes take them), else None; a bool is no count, so None too.
-
-    >>> import numpy as np
-    >>> as_int(np.int64(4)), as_int(4.0), as_int(True)
-    (4, None, None)
-    """
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 @lru_cache(maxsize=4096)
@@ -139,6 +122,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
     bounds = Bounds(costing) if bounds is None else bounds
     pricing = Pricing(costing, latency) if pricing is None else pricing
     estimate, least_of = pricing.estimate, pricing.least
+    subgroups = pricing.topology is not None  # transfers to intermediate layouts pay off only in time
 
     def h(state: State) -> tuple[int, int, int]:
         if pending(state, dst):
@@ -207,7 +191,7 @@ def find_steps(costing: Costing, src: State, dst: State, latency: int, cap: int 
                 push(heap, (exact, next(order), cost, state, est, None))
                 continue
         if move is _DEFERRED:  # the point-to-point moves out of the state, deferred until now
-            family = candidates(costing, state, dst, point_to_point=True)
+            family = candidates(costing, state, dst, point_to_point=True, subgroups=subgroups)
         else:
             family = candidates(costing, state, dst, direct_fills=direct_fills)
             # what any point-to-point move costs at least: one call, one transfer

@@ -8,12 +8,11 @@ Broadcast and Partial axes do not change the block.
 from __future__ import annotations
 
 import math
-import operator
 from functools import lru_cache
 from typing import Sequence
 
 from .errors import ShapeError
-from .mesh import DeviceMesh, as_mesh_shape, bad_coord
+from .mesh import DeviceMesh, as_ints, as_mesh_shape, bad_coord
 from .placement import Placement, Split, normalize
 
 Block = tuple[tuple[int, int], ...]  # one half-open (start, stop) per dim
@@ -49,10 +48,10 @@ def check_global_shape(global_shape: Sequence[int]) -> tuple[int, ...]:
     (3, 0)
     """
     try:
-        shape = tuple(operator.index(n) for n in global_shape if not isinstance(n, bool))
-        ok = len(shape) == len(tuple(global_shape)) and all(n >= 0 for n in shape) and \
+        shape = as_ints(global_shape)
+        ok = shape is not None and all(n >= 0 for n in shape) and \
             not isinstance(global_shape, (set, frozenset, dict))   # unordered: no shape
-    except TypeError:
+    except TypeError:   # no sequence
         ok = False
     if not ok:
         raise ShapeError(f"global_shape must be a sequence of non-negative ints, got {global_shape!r}")
@@ -86,9 +85,9 @@ def _prepare(global_shape, mesh, pls, coord):
     mesh_shape = as_mesh_shape(mesh)
     pls = normalize(pls, len(shape), len(mesh_shape))
     try:
-        ints = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
-        ok = len(ints) == len(tuple(coord)) == len(mesh_shape) and all(0 <= c < n for c, n in zip(ints, mesh_shape))
-    except TypeError:
+        ints = as_ints(coord)
+        ok = ints is not None and len(ints) == len(mesh_shape) and all(0 <= c < n for c, n in zip(ints, mesh_shape))
+    except TypeError:   # no sequence
         ok = False
     if not ok:
         raise ShapeError(bad_coord(coord, mesh_shape))

@@ -82,11 +82,8 @@ class DeviceMesh(_Bindable):
             shape = tuple(shape)
         except TypeError:
             raise MeshError(f"mesh shape must be a tuple of positive ints, got {self.shape!r}") from None
-        try:   # any integer (numpy's too: `operator.index`, as global shapes and coords take them), no bool
-            ints = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
-        except TypeError:
-            ints = ()
-        if not shape or len(ints) != len(shape) or any(n < 1 for n in ints):
+        ints = as_ints(shape)   # any integer (numpy's too), as global shapes and coords take them; no bool
+        if not shape or ints is None or any(n < 1 for n in ints):
             raise MeshError(f"mesh shape must be a non-empty tuple of positive ints, got {self.shape!r}")
         shape = ints
         object.__setattr__(self, "shape", shape)
@@ -521,10 +518,27 @@ def bad_coord(coord: Any, shape: tuple[int, ...]) -> str:
 
 def _is_coord(coord: Any, shape: tuple[int, ...]) -> bool:
     try:
-        coord = tuple(operator.index(c) for c in coord if not isinstance(c, bool))
-    except TypeError:
+        coord = as_ints(coord)
+    except TypeError:   # no sequence
         return False
-    return len(coord) == len(shape) and all(0 <= c < n for c, n in zip(coord, shape))
+    return coord is not None and len(coord) == len(shape) and all(0 <= c < n for c, n in zip(coord, shape))
+
+
+def as_ints(values: Iterable[Any]) -> Optional[tuple[int, ...]]:
+    """`values` as a tuple of ints when each is an integer (an int, a numpy integer: anything with
+    ``__index__``) and none is a bool (a flag, not a count), else None.
+
+    >>> import numpy as np
+    >>> as_ints((2, np.int64(3))), as_ints((2, 3.0)), as_ints((True,))
+    ((2, 3), None, None)
+    """
+    values = tuple(values)
+    if any(isinstance(v, bool) for v in values):
+        return None
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        return None
 
 
 def as_mesh_shape(mesh: "DeviceMesh | Sequence[int] | int") -> tuple[int, ...]:

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .errors import PlanError
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, as_ints
 
 # name -> (intra-host alpha µs, beta GB/s, inter-host alpha µs, beta GB/s); sources in docs/scale.md
 PRESETS: dict[str, tuple[float, float, float, float]] = {
@@ -143,7 +142,7 @@ class Topology:
         (True, True)
         """
         shape = _shape(mesh_shape)
-        per_host = _ints((devices_per_host,))
+        per_host = as_ints((devices_per_host,))
         if per_host is None or per_host[0] < 1:
             raise PlanError(f"devices_per_host must be a positive int, got {devices_per_host!r}")
         devices_per_host = per_host[0]
@@ -364,19 +363,10 @@ def _shape(mesh_shape: "DeviceMesh | Sequence[int]") -> tuple[int, ...]:
     if isinstance(mesh_shape, DeviceMesh):
         return mesh_shape.shape
     try:
-        shape = _ints(tuple(mesh_shape))
+        shape = as_ints(tuple(mesh_shape))
     except TypeError:
         raise PlanError(f"a mesh shape is a tuple of positive ints, got {mesh_shape!r}") from None
     if not shape or any(n < 1 for n in shape):
         raise PlanError(f"a mesh shape is a non-empty tuple of positive ints, got {mesh_shape!r}")
     return shape
 
-
-def _ints(values: tuple) -> tuple[int, ...] | None:
-    """`values` as ints when each is an integer (int, numpy integer: `operator.index`) and none a bool, else None."""
-    if any(isinstance(v, bool) for v in values):
-        return None
-    try:
-        return tuple(operator.index(v) for v in values)
-    except TypeError:
-        return None

@@ -301,9 +301,12 @@ def test_exchange_latency_prices_exchanges_apart_from_rings():
     posted = sbp.Topology((50.0, 50.0), (1.0, 1.0), exchange_us=(2.0, 2.0))
     assert [s.kind for s in sbp.plan(shape, mesh, src, dst, topology=rings).steps] == ["all_gather", "all_to_all"]
     by_time = sbp.plan(shape, mesh, src, dst, topology=posted)
-    assert [s.kind for s in by_time.steps] == ["transfer"]
-    # 7 peers x 2 µs + the bytes at 1 GB/s
-    assert by_time.steps[0].time_ns == 7 * 2000 + by_time.steps[0].bytes
+    assert [s.kind for s in by_time.steps] == ["transfer", "transfer"]
+    # each: its peers x 2 µs + the bytes at 1 GB/s; two transfers (2 peers, then 3 inside axis 1) beat the one
+    # over all 8 ranks (7 peers: 21.168 µs, the plan while transfers aimed only at dst)
+    c = Costing(shape, mesh, 4)
+    assert [s.time_ns for s in by_time.steps] == [c.rounds(s) * 2000 + s.bytes for s in by_time.steps]
+    assert [c.rounds(s) for s in by_time.steps] == [2, 3] and by_time.time_us == 18.192 < 21.168
     assert by_time.lower_bound_time_us <= by_time.time_us
     assert sbp.Topology.from_json(posted.to_json()) == posted and posted != rings
 
@@ -321,16 +324,21 @@ def test_cost_per_call_picks_the_one_call_exchange_over_two_rings():
     shape, mesh, src, dst = (64, 64), (2, 4), "S(0), S(0)", "S(1), B"
     folded = sbp.plan(shape, mesh, src, dst, topology=_FOLDED)
     per_call = sbp.plan(shape, mesh, src, dst, topology=_PER_CALL)
-    assert [(s.kind, s.axes) for s in folded.steps] == [("all_gather", (1,)), ("all_to_all", (0,))]
+    # folded: two calls, the gather inside axis 1 as an exchange (3 peers x 2 ms beat 3 ring rounds x 3.5 ms)
+    assert [(s.kind, s.axes) for s in folded.steps] == [("transfer", (1,)), ("all_to_all", (0,))]
     assert [(s.kind, s.axes) for s in per_call.steps] == [("transfer", (0, 1))]
     assert per_call.num_collectives == 1 < folded.num_collectives
     # the exchange: one call + 7 peers x 1 ms + its bytes at 0.1 GB/s
     [step] = per_call.steps
     assert step.time_ns == math.ceil(3_000_000 + 7 * 1_000_000 + step.bytes / 0.1)
     # the two rings under the same topology: two calls, 3 rounds x 2.5 ms and 1 peer x 1 ms
-    rings = _time_of(folded.steps, shape, mesh, _PER_CALL)
+    c, mid = Costing(shape, mesh, 4), (sbp.S(0), sbp.B)
+    two = (c.step("all_gather", (1,), sbp.placements(src), mid, (0,)),
+           c.step("all_to_all", (0,), mid, sbp.placements(dst), (0, 1)))
+    rings = _time_of(two, shape, mesh, _PER_CALL)
     assert rings == sum(math.ceil(3_000_000 + r * us + s.bytes / 0.1)
-                        for s, r, us in zip(folded.steps, (3, 1), (2_500_000, 1_000_000)))
+                        for s, r, us in zip(two, (3, 1), (2_500_000, 1_000_000)))
+    assert folded.time_us * 1000 <= _time_of(two, shape, mesh, _FOLDED)
     assert per_call.time_us * 1000 < rings
     assert per_call.lower_bound_time_us <= per_call.time_us
     # the plan without a call cost is the same as with call_us=None, and the JSON keeps the field
@@ -447,3 +455,68 @@ def test_planning_is_identical_on_every_rank():
         outs.append(run.stdout)
     assert outs[0] == outs[1]
     assert json.loads(outs[0])[0]["time_us"] > 0
+
+
+# ---- transfers to intermediate layouts (topology only) --------------------------------------------------------
+def _two_transfers_us(shape, mesh, topology, src, mid, dst) -> float:
+    c = Costing(shape, mesh, 4)
+    a, b, d = (sbp.placements(x) for x in (src, mid, dst))
+    steps = (c.step("transfer", (1, 2), a, b), c.step("transfer", (0, 1, 2), b, d))
+    return _time_of(steps, shape, mesh, topology) / 1000
+
+
+@pytest.mark.parametrize("mesh, shape", [((16, 32, 32), (8192, 8192)), ((4, 8, 8), (64, 64))])
+def test_under_a_topology_a_transfer_to_an_intermediate_layout_on_a_subgroup_is_considered(mesh, shape):
+    # the time model charges a round per peer: a transfer over axes (1, 2) to (S(1), S(0), S(0)), then one over
+    # all axes, meets far fewer peers than one transfer over all axes (16,384 ranks: 1383 µs) or a gather first
+    # (137.7 µs, the plan while transfers aimed only at dst); the search now generates the intermediate
+    src, mid, dst = "S(1), S(1), S(0)", "S(1), S(0), S(0)", "S(0), S(0), S(0)"
+    t = sbp.Topology.preset("dgx-h100", mesh, devices_per_host=8)
+    p = sbp.plan(shape, mesh, src, dst, topology=t)
+    alt = _two_transfers_us(shape, mesh, t, src, mid, dst)
+    assert p.lower_bound_time_us <= p.time_us <= alt, (p.explain(), alt)
+    if mesh == (16, 32, 32):
+        assert (p.time_us, alt) == (130.584, 130.584)
+        assert [s.kind for s in p.steps] == ["transfer", "transfer"] and p.bytes_per_rank == 49152
+    else:
+        assert p.time_us < 29.715   # the plan before: all_gather on axis 1, then one transfer
+    # without a topology nothing changes: one transfer meets the byte bound
+    plain = sbp.plan(shape, mesh, src, dst)
+    assert [s.kind for s in plain.steps] == ["transfer"] and plain.bytes_per_rank == plain.lower_bound
+
+
+def _plan_without_subgroup_transfers(monkeypatch, *args, **kw):
+    import sbp.planning.moves as moves
+    with monkeypatch.context() as m:
+        m.setattr(moves, "_subgroup_transfers", lambda *a: None, raising=False)
+        sbp.planning.clear_caches()
+        try:
+            return sbp.plan(*args, **kw)
+        finally:
+            sbp.planning.clear_caches()
+
+
+def test_intermediate_transfers_never_make_a_topology_plan_slower_and_every_plan_simulates(monkeypatch):
+    import torch
+
+    from sbp.runtime.simulate import assemble, scatter, simulate
+    rng = random.Random(52)
+    one = [sbp.B, sbp.S(0), sbp.S(1), sbp.S(0), sbp.S(1), sbp.Partial()]
+    faster = 0
+    for _ in range(60):
+        mesh = rng.choice([(2, 4, 4), (4, 8), (2, 2, 4), (2, 4)])
+        shape = rng.choice([(64, 64), (6, 10), (7, 5)])
+        topo = rng.choice([sbp.Topology.preset("dgx-h100", mesh, devices_per_host=4),
+                           sbp.Topology((2.7,) * len(mesh), (50.0,) * len(mesh)),
+                           sbp.Topology.for_mesh(mesh, 8, (1.0, 200.0), (20.0, 5.0))])
+        src, dst = (tuple(rng.choice(one) for _ in mesh) for _ in range(2))
+        dst = tuple(sbp.B if isinstance(p, sbp.Partial) and rng.random() < 0.5 else p for p in dst)
+        before = _plan_without_subgroup_transfers(monkeypatch, shape, mesh, src, dst, 8, topology=topo)
+        p = sbp.plan(shape, mesh, src, dst, 8, topology=topo)
+        assert p.lower_bound_time_us <= p.time_us <= before.time_us, (mesh, shape, src, dst, topo)
+        faster += p.time_us < before.time_us
+        gen = torch.Generator().manual_seed(0)
+        value = torch.randint(-9, 10, shape, generator=gen).to(torch.float64)
+        out = simulate(p, scatter(value, mesh, src, parts=gen))
+        assert torch.equal(assemble(out, mesh, dst, shape), value), p.explain()
+    assert faster >= 5   # the sweep exercises the new candidates (measured: see docs/planner.md)
