@@ -143,6 +143,8 @@ class Unit:
                  param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], name: str) -> None:
         self.module, self.mesh, self.axis, self.name = module, mesh, axis, name
         self.reshard_after_forward = reshard
+        self.reshard_after_backward = True   # False (set_reshard_after_backward): keep the gathered copies
+        self.kept = False   # gathered copies a backward kept (reshard_after_backward False) for the next forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.replicate_axes = tuple(range(axis))
         self.slots: list[_Slot] = []
@@ -302,7 +304,7 @@ class Unit:
         for s in self.slots:
             if s.dim is not None and s.local is not None:
                 s.local.untyped_storage().resize_(0)
-        self.state = "sharded"
+        self.state, self.kept = "sharded", False
 
     # ---- backward --------------------------------------------------------------------------------
     def reduce_grads(self, grads: tuple[Optional[torch.Tensor], ...], local: bool = False,
@@ -634,9 +636,18 @@ class _UnitGather(torch.autograd.Function):
                                             ctx.local, used)
         else:   # held (this rank's parts, no communication), reduced by a later backward with sync
             unit.held, unit.held_used, out, unused = unit.with_held(grads, ctx.local), used, None, None
-        unit.reshard()
-        _place(unit)   # the stored parameters again
+        _after_backward(unit)
         return (None, None) + ((None,) * len(grads) if out is None else _store_grads(unit, out, unused))
+
+
+def _after_backward(unit: Unit) -> None:
+    """A unit's backward is done: its gathered copies freed, or kept for the next forward
+    (`set_reshard_after_backward(False)`); the module holds its stored parameters again."""
+    if unit.reshard_after_backward:
+        unit.reshard()
+    elif unit.state == "gathered":
+        unit.kept = True
+    _place(unit)
 
 
 def _store_grads(unit: Unit, grads: tuple[Optional[torch.Tensor], ...], unused: Optional[_Unused] = None
@@ -747,7 +758,7 @@ class Schedule:
             self.order, self.log, self.peak_gathered = [], [], 0
             for u in self.units:
                 u.backward_started = False
-                if u is not self.root and u.state == "gathered":
+                if u is not self.root and u.state == "gathered" and not u.kept:
                     u.reshard()   # left gathered by a forward without backward
         self.order.append(unit)
         self.log.append(("forward_start", unit.name))
@@ -797,8 +808,7 @@ class Schedule:
                 u._wait_gather()
             if u.state == "gathered" or any(_owner_of(u, owner_id)._parameters.get(name) is not s.param
                                             for (owner_id, name), s in u.tied.items()):
-                u.reshard()
-                _place(u)
+                _after_backward(u)
             if u.gradient_sync and u.held is not None:   # held, and this backward with sync did not reach it
                 u.reduce_held()
         if self.unused:   # (entries of a backward that raised before its end are dropped)
@@ -814,7 +824,7 @@ MIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   #
 def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *,
                 reshard_after_forward: Optional[bool] = True,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                local_batch: Optional[bool] = None) -> nn.Module:
+                local_batch: Optional[bool] = None, mp_policy: Optional[object] = None) -> nn.Module:
     """Shard `module`'s parameters on `mesh`'s `axis` (FSDP); apply to each block first, then to the root.
 
     Returns `module`. Parameters may be plain (every rank holds the same full init) or global tensors
@@ -832,7 +842,10 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     tp collectives (`sbp.nn.tp_local`), as FSDP2 + `parallelize_module` does; its check also requires that its
     Broadcast parameters and inputs never meet the tp-split activations (`tp_local.SplitTracker`). ``True``:
     local without the check (the user's promise; not for tensor-parallel units); ``False``: global tensors
-    always. Under torch.compile the unit's hooks run eagerly between graphs (a graph break at each unit boundary):
+    always. `mp_policy`: FSDP2's ``MixedPrecisionPolicy`` (or any object with its fields), another spelling
+    of `param_dtype` / `reduce_dtype` (floating inputs are cast to `param_dtype`, as its default
+    ``cast_forward_inputs=True``; ``output_dtype`` and ``cast_forward_inputs=False`` are refused). Under
+    torch.compile the unit's hooks run eagerly between graphs (a graph break at each unit boundary):
     compile the root, or each block (``block.compile(...)``; with ``fullgraph=True`` before `fully_shard`).
 
     >>> import copy, torch, sbp, sbp.testing
@@ -868,6 +881,8 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     if local_batch is not None and not isinstance(local_batch, bool):
         raise SbpError(f"fully_shard(local_batch={local_batch!r}): needs None (verify on the first forward), True or "
                        f"False")
+    if mp_policy is not None:
+        param_dtype, reduce_dtype = _from_policy(mp_policy, param_dtype, reduce_dtype)
     for dtype, what in ((param_dtype, "param_dtype"), (reduce_dtype, "reduce_dtype")):
         if dtype is not None and dtype not in MIXED_DTYPES:   # float8 computes no ops, reduces no sums on CPU
             raise SbpError(f"fully_shard({what}={dtype!r}): needs None or one of "
@@ -904,6 +919,24 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     return module
 
 
+def _from_policy(policy: object, param_dtype: Optional[torch.dtype],
+                 reduce_dtype: Optional[torch.dtype]) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """`fully_shard`'s (param_dtype, reduce_dtype) from FSDP2's ``MixedPrecisionPolicy`` `policy`."""
+    if param_dtype is not None or reduce_dtype is not None:
+        raise SbpError("fully_shard: give mp_policy= or param_dtype= / reduce_dtype=, not both")
+    fields = {name: getattr(policy, name, None) for name in ("param_dtype", "reduce_dtype", "output_dtype")}
+    if not hasattr(policy, "param_dtype") or not hasattr(policy, "reduce_dtype"):
+        raise SbpError(f"fully_shard(mp_policy={policy!r}): needs FSDP2's MixedPrecisionPolicy (an object with "
+                       f"param_dtype and reduce_dtype), or pass param_dtype= / reduce_dtype=")
+    if fields["output_dtype"] is not None:
+        raise SbpError(f"fully_shard(mp_policy=...): output_dtype={fields['output_dtype']} is not supported (the "
+                       f"outputs keep param_dtype); cast the root's output yourself")
+    if getattr(policy, "cast_forward_inputs", True) is not True:
+        raise SbpError("fully_shard(mp_policy=...): cast_forward_inputs=False is not supported (floating inputs "
+                       "are cast to param_dtype)")
+    return fields["param_dtype"], fields["reduce_dtype"]
+
+
 class FullyShardedModule:
     """What `fully_shard` adds to the module it is applied to, as FSDP2's ``FSDPModule``: the module's class
     becomes ``FSDP<its class>``, a subclass of both (``isinstance(model, LlamaForCausalLM)`` stays true, and
@@ -926,10 +959,66 @@ class FullyShardedModule:
         >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
         [[6.0, 6.0], [6.0, 6.0]]
         """
-        if not isinstance(requires_gradient_sync, bool):
-            raise SbpError(f"set_requires_gradient_sync needs True or False, got {requires_gradient_sync!r}")
+        _check_flag("set_requires_gradient_sync", requires_gradient_sync)
         for unit in _units_under(self, recurse):
             unit.gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether forward frees the gathered parameters (`fully_shard`'s ``reshard_after_forward``; the root
+        unit keeps them either way). `recurse`: also the units inside this one.
+
+        >>> import torch, sbp, sbp.testing
+        >>> sbp.load_torch_layers()
+        >>> def fn(mesh):
+        ...     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        ...     sbp.nn.fully_shard(m[0], mesh)
+        ...     sbp.nn.fully_shard(m, mesh).set_reshard_after_forward(False)
+        ...     m(torch.ones(4, 2))
+        ...     return sbp.nn.fsdp.unit_of(m[0]).state     # still gathered for backward
+        >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+        'gathered'
+        """
+        _check_flag("set_reshard_after_forward", reshard_after_forward)
+        for unit in _units_under(self, recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether backward frees the gathered parameters (default True). With False -- the micro-batches of a
+        gradient accumulation but the last -- each unit keeps them, and the next forward and backward gather
+        nothing (the memory of the whole unsharded unit stays in use meanwhile). A change of the stored
+        parameters (an optimizer step) makes the kept copies stale: the next forward gathers anew.
+
+        >>> import torch, sbp, sbp.testing
+        >>> sbp.load_torch_layers()
+        >>> def fn(mesh):
+        ...     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        ...     sbp.nn.fully_shard(m[0], mesh)
+        ...     sbp.nn.fully_shard(m, mesh).set_reshard_after_backward(False)
+        ...     m(torch.ones(4, 2)).sum().backward()
+        ...     return sbp.nn.fsdp.unit_of(m[0]).state
+        >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+        'gathered'
+        """
+        _check_flag("set_reshard_after_backward", reshard_after_backward)
+        for unit in _units_under(self, recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's flag for the last backward of a step, where it waits for the gradients' reductions: every
+        backward here ends with that wait (and with the gradients in ``.grad``), so the flag changes nothing.
+        Accepted so code written for FSDP2 runs as it is.
+
+        >>> import torch, sbp, sbp.testing
+        >>> sbp.load_torch_layers()
+        >>> def fn(mesh):
+        ...     m = sbp.nn.fully_shard(torch.nn.Linear(2, 2), mesh)
+        ...     m.set_is_last_backward(True)
+        ...     m(torch.ones(4, 2)).sum().backward()
+        ...     return m.weight.grad.placements
+        >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
+        (S(0),)
+        """
+        _check_flag("set_is_last_backward", is_last_backward)
 
     def unshard(self, async_op: bool = False) -> "Optional[UnshardHandle]":
         """Gather this unit's parameters now (the next forward uses them without gathering); with `async_op`
@@ -962,6 +1051,11 @@ class FullyShardedModule:
             unit._wait_gather()
         unit.reshard()
         _place(unit)
+
+
+def _check_flag(method: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise SbpError(f"{method} needs True or False, got {value!r}")
 
 
 class UnshardHandle:

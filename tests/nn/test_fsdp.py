@@ -709,11 +709,14 @@ def test_memory_per_rank() -> None:
         assert report["total"] <= 1.1 * bound
 
 
-def _mixed(mesh):
+def _mixed(mesh, spelling: str = "dtypes"):
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2's spelling
     net, x, y = _model(EVEN)
+    precision = dict(param_dtype=torch.float32, reduce_dtype=torch.float32) if spelling == "dtypes" else \
+        dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     for block in net.blocks:
-        sbp.nn.fully_shard(block, mesh, "dp", param_dtype=torch.float32, reduce_dtype=torch.float32)
-    sbp.nn.fully_shard(net, mesh, "dp", param_dtype=torch.float32, reduce_dtype=torch.float32)
+        sbp.nn.fully_shard(block, mesh, "dp", **precision)
+    sbp.nn.fully_shard(net, mesh, "dp", **precision)
     losses, _ = _train(net, x, y.float(), mesh, steps=2)
     gathered = {s.local.dtype for s in unit_of(net.blocks[0]).slots}
     stored = {(p.dtype, p.grad.dtype) for p in net.parameters()}
@@ -723,12 +726,15 @@ def _mixed(mesh):
 
 
 @pytest.mark.slow
-def test_mixed_precision() -> None:
+@pytest.mark.parametrize("spelling", ["dtypes", "mp_policy"])
+def test_mixed_precision(spelling: str) -> None:
     """Gathered and computed in float32, reduced in float32 (half the bytes of float64 on the wire), master
-    weights and their gradients stay float64; the losses follow the float64 run to float32 accuracy."""
+    weights and their gradients stay float64; the losses follow the float64 run to float32 accuracy. FSDP2's
+    ``mp_policy=MixedPrecisionPolicy(...)`` is the same as ``param_dtype=`` / ``reduce_dtype=``."""
     net, x, y = _model(EVEN)
     ref_losses, _ = _train(net, x, y, steps=2)
-    losses, gathered, stored, calls, sizes = sbp.testing.spmd(_mixed, (4,), names=("dp",))[0]
+    losses, gathered, stored, calls, sizes = sbp.testing.spmd(functools.partial(_mixed, spelling=spelling), (4,),
+                                                              names=("dp",))[0]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert gathered == {torch.float32} and stored == {(torch.float64, torch.float64)}
     gathers = [c for c in calls if c.collective == "all_gather" and c.received == sizes["blocks.0"] * 4]
@@ -824,6 +830,16 @@ def _bad(mesh, case: str):
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", local_batch="False")   # truthy: would skip the check
     elif case == "float8":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", param_dtype=torch.float8_e4m3fn)   # forward: no clamp_min
+    elif case == "policy_output":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32))
+    elif case == "policy_and_dtype":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", param_dtype=torch.float32, mp_policy=MixedPrecisionPolicy())
+    elif case == "policy_str":
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", mp_policy="bf16")
+    elif case == "keep_str":
+        sbp.nn.fully_shard(net, mesh, "dp").set_reshard_after_backward("no")
     elif case == "float8_reduce":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reduce_dtype=torch.float8_e5m2)    # gradients summed in 8 bits
 
@@ -837,6 +853,10 @@ def _bad(mesh, case: str):
     ("local_batch_str", "local_batch='False'.: needs None"),
     ("float8", r"param_dtype=torch.float8_e4m3fn.: needs None or one of torch.float16, torch.bfloat16"),
     ("float8_reduce", r"reduce_dtype=torch.float8_e5m2.: needs None or one of"),
+    ("policy_output", r"output_dtype=torch.float32 is not supported"),
+    ("policy_and_dtype", r"give mp_policy= or param_dtype= / reduce_dtype=, not both"),
+    ("policy_str", r"mp_policy='bf16'.: needs FSDP2's MixedPrecisionPolicy"),
+    ("keep_str", r"set_reshard_after_backward needs True or False, got 'no'"),
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
     ("tp_first", "on mesh axis 'rep', which comes before the sharding axis 'dp'"),
@@ -881,22 +901,27 @@ def test_training_on_gloo() -> None:
 
 
 # ---- FSDP2's module methods: gradient accumulation without sync, unshard / reshard ---------------------------
-def _accumulate(mesh, shapes: dict, layout: str, micro: int, sync_each: bool):
+def _accumulate(mesh, shapes: dict, layout: str, micro: int, sync_each: bool, keep: bool = False):
     net, x, y = _model(shapes)
     _shard(net, mesh, layout)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     batch_pls = ", ".join("S(0)" if name in ("rep", "dp") else "B" for name in mesh.names)
-    sent = []
+    sent, gathered = [], []
     for _ in range(2):
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             if not sync_each:
                 net.set_requires_gradient_sync(i == micro - 1)
+                net.set_is_last_backward(i == micro - 1)
+            if keep:   # FSDP2's idiom: the gathered parameters stay between the micro-batches of a step
+                net.set_reshard_after_backward(i == micro - 1)
             loss = ((net(xs) - sbp.distribute(ys, mesh, batch_pls)) ** 2).sum() / x.shape[0]
             loss.backward()
             sent.append(sum(e[0] == "issue_reduce_scatter" for e in schedule_log(net)))
+            gathered.append(sum(e[0] == "issue_gather" for e in schedule_log(net)))
         opt.step()
         opt.zero_grad()
-    return {n: p.full().detach() for n, p in net.named_parameters()}, sent, type(net).__name__, isinstance(net, Net)
+    params = {n: p.full().detach() for n, p in net.named_parameters()}
+    return (params, sent, type(net).__name__, isinstance(net, Net)) + ((gathered,) if keep else ())
 
 
 def _accumulated_reference(shapes: dict) -> Net:
@@ -923,6 +948,26 @@ def test_gradient_accumulation_without_sync_reduces_once(layout: str, shapes: di
             names=names, timeout=120):
         assert name == "FSDPNet" and is_net
         assert sent == [0, 3, 0, 3]   # three units: each reduce-scatters in the synced backward only
+        for n, p in net.named_parameters():
+            assert torch.allclose(params[n], p.detach(), atol=1e-10, rtol=0), n
+
+
+@pytest.mark.parametrize("layout, shapes", [("fsdp_auto", EVEN), ("fsdp_tp", UNEVEN)],
+                         ids=["dp4-local", "dp-tp-uneven"])
+def test_gathered_parameters_kept_between_micro_batches(layout: str, shapes: dict) -> None:
+    # FSDP2's set_reshard_after_backward(False): the units keep their gathered parameters after a backward, so
+    # the next micro-batch's forward gathers nothing; the optimizer step makes them stale and the next step
+    # gathers anew. The model trains as one process over the whole batch
+    net = _accumulated_reference(shapes)
+    shape, names = MESHES[layout]
+    fn = functools.partial(_accumulate, shapes=shapes, layout=layout, micro=2, sync_each=False)
+    plain = sbp.testing.spmd(functools.partial(fn, keep=False), shape, names=names, timeout=120)
+    for rank, (params, sent, _, _, gathered) in enumerate(sbp.testing.spmd(functools.partial(fn, keep=True), shape,
+                                                                          names=names, timeout=120)):
+        assert sent == [0, 3, 0, 3]
+        first, second, after_step, _ = gathered
+        assert second < first == after_step, (rank, gathered)   # kept in the step, stale after it
+        assert params.keys() == plain[rank][0].keys()
         for n, p in net.named_parameters():
             assert torch.allclose(params[n], p.detach(), atol=1e-10, rtol=0), n
 
