@@ -30,7 +30,7 @@ from ..tensor.global_tensor import GlobalTensor, ensure_leaf_rule, redistribute_
 from . import table as rules
 from .apply import refuse_mixed_meshes
 from .cache import DECISIONS, SPEC_TOKENS, SpecToken
-from .decide import SIZE_ARGS, Decision, DecisionClass, decide
+from .decide import SIZE_ARGS, Decision, DecisionClass, decide, size_arguments
 from .spec import FLOAT, B
 from .symbolic import handle_symbolic, has_symbolic
 
@@ -201,7 +201,7 @@ def _order(sizes: list[int], bounds: list[int]) -> tuple[int, ...]:
 @lru_cache(maxsize=1024)
 def _size_positions(func) -> frozenset[int]:
     """Positions of `func`'s size arguments (`SIZE_ARGS`) in its schema."""
-    return frozenset(i for i, arg in enumerate(func._schema.arguments) if arg.name in SIZE_ARGS)
+    return frozenset(i for i, _ in size_arguments(func))
 
 
 def decide_by_class(func, args: tuple, kwargs: dict, leaves: list, mesh) -> Decision:

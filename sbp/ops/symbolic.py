@@ -149,10 +149,20 @@ def _replicated(func, args: tuple, kwargs: dict, leaves: list, mesh, outputs: Op
     sized = size_arguments(func)
     shapes = _output_shapes(outputs, leaves, _call_sizes([], args, kwargs))
     given = [args[i] if i < len(args) else kwargs.get(name) for i, name in sized]
-    if len(shapes) == 1 and len(given) == 1 and isinstance(given[0], (list, tuple)) \
-            and len(given[0]) == len(shapes[0]):   # -1: torch's size (a view's inferred dim, expand's kept one)
-        shapes = (tuple(n if isinstance(g, int) and g == -1 else g for n, g in zip(shapes[0], given[0])),)
+    if len(shapes) == 1 and len(given) == 1 and _gives_shape(given[0], shapes[0]):
+        shapes = (tuple(n if _inferred(g) else g for n, g in zip(shapes[0], given[0])),)
     return instantiate_shaped(made, sized, args, kwargs, leaves, shapes)
+
+
+def _inferred(g: Any) -> bool:
+    """A size argument's -1: torch's size (a view's inferred dim, expand's kept one)."""
+    return isinstance(g, int) and g == -1
+
+
+def _gives_shape(given: Any, shape: tuple) -> bool:
+    """Whether a size argument is the output's `shape` (a view's; not affine_grid's), -1 where torch infers."""
+    return isinstance(given, (list, tuple)) and len(given) == len(shape) and \
+        all(_inferred(g) or symbolic.hint(g) == symbolic.hint(n) for n, g in zip(shape, given))
 
 
 def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, record: Optional[DecisionClass],

@@ -58,17 +58,15 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
     if any(isinstance(t, GlobalTensor) and t.mesh.coord is None for t in (x, y)):
         return   # this rank is outside the tensor's mesh: it holds nothing of it to compare
     for name, t in (("x", x), ("y", y)):
-        if not isinstance(t, GlobalTensor) and t.is_meta:
+        if (t._local if isinstance(t, GlobalTensor) else t).is_meta:
             raise SbpError(f"assert_layout_equivalent compares values; {name} is a meta tensor (shape and dtype only)")
     with torch.no_grad():
         fx = x.full() if isinstance(x, GlobalTensor) else x.detach()
         fy = y.full() if isinstance(y, GlobalTensor) else y.detach()
     if fx.dtype == torch.complex32:   # torch compares no ComplexHalf on CPU: exactly widened
         fx, fy = fx.to(torch.complex64), fy.to(torch.complex64)
-    if exact is None:   # only sums round differently by order: P(max|min) are exact
-        exact = rtol is None and not any(isinstance(t, GlobalTensor) and any(
-            isinstance(p, Partial) and p.op == "sum" for p in t.placements) for t in (x, y)) \
-            or not (fx.dtype.is_floating_point or fx.dtype.is_complex)
+    if exact is None:
+        exact = _exact_by_default(x, y, fx.dtype, rtol is not None)
     same = _same(fx, fy, exact, rtol, atol)
     mesh = next((t.mesh for t in (x, y) if isinstance(t, GlobalTensor)), None)
     if mesh is not None and (isinstance(x, GlobalTensor) != isinstance(y, GlobalTensor)):
@@ -84,6 +82,17 @@ def assert_layout_equivalent(x: torch.Tensor, y: torch.Tensor, *, exact: Optiona
             "compared with " + ("the dtype's default tolerances" if rtol is None else f"rtol={rtol}, atol={atol}")
         raise AssertionError(f"not the same logical tensor: {what}, shape {tuple(fx.shape)}, {how}: "
                              f"{_where(fx, fy, exact, rtol, atol)}")
+
+
+def _exact_by_default(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, tolerances: bool) -> bool:
+    """`exact=None`'s comparison: exact for bools; close where tolerances are given; else exact unless a
+    P(sum) of floats is involved (only sums round differently by order: P(max|min) are exact)."""
+    if dtype is torch.bool or not tolerances and not (dtype.is_floating_point or dtype.is_complex):
+        return True
+    if tolerances:
+        return False
+    return not any(isinstance(t, GlobalTensor) and any(isinstance(p, Partial) and p.op == "sum" for p in t.placements)
+                   for t in (x, y))
 
 
 def _same(fx: torch.Tensor, fy: torch.Tensor, exact: bool, rtol: Optional[float], atol: Optional[float]) -> bool:

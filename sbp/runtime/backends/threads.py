@@ -21,6 +21,7 @@ from ...values.errors import CommError, MeshError, RankMismatchError
 from ...values.mesh import DeviceMesh
 from ..agreement import mismatch
 from ..communicator import Counters, reduce_list
+from ..pending import drain
 from .base import BoundComm, Members, bound
 
 
@@ -204,7 +205,9 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
 
     def main(rank: int) -> None:
         try:
-            results[rank] = fn(world.bind(mesh, rank))
+            bound_mesh = world.bind(mesh, rank)
+            results[rank] = fn(bound_mesh)
+            drain(bound_mesh.binding)   # async work fn issued finishes before the world ends with the run
         except BaseException as e:  # noqa: BLE001 - reported to the caller with the rank
             errors[rank] = e
             order.append(rank)
