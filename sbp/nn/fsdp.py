@@ -942,6 +942,17 @@ class FullyShardedModule:
     becomes ``FSDP<its class>``, a subclass of both (``isinstance(model, LlamaForCausalLM)`` stays true, and
     transformers names the architecture without the prefix when it saves the config)."""
 
+    def __getattr__(self, name: str):
+        """FSDP2's module methods that have no counterpart here are found, and raise `SbpError` saying why when
+        called (``hasattr`` stays true, as for an FSDP2 module); anything else is looked up as nn.Module does."""
+        why = _FSDP2_ONLY.get(name)
+        if why is None:
+            return super().__getattr__(name)
+
+        def unsupported(*args, **kwargs):
+            raise SbpError(f"{name} is FSDP2's; sbp.nn.fully_shard has no such setting: {why}")
+        return unsupported
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduce-scatters the gradients (default True). With False -- the micro-batches of a
         gradient accumulation but the last -- each unit keeps its gradients unreduced (the gathered size,
@@ -986,7 +997,10 @@ class FullyShardedModule:
         """Whether backward frees the gathered parameters (default True). With False -- the micro-batches of a
         gradient accumulation but the last -- each unit keeps them, and the next forward and backward gather
         nothing (the memory of the whole unsharded unit stays in use meanwhile). A change of the stored
-        parameters (an optimizer step) makes the kept copies stale: the next forward gathers anew.
+        parameters (an optimizer step, ``p.mul_()`` under no_grad, ``p.to_local()``'s in-place ops, a
+        ``load_state_dict``) makes the kept copies stale: the next forward gathers anew. A write through
+        ``p.data`` bumps no version counter (autograd does not see it either) and is not seen: the kept
+        copies stay, so write the parameter itself under ``torch.no_grad()``.
 
         >>> import torch, sbp, sbp.testing
         >>> sbp.load_torch_layers()
@@ -1051,6 +1065,27 @@ class FullyShardedModule:
             unit._wait_gather()
         unit.reshard()
         _place(unit)
+
+
+_PREFETCH = ("sbp prefetches by itself: in forward the next unit of the order the last step recorded, in backward "
+             "the one before; drop the call")
+_DIVIDE = ("gradients are not divided by the data-parallel size here: a loss over the batch (a global tensor, S(0) "
+           "on the data-parallel axis) already takes its mean over the whole batch; scale the loss instead")
+_FSDP2_ONLY = {   # FSDP2's module methods without a counterpart, and what to do instead
+    "set_modules_to_forward_prefetch": _PREFETCH, "set_modules_to_backward_prefetch": _PREFETCH,
+    "set_gradient_divide_factor": _DIVIDE, "set_reduce_scatter_divide_factor": _DIVIDE,
+    "set_force_sum_reduction_for_comms": "gradients are reduced by sums already (P(sum) to the stored placements)",
+    "set_requires_all_reduce": "the replicate axes' reduction (HSDP) follows set_requires_gradient_sync",
+    "set_post_optim_event": "CUDA stream events are not used by sbp's schedule; drop the call",
+    "set_unshard_in_backward": "a unit whose parameters take no gradient is not gathered in backward; drop the call",
+    "set_all_reduce_hook": "no hook runs on the reduced gradients; run yours on .grad after backward",
+    "set_custom_all_gather": "sbp plans its own gathers", "set_custom_reduce_scatter": "sbp plans its own reductions",
+    "set_reduce_scatter_unused_params": "unused parameters' gradients follow the used flags reduced with the others",
+    "set_reduce_scatter_max_input_buffers": "sbp keeps no buffer pool for reductions",
+    "set_separate_reduce_scatter_group": "reductions run on the mesh axis's own group",
+    "set_allocate_memory_from_process_group_for_comm": "communication buffers are plain tensors",
+    "set_symm_mem_for_comm": "symmetric memory is not used", "reset_iter_state": "there is no iteration state to reset",
+}
 
 
 def _check_flag(method: str, value: object) -> None:

@@ -838,6 +838,10 @@ def _bad(mesh, case: str):
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", param_dtype=torch.float32, mp_policy=MixedPrecisionPolicy())
     elif case == "policy_str":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", mp_policy="bf16")
+    elif case == "divide":   # FSDP2's, found (hasattr stays true) and refused with what to do instead
+        root = sbp.nn.fully_shard(net, mesh, "dp")
+        assert hasattr(root, "set_modules_to_forward_prefetch") and not hasattr(root, "set_no_such_thing")
+        root.set_gradient_divide_factor(2.0)
     elif case == "keep_str":
         sbp.nn.fully_shard(net, mesh, "dp").set_reshard_after_backward("no")
     elif case == "float8_reduce":
@@ -857,6 +861,8 @@ def _bad(mesh, case: str):
     ("policy_and_dtype", r"give mp_policy= or param_dtype= / reduce_dtype=, not both"),
     ("policy_str", r"mp_policy='bf16'.: needs FSDP2's MixedPrecisionPolicy"),
     ("keep_str", r"set_reshard_after_backward needs True or False, got 'no'"),
+    ("divide", r"set_gradient_divide_factor is FSDP2's; sbp.nn.fully_shard has no such setting: gradients are not "
+               r"divided by the data-parallel size here"),
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
     ("tp_first", "on mesh axis 'rep', which comes before the sharding axis 'dp'"),
