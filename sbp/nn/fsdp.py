@@ -821,10 +821,12 @@ class Schedule:
 MIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   # param_dtype / reduce_dtype
 
 
-def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *,
+def fully_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, axis: "int | str" = "dp", *,
                 reshard_after_forward: Optional[bool] = True,
                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                local_batch: Optional[bool] = None, mp_policy: Optional[object] = None) -> nn.Module:
+                local_batch: Optional[bool] = None, mp_policy: Optional[object] = None,
+                offload_policy: Optional[object] = None, shard_placement_fn: Optional[object] = None,
+                ignored_params: Optional[object] = None) -> nn.Module:
     """Shard `module`'s parameters on `mesh`'s `axis` (FSDP); apply to each block first, then to the root.
 
     Returns `module`. Parameters may be plain (every rank holds the same full init) or global tensors
@@ -844,7 +846,9 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     local without the check (the user's promise; not for tensor-parallel units); ``False``: global tensors
     always. `mp_policy`: FSDP2's ``MixedPrecisionPolicy`` (or any object with its fields), another spelling
     of `param_dtype` / `reduce_dtype` (floating inputs are cast to `param_dtype`, as its default
-    ``cast_forward_inputs=True``; ``output_dtype`` and ``cast_forward_inputs=False`` are refused). Under
+    ``cast_forward_inputs=True``; ``output_dtype`` and ``cast_forward_inputs=False`` are refused). FSDP2's
+    `offload_policy`, `shard_placement_fn` and `ignored_params` have no counterpart: anything but None is an
+    `SbpError` saying why (a mesh is required: there is no default world mesh). Under
     torch.compile the unit's hooks run eagerly between graphs (a graph break at each unit boundary):
     compile the root, or each block (``block.compile(...)``; with ``fullgraph=True`` before `fully_shard`).
 
@@ -861,6 +865,13 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, axis: "int | str" = "dp", *
     """
     if not isinstance(module, nn.Module):
         raise SbpError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    for name, value, why in (("offload_policy", offload_policy, "parameters stay on the mesh's device"),
+                             ("shard_placement_fn", shard_placement_fn, "each parameter's split is sbp's (dim 0 "
+                              "of its tensor-parallel piece on the sharding axis)"),
+                             ("ignored_params", ignored_params, "every parameter of a unit is sharded; keep one "
+                              "whole by holding it in a module outside the units")):
+        if value is not None:
+            raise SbpError(f"fully_shard({name}=...) is FSDP2's and has no counterpart here: {why}")
     if not isinstance(mesh, DeviceMesh) or mesh.binding is None:
         raise SbpError(f"fully_shard needs a bound sbp.DeviceMesh (sbp.init_mesh or sbp.testing.spmd), got {mesh!r}")
     try:

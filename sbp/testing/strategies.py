@@ -62,22 +62,27 @@ def _meshes(draw, min_axes: int, max_axes: int, max_axis_size: int, max_size: in
 
 
 def placements(mesh_ndim: int, tensor_ndim: int, *, partial: bool = True,
-               ops: Sequence[str] = REDUCE_OPS) -> st.SearchStrategy:
+               ops: Sequence[str] = REDUCE_OPS, negative_dims: bool = False) -> st.SearchStrategy:
     """Placements tuples for a mesh of `mesh_ndim` axes and a tensor of `tensor_ndim` dims.
 
-    Each axis draws `S(d)` (0 <= d < tensor_ndim), `B`, or (with `partial`) `P(op)` for op in `ops`.
+    Each axis draws `S(d)` (0 <= d < tensor_ndim; with `negative_dims` also -tensor_ndim <= d < 0, the
+    spelling a tensor normalises), `B`, or (with `partial`) `P(op)` for op in `ops`.
 
     >>> from hypothesis import find
     >>> find(placements(2, 2), lambda pls: Split(1) in pls and Partial("max") in pls)
     (S(1), P(max))
+    >>> find(placements(1, 3, negative_dims=True), lambda pls: pls[0] == Split(-1))
+    (S(-1),)
     """
     _count("placements(mesh_ndim, ...)", mesh_ndim, 1)
     _count("placements(..., tensor_ndim)", tensor_ndim, 0)
     if not isinstance(ops, (tuple, list)) or not all(op in REDUCE_OPS for op in ops):
         raise SbpError(f"placements(ops=...) must be a tuple or list of reduce ops from {REDUCE_OPS}, got {ops!r}")
+    if not isinstance(negative_dims, bool):
+        raise SbpError(f"placements(negative_dims=...) must be True or False, got {negative_dims!r}")
     one: list[st.SearchStrategy] = [st.just(Broadcast())]
     if tensor_ndim > 0:
-        one.append(st.integers(0, tensor_ndim - 1).map(Split))
+        one.append(st.integers(-tensor_ndim if negative_dims else 0, tensor_ndim - 1).map(Split))
     if partial and ops:
         one.append(st.sampled_from(tuple(ops)).map(Partial))
     return st.tuples(*[st.one_of(one)] * mesh_ndim)
@@ -98,14 +103,19 @@ def global_shapes(*, min_dims: int = 1, max_dims: int = 3, max_side: int = 9) ->
 
 
 @st.composite
-def layouts(draw, *, mesh_shape: "tuple[int, ...] | None" = None, partial: bool = True, max_dims: int = 3,
-            max_side: int = 9) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...]]:
-    """``(mesh_shape, global_shape, placements)`` that fit together; `mesh_shape` fixed or drawn.
+def layouts(draw, *, mesh_shape: "tuple[int, ...] | None" = None, partial: bool = True, min_dims: int = 1,
+            max_dims: int = 3, max_side: int = 9, negative_dims: bool = False
+            ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...]]:
+    """``(mesh_shape, global_shape, placements)`` that fit together; `mesh_shape` fixed or drawn; global shapes
+    of `min_dims`..`max_dims` dims (``min_dims=0``: 0-d tensors too); `negative_dims` as `placements`.
 
     >>> from hypothesis import find
     >>> find(layouts(mesh_shape=(2, 2)), lambda case: len(case[1]) == 2)
     ((2, 2), (0, 0), (B, B))
+    >>> find(layouts(mesh_shape=(2,), min_dims=0), lambda case: case[1] == ())
+    ((2,), (), (B,))
     """
     mshape = as_mesh_shape(mesh_shape) if mesh_shape is not None else draw(meshes())
-    shape = draw(global_shapes(max_dims=max_dims, max_side=max_side))
-    return tuple(mshape), shape, draw(placements(len(mshape), len(shape), partial=partial))
+    shape = draw(global_shapes(min_dims=min_dims, max_dims=max_dims, max_side=max_side))
+    return tuple(mshape), shape, draw(placements(len(mshape), len(shape), partial=partial,
+                                                 negative_dims=negative_dims))

@@ -842,6 +842,11 @@ def _bad(mesh, case: str):
         root = sbp.nn.fully_shard(net, mesh, "dp")
         assert hasattr(root, "set_modules_to_forward_prefetch") and not hasattr(root, "set_no_such_thing")
         root.set_gradient_divide_factor(2.0)
+    elif case == "offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        sbp.nn.fully_shard(net.blocks[0], mesh, "dp", offload_policy=CPUOffloadPolicy())
+    elif case == "no_mesh":
+        sbp.nn.fully_shard(net.blocks[0])
     elif case == "keep_str":
         sbp.nn.fully_shard(net, mesh, "dp").set_reshard_after_backward("no")
     elif case == "float8_reduce":
@@ -861,6 +866,8 @@ def _bad(mesh, case: str):
     ("policy_and_dtype", r"give mp_policy= or param_dtype= / reduce_dtype=, not both"),
     ("policy_str", r"mp_policy='bf16'.: needs FSDP2's MixedPrecisionPolicy"),
     ("keep_str", r"set_reshard_after_backward needs True or False, got 'no'"),
+    ("offload", r"fully_shard\(offload_policy=...\) is FSDP2's and has no counterpart here: parameters stay"),
+    ("no_mesh", r"fully_shard needs a bound sbp.DeviceMesh \(sbp.init_mesh or sbp.testing.spmd\), got None"),
     ("divide", r"set_gradient_divide_factor is FSDP2's; sbp.nn.fully_shard has no such setting: gradients are not "
                r"divided by the data-parallel size here"),
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),

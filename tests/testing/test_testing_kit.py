@@ -56,6 +56,20 @@ def _equivalence(mesh):
     return messages
 
 
+@settings(max_examples=25, deadline=None)
+@given(case=layouts(min_dims=0, negative_dims=True, partial=False, max_side=5))
+def test_layouts_with_negative_split_dims_and_0d_tensors_hold_the_value(case):
+    # the strategies drew neither (the normalisation of S(-1) was never exercised by a property test)
+    mesh_shape, shape, pls = case
+    t = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+
+    def fn(mesh):
+        x = sbp.distribute(t, mesh, pls)
+        return x.placements == normalize(pls, len(shape), len(mesh_shape)) and torch.equal(x.full(), t)
+
+    assert all(sbp.testing.spmd(fn, mesh_shape))
+
+
 def test_assert_layout_equivalent_messages():
     for messages in sbp.testing.spmd(_equivalence, (2, 2)):
         assert messages == [
