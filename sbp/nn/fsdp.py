@@ -981,9 +981,7 @@ class FullyShardedModule:
         >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
         [[6.0, 6.0], [6.0, 6.0]]
         """
-        _check_flag("set_requires_gradient_sync", requires_gradient_sync)
-        for unit in _units_under(self, recurse):
-            unit.gradient_sync = requires_gradient_sync
+        _set_on_units(self, "set_requires_gradient_sync", "gradient_sync", requires_gradient_sync, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Whether forward frees the gathered parameters (`fully_shard`'s ``reshard_after_forward``; the root
@@ -1000,9 +998,7 @@ class FullyShardedModule:
         >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
         'gathered'
         """
-        _check_flag("set_reshard_after_forward", reshard_after_forward)
-        for unit in _units_under(self, recurse):
-            unit.reshard_after_forward = reshard_after_forward
+        _set_on_units(self, "set_reshard_after_forward", "reshard_after_forward", reshard_after_forward, recurse)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether backward frees the gathered parameters (default True). With False -- the micro-batches of a
@@ -1024,9 +1020,7 @@ class FullyShardedModule:
         >>> sbp.testing.spmd(fn, (2,), names=("dp",))[0]
         'gathered'
         """
-        _check_flag("set_reshard_after_backward", reshard_after_backward)
-        for unit in _units_under(self, recurse):
-            unit.reshard_after_backward = reshard_after_backward
+        _set_on_units(self, "set_reshard_after_backward", "reshard_after_backward", reshard_after_backward, recurse)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's flag for the last backward of a step, where it waits for the gradients' reductions: every
@@ -1102,6 +1096,14 @@ _FSDP2_ONLY = {   # FSDP2's module methods without a counterpart, and what to do
 def _check_flag(method: str, value: object) -> None:
     if not isinstance(value, bool):
         raise SbpError(f"{method} needs True or False, got {value!r}")
+
+
+def _set_on_units(module: nn.Module, method: str, attr: str, value: bool, recurse: bool) -> None:
+    """A `FullyShardedModule` setter: `value` (a bool) as `attr` of the module's unit and, with `recurse`, of
+    the units inside it."""
+    _check_flag(method, value)
+    for unit in _units_under(module, recurse):
+        setattr(unit, attr, value)
 
 
 class UnshardHandle:
