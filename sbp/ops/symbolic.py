@@ -14,8 +14,9 @@ dim (redistributes an input along it, other than cutting each rank's block:
 specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
 sizes), and it is decided as any call with int sizes -- or, where only some symbols break the made-up
 sizes or change the choice, those alone are pinned and the call is tried again (a call whose global inputs
-are all Broadcast is decided at its hint sizes instead: nothing moves at any size). Made-up sizes break a call
-where deciding it there fails (whatever torch or sbp raises) or gives output sizes other than torch's
+are all Broadcast is decided at its hint sizes instead: nothing moves at any size; one whose symbols
+torch's guards tie to each other, a view input's replay, at made-up sizes that keep the ties). Made-up sizes
+break a call where deciding it there fails (whatever torch or sbp raises) or gives output sizes other than torch's
 symbolic ones taken at those sizes (they lie outside torch's guards: a slice bound that is a symbol of its
 own, moved past the end of a static dim). A symbolic float argument is pinned alone.
 """
@@ -104,6 +105,8 @@ def handle_symbolic(func, args: tuple, kwargs: dict, leaves: list, mesh, class_k
             record = None   # (``x[:, 0:6:k]`` with a symbolic step k: 1 column at both made-up k)
     if record is None:   # made-up sizes break the call's constants: pin the symbols that do, if not all
         decision = _replicated(func, args, kwargs, leaves, mesh, outputs)
+        if decision is None:
+            decision = _related(func, args, kwargs, leaves, mesh, key, values, outputs)
         if decision is not None:
             return decision.execute(func, args, kwargs, leaves)
         if retry and _pin_breaking(func, args, kwargs, mesh, values, outputs):
@@ -166,7 +169,7 @@ def _gives_shape(given: Any, shape: tuple) -> bool:
 
 
 def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, record: Optional[DecisionClass],
-                  outputs: Optional[tuple] = None) -> Optional[DecisionClass]:
+                  outputs: Optional[tuple] = None, tied: Optional[dict] = None) -> Optional[DecisionClass]:
     """The call's class record after two cold decisions at made-up sizes (each symbol at its hint plus a
     distinct large multiple of the rank count), kept under `key`; None where made-up sizes break what the
     call's constants hold (``x.view(30, 8)`` of a symbolic (B, T, 8); a static plain tensor's size that a
@@ -177,12 +180,15 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
     ``AssertionError``): the caller pins the symbols that break it, or all, and decides at the call's hint
     sizes, where an error that is the user's is raised as it is eagerly. So does a decision whose output
     sizes are not those torch's meta kernels gave for the call's symbolic shapes (`outputs`), taken at the
-    made-up sizes (`_fits`).
+    made-up sizes (`_fits`). With `tied` (`_ties`: symbols torch's guards give as expressions of the others),
+    those symbols take their expressions' values at the others' made-up sizes.
     """
     m = math.prod(mesh.shape)
     symbols = _symbols(_call_sizes(values, args, kwargs))
     for k in (1, 2):
-        assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols)}
+        assign = _made_up(symbols, m, k, tied)
+        if assign is None:
+            return None
         cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         token = KEEP_SIZES.set(frozenset(assign.values()))   # a choice that moves a symbolic dim would pin it:
         try:                                                  # the cheapest that moves none, where one fits
@@ -200,6 +206,115 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
         else:
             record.confirm(made, ints)
     return record
+
+
+def _made_up(symbols: list, m: int, k: int, tied: Optional[dict] = None) -> Optional[dict]:
+    """The made-up sizes of `symbols` ((symbol, hint) pairs, `_symbols`) for the `k`-th cold decision: each
+    at its hint plus a distinct large multiple of the rank count `m`; with `tied`, a tied symbol at its
+    expression's value (None where that is no integer)."""
+    assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols) if not tied or s not in tied}
+    for s, expr in (tied or {}).items():
+        value = expr.xreplace(assign)
+        if not value.is_Integer:
+            return None
+        assign[s] = int(value)
+    return assign
+
+
+def _related(func, args: tuple, kwargs: dict, leaves: list, mesh, key, values: list,
+             outputs: Optional[tuple]) -> Optional[Decision]:
+    """The decision of a call whose made-up sizes break it because torch's guards tie its symbols to each
+    other (torch.compile's replay of a view input ``base.view(B, T, 8)`` of a symbolic (R, 8): the view's
+    sizes are symbols of their own, and torch's check of the view guarded ``8 * R == B * T * 8``): the
+    call's class decided at made-up sizes that keep the ties (`_ties`: R at B x T), kept under the class key
+    and the ties, if that class is generic or priced, its decision fits torch's output sizes and moves no
+    symbolic dim (a split batch kept on its axis: its remainder is pinned, as for any call); else None."""
+    found = _ties(_call_sizes(values, args, kwargs), math.prod(mesh.shape))
+    if found is None:
+        return None
+    tied, ties = found
+    key = (key, ties)
+    record = DECISIONS.class_get(key)
+    if record is None or record.state in ("candidate", "priced?", "shaped?"):
+        record = _decide_class(func, args, kwargs, mesh, key, values, record, outputs, tied)
+    if record is None or record.state not in ("generic", "priced"):
+        return None
+    decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
+    if decision is None or not _fits(decision, outputs) or not keeps_symbolic_splits(decision):
+        return None
+    return decision
+
+
+def _ties(sizes: list, m: int) -> Optional[tuple[dict, tuple]]:
+    """The symbols of a call's symbolic `sizes` that torch's equality guards give as expressions of its
+    other symbols -- each solved from a guard linear in it with an integer coefficient (``8 * R == B * T *
+    8`` gives R = B x T; torch's other guards of the view, ``T == R // B`` and ``R % B == 0``, then hold) --
+    and those ties in the call's symbol numbers (part of its class key). None where no guard ties them, or
+    where some guard on the call's symbols does not hold at the made-up sizes that keep the ties (a tie
+    only a floor division or a remainder gives, which is not solved).
+
+    Only guards on the call's symbols alone are read (torch's ``shape_env.guards``, with its replacements);
+    nothing is recorded."""
+    import sympy
+
+    symbols = _symbols(sizes)
+    if len(symbols) < 2:
+        return None
+    env = next(n.node.shape_env for n in sizes if symbolic.is_symbolic(n))
+    own = {s for s, _ in symbols}
+    guards = []
+    for g in env.guards:   # each with torch's replacements (a view's static size: a symbol torch set to 8)
+        if g.expr.free_symbols & own:
+            expr = env.replace(g.expr)
+            if expr.free_symbols and expr.free_symbols <= own:
+                guards.append(expr)
+    tied: dict = {}
+    for g in guards:
+        if not isinstance(g, sympy.Eq) or len(g.free_symbols) < 2:
+            continue
+        diff = sympy.expand((g.lhs - g.rhs).xreplace(tied))
+        for s, _ in symbols:   # the first symbol the guard is linear in (the view's base before its sizes)
+            if s in tied or s not in diff.free_symbols:
+                continue
+            try:
+                c = diff.diff(s)
+            except Exception:   # noqa: BLE001 -- torch's own functions (FloorDiv, Mod) of s
+                continue
+            if not c.is_Integer or c == 0:
+                continue
+            solved = sympy.expand(s - diff / c)
+            if s in solved.free_symbols or not _integral(solved):
+                continue
+            tied = {t: sympy.expand(e.xreplace({s: solved})) for t, e in tied.items()}
+            tied[s] = solved
+            break
+    if not tied:
+        return None
+    for k in (1, 2):   # the made-up sizes `_decide_class` takes must keep every guard on the call's symbols
+        assign = _made_up(symbols, m, k, tied)
+        if assign is None or any(a <= 0 for a in assign.values()):
+            return None
+        for g in guards:
+            try:
+                if not bool(g.xreplace(assign)):
+                    return None
+            except TypeError:
+                return None
+    number = {s: sympy.Symbol(f"s{j}") for j, (s, _) in enumerate(symbols)}
+    ties = tuple(sorted((str(number[s]), str(e.xreplace(number))) for s, e in tied.items()))
+    return tied, ties
+
+
+def _integral(expr) -> bool:
+    """Whether `expr` is a polynomial in its symbols with integer coefficients (an integer at integers)."""
+    import sympy
+
+    if not expr.free_symbols:
+        return expr.is_Integer
+    try:
+        return all(a.is_Integer for a in sympy.Poly(expr, *sorted(expr.free_symbols, key=str)).coeffs())
+    except sympy.PolynomialError:   # torch's FloorDiv, Mod of a symbol
+        return False
 
 
 def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, outputs: Optional[tuple] = None,
