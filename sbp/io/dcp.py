@@ -60,6 +60,7 @@ from ..values.layout import Block, block, block_shape
 from ..values.mesh import DeviceMesh
 from .state import (
     agree_save,
+    check_target,
     check_tuple_slot,
     common_mesh,
     dtype_name,
@@ -75,6 +76,7 @@ from .state import (
     retire_others,
     save_lock,
     target_block,
+    unsaved_tensors,
     writers,
 )
 
@@ -103,6 +105,7 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
         return
     first = mesh is None or mesh.index_of(mesh.coord) == 0
     values, refused = json_values(found)   # every refusal before the first collective, which carries it
+    refused = refused or unsaved_tensors(found, dtensor=True)
     if RECORD in state_dict:
         refused = CheckpointError(f"entry {RECORD!r}: format='dcp' reserves this name for sbp's record of the JSON "
                                   f"values; rename the entry")
@@ -163,7 +166,16 @@ def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
     mirror = _mirror(state_dict, local_of)
     reader = _CheckedReader(path)
     values = {key: entry for key, entry in found.items() if not isinstance(entry[0], torch.Tensor)}
-    planner = _LoadPlanner(targets, values, strict, reader)
+    # targets a load cannot fill in place (meta, expanded, inference tensors), found now: DCP's planner would
+    # swap a meta tensor of its mirror for a new one and load into that, nothing into the state dict
+    unwritable: dict[str, CheckpointError] = {}
+    for key, (leaf, _, _) in found.items():
+        if isinstance(leaf, torch.Tensor):
+            try:
+                check_target(key, leaf, dtensor=True)
+            except CheckpointError as e:
+                unwritable[key] = e
+    planner = _LoadPlanner(targets, values, strict, reader, unwritable)
     _run(dcp.load, mesh, mirror, storage_reader=reader, planner=planner)
     for leaf in unheld:
         target_block(leaf)
@@ -287,6 +299,29 @@ class _CheckedReader(dcp.FileSystemReader):
                                       f"byte {end}: it is truncated or altered")
         return super().prepare_local_plan(plan)
 
+    def read_data(self, plan: LoadPlan, planner) -> Any:
+        """DCP's reads, with a failure inside a data file (bytes changed: DCP files carry no checksum, so a
+        damaged file shows only where torch cannot read an entry back) raised as a `CheckpointError` naming the
+        file, not as DCP's page of traceback; DCP then raises it on every rank."""
+        opened: list[str] = []
+        create = self.fs.create_stream
+
+        def create_stream(path, mode):   # which file DCP is reading when it fails
+            opened.append(os.fspath(path))
+            return create(path, mode)
+
+        self.fs.create_stream = create_stream
+        try:
+            return super().read_data(plan, planner)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever torch raised reading it back: the file is damaged
+            where = f"DCP checkpoint file {opened[-1]!r}" if opened else f"the DCP checkpoint {self.path!r}"
+            raise CheckpointError(f"cannot read {where}: {_unloadable(e)}; it is corrupt or altered (targets read "
+                                  f"before it were filled, the others not: load from an intact checkpoint)") from e
+        finally:
+            del self.fs.create_stream
+
     def read_value(self, fqn: str) -> Any:
         """The value DCP saved as `fqn`, read with ``torch.load(weights_only=True)``: plain values only."""
         info = self.storage_data.get(MetadataIndex(fqn))
@@ -311,9 +346,18 @@ class _CheckedReader(dcp.FileSystemReader):
 
 
 def _unloadable(e: BaseException) -> str:
-    """The line of a `torch.load(weights_only=True)` failure that says why (its message runs to a page)."""
+    """The line of a `torch.load(weights_only=True)` failure that says why (its message runs to a page, whose
+    first line advises ``weights_only=False``: no help for damaged bytes).
+
+    >>> _unloadable(RuntimeError("Weights only load failed. Re-run with weights_only=False\\n"
+    ...                          "Please file an issue: WeightsUnpickler error: Unsupported operand 82"))
+    'RuntimeError: WeightsUnpickler error: Unsupported operand 82'
+    """
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
+    why = next((line for line in lines if "Unsupported global" in line), None)
+    if why is None:
+        unpickler = next((line for line in lines if "WeightsUnpickler error:" in line), None)
+        why = unpickler[unpickler.index("WeightsUnpickler error:"):] if unpickler else lines[0] if lines else ""
     return f"{type(e).__name__}: {why}"
 
 
@@ -370,9 +414,11 @@ class _LoadPlanner(DefaultLoadPlanner):
     DCP's own entries of them are neither compared nor read; keys are compared as `leaves` gives them."""
 
     def __init__(self, targets: dict[int, tuple[str, torch.Size, Optional[Block]]],
-                 values: dict[str, tuple[Any, Any, Any]], strict: bool, reader: "_CheckedReader") -> None:
+                 values: dict[str, tuple[Any, Any, Any]], strict: bool, reader: "_CheckedReader",
+                 unwritable: Optional[dict[str, CheckpointError]] = None) -> None:
         super().__init__(allow_partial_load=not strict)
         self._by_id, self._values, self._strict, self._reader = targets, values, strict, reader
+        self._unwritable = unwritable or {}   # {key: the refusal of a target the load cannot fill (`check_target`)}
         self.loaded: Optional[dict[str, Any]] = None   # the values from the RECORD, in the state dict's types
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
@@ -399,6 +445,8 @@ class _LoadPlanner(DefaultLoadPlanner):
             if fqn in stored and isinstance(obj, torch.Tensor):
                 raise CheckpointError(f"entry {fqn!r} is a value in the checkpoint ({stored[fqn]!r:.200}) but a "
                                       f"tensor in the state_dict")
+            if fqn in saved and fqn in self._unwritable:
+                raise self._unwritable[fqn]
             if fqn in saved and isinstance(obj, torch.Tensor):
                 dtype, size, _ = self.targets.get(fqn, (dtype_name(obj.dtype), obj.shape, None))
                 self._check_tensor(fqn, saved[fqn], dtype, size)

@@ -38,6 +38,7 @@ from ..values.mesh import DeviceMesh
 from .state import (
     agree_loaded,
     agree_save,
+    check_target,
     check_tuple_slot,
     common_mesh,
     fsync_dir,
@@ -53,6 +54,7 @@ from .state import (
     save_lock,
     target_block,
     target_meshes,
+    unsaved_tensors,
     writers,
 )
 
@@ -87,8 +89,10 @@ def save_safetensors(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] 
         return
     first = mesh is None or mesh.index_of(mesh.coord) == 0
     try:   # every refusal before the first collective, which carries it: no rank waits for a rank that left
+        refused = unsaved_tensors(found)
+        if refused is not None:
+            raise refused
         header, values, offset = _header(found)
-        refused = None
     except CheckpointError as e:
         header, values, offset, refused = {}, {}, 0, e
     header["__metadata__"] = {"format": "pt", VALUES: json.dumps(values)}
@@ -317,6 +321,7 @@ def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[d
             if not isinstance(leaf, torch.Tensor):
                 raise CheckpointError(f"entry {key!r} is a tensor in the checkpoint but a {type(leaf).__name__} in "
                                       f"the state_dict")
+            check_target(key, leaf)
             file, _, dtype, shape, _ = entries[key]
             if tuple(leaf.shape) != shape:
                 raise CheckpointError(f"tensor {key!r}: global shape {shape} in {file!r}, {tuple(leaf.shape)} in the "

@@ -307,6 +307,97 @@ def writers(x: GlobalTensor) -> dict[Block, tuple[int, ...]]:
     return out
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _unheld_kind(t: torch.Tensor, dtensor: bool) -> Optional[str]:
+    """What makes `t` (not a global tensor) a tensor no checkpoint format here holds or fills, or None."""
+    if _is_dtensor(t):
+        return None if dtensor else ("a torch DTensor, which this format does not hold: make it an sbp global "
+                                     "tensor (sbp.from_dtensor), or use format='dcp', which holds DTensors")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return (f"a {_type_name(t)}, a tensor subclass checkpoints do not hold (valid: sbp global tensors, "
+                f"plain dense tensors, nn.Parameter)")
+    if t.is_nested:
+        return "a nested tensor, which checkpoints do not hold"
+    if t.layout != torch.strided:
+        return f"a tensor of layout {t.layout}, which checkpoints do not hold (make it dense: .to_dense())"
+    if t.is_quantized:
+        return "a quantized tensor, which checkpoints do not hold (save its dequantize() or int_repr())"
+    return None
+
+
+def unsaved_tensors(found: dict[str, tuple[Any, Any, Any]], *, dtensor: bool = False) -> Optional[CheckpointError]:
+    """The refusal of the first tensor among a state dict's leaves (`leaves`) that a save cannot write so that
+    it loads back: a nested, sparse or quantized tensor, a tensor subclass (a torch DTensor unless `dtensor`:
+    the sbp and safetensors formats would write one rank's shard as the whole tensor), one on the meta device
+    (no data). None when every tensor can be saved. A save carries it in its first collective, like
+    `json_values`' refusals: every rank raises, nothing is written.
+
+    >>> unsaved_tensors(leaves({"w": torch.ones(2)})) is None
+    True
+    >>> print(unsaved_tensors(leaves({"s": torch.eye(2).to_sparse()})))
+    tensor 's' is a tensor of layout torch.sparse_coo, which checkpoints do not hold (make it dense: .to_dense())
+    """
+    for key, (leaf, _, _) in found.items():
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if isinstance(leaf, GlobalTensor):
+            why = None
+            local = leaf._local if leaf.mesh.coord is not None else None
+        else:
+            why, local = _unheld_kind(leaf, dtensor), leaf
+        if why is None and local is not None and local.is_meta:
+            why = ("on the meta device: it has no data to save (a model built on the meta device needs to_empty "
+                   "and its init first)")
+        if why is not None:
+            return CheckpointError(f"tensor {key!r} is {why}")
+    return None
+
+
+def check_target(key: str, target: torch.Tensor, *, dtensor: bool = False) -> None:
+    """Refuse, before a load writes anything, a state_dict tensor the load could not fill in place: one on
+    the meta device (no storage: writes into it are no-ops, so the load would return having loaded
+    nothing), one whose elements share memory (an ``expand``: torch refuses the write), an inference
+    tensor outside ``torch.inference_mode()`` (likewise), a nested, sparse or quantized tensor or a tensor
+    subclass (a torch DTensor unless `dtensor`: DCP fills those itself). Each would otherwise fail or load
+    nothing only after other keys were written. A global tensor is checked by this rank's local tensor
+    (none outside its mesh).
+
+    >>> check_target("w", torch.zeros(2))
+    >>> check_target("w", torch.empty(2, device="meta"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sbp.values.errors.CheckpointError: tensor 'w': the state_dict's tensor is on the meta device (no storage), ...
+    """
+    if isinstance(target, GlobalTensor):
+        if target.mesh.coord is None:
+            return
+        target = target._local
+    else:
+        why = _unheld_kind(target, dtensor)
+        if why is not None:
+            raise CheckpointError(f"tensor {key!r}: the state_dict's tensor is {why}")
+        if _is_dtensor(target):
+            return   # (DCP fills its local tensor itself)
+    if target.is_meta:
+        raise CheckpointError(f"tensor {key!r}: the state_dict's tensor is on the meta device (no storage), so "
+                              f"sbp.load could not fill it in place and would load nothing into it; give it "
+                              f"storage first (model.to_empty(device=...)), then take the state_dict and load")
+    if torch._debug_has_internal_overlap(target) == 1:   # torch refuses writes there
+        raise CheckpointError(f"tensor {key!r}: the state_dict's tensor shares memory between its elements (an "
+                              f"expand); sbp.load writes into it in place: give it a tensor of its own (.clone())")
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        raise CheckpointError(f"tensor {key!r}: the state_dict's tensor is an inference tensor (made under "
+                              f"torch.inference_mode()), which torch lets nothing write in place outside "
+                              f"inference mode; load inside torch.inference_mode(), or make the tensor outside it")
+
+
 def target_block(target: torch.Tensor, *, zero: bool = True) -> tuple[Optional[torch.Tensor], Optional[Block]]:
     """(the local tensor to fill, its block of the global tensor) for a load target; (None, None) when this
     rank fills nothing (outside the mesh; a `P(sum)` axis away from coord 0: its local is zeroed here,
@@ -359,7 +450,9 @@ def host_barrier(mesh: DeviceMesh, failed: bool = False) -> int:
 
 
 def _save_fields(found: dict[str, tuple[Any, Any, Any]], path: str) -> dict[str, Any]:
-    """What every rank of a save must pass alike: the path, the keys, the tensors' layouts, the JSON values."""
+    """What every rank of a save must pass alike: the path, the keys, the tensors' layouts, the JSON values.
+    The keys' order counts (a save reduces `Partial` tensors in it, one collective each); the JSON values
+    are compared with each dict's items in key order (`_in_key_order`): no collective depends on it."""
     layouts, values = {}, {}
     for key, (leaf, _, _) in found.items():
         if isinstance(leaf, torch.Tensor):
@@ -367,7 +460,21 @@ def _save_fields(found: dict[str, tuple[Any, Any, Any]], path: str) -> dict[str,
             layouts[key] = (tuple(leaf.shape), dtype_name(leaf.dtype), where)
         else:
             values[key] = leaf
-    return {"path": path, "keys": list(found), "tensor layouts": layouts, "JSON values": values}
+    return {"path": path, "keys": list(found), "tensor layouts": layouts, "JSON values": _in_key_order(values)}
+
+
+def _in_key_order(value: Any) -> Any:
+    """`value` with the items of every dict in it in key order: equal dicts built in another order (from a set
+    of strings, whose order each process's hash seed changes) compare equal across ranks.
+
+    >>> _in_key_order({"b": [{"y": 1, "x": 2}], "a": 0})
+    {'a': 0, 'b': [{'x': 2, 'y': 1}]}
+    """
+    if isinstance(value, dict):
+        return {k: _in_key_order(value[k]) for k in sorted(value, key=repr)}
+    if type(value) in (list, tuple):
+        return type(value)(_in_key_order(v) for v in value)
+    return value
 
 
 def save_digest(found: dict[str, tuple[Any, Any, Any]], path: str) -> int:
@@ -537,15 +644,26 @@ def as_path(call: str, path: Any) -> str:
 
 
 def last_generation(path: str) -> int:
-    """The highest generation number among the ``gen-*`` data directories in `path` (0 when none).
+    """The highest generation number among the ``gen-*`` data directories in `path` (0 when none). Where
+    `path` exists but cannot be listed (EIO; a directory with write but no read permission), the generation
+    its commit files name (read by name, as `sbp.load` reads them): a save never picks the committed
+    checkpoint's own data directory, whose files it would replace.
 
     >>> import tempfile; last_generation(tempfile.mkdtemp())
     0
     """
     try:
         names = os.listdir(path)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return 0
+    except OSError:
+        names = []
+        for commit in COMMITS.values():   # metadata.json names "gen-N"; DCP's .metadata "gen-N/__0_0.distcp"
+            try:
+                with open(os.path.join(path, commit), "rb") as f:
+                    names += [m.decode() for m in re.findall(rb"gen-\d{8}", f.read())]
+            except OSError:
+                pass
     return max((int(m.group(1)) for m in map(GENERATION.fullmatch, names) if m), default=0)
 
 
@@ -617,7 +735,9 @@ def retire_others(path: str, kept: str, data: Optional[str] = None) -> None:
     """After a save of format `kept` committed in directory `path`: remove the other formats' commit files
     in `COMMITS` (so the newest save is what `sbp.load` reads), then the data no commit names any more --
     ``gen-*`` directories but `data`, and the files in `SAVE_DATA`. Only names saves write are touched;
-    anything else in the directory is left alone.
+    anything else in the directory is left alone. The save is committed when this runs: a removal or a
+    listing that fails is skipped, never raised (a save reporting failure after its commit, while the other
+    ranks wait at its closing barrier), and the next save removes what is left.
 
     >>> import os, tempfile
     >>> path = tempfile.mkdtemp()
@@ -628,7 +748,11 @@ def retire_others(path: str, kept: str, data: Optional[str] = None) -> None:
     """
     if any([_remove(os.path.join(path, name)) for kind, name in COMMITS.items() if kind != kept]):
         fsync_dir(path)   # the older commit is gone for good before its data goes
-    for name in os.listdir(path):
+    try:
+        names = os.listdir(path)
+    except OSError:   # (EIO, EACCES...): the leftovers stay until a later save can list them
+        return
+    for name in names:
         full = os.path.join(path, name)
         if name != data and GENERATION.fullmatch(name) and os.path.isdir(full):
             shutil.rmtree(full, ignore_errors=True)

@@ -3,11 +3,13 @@ loadable; never an error or a mix of the two. Threads tier: a save that fails at
 20 saves by 4 rank processes SIGKILLed at random moments (tests/support/crash_trials.py)."""
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import random
 import shutil
+import sys
 import threading
 
 import pytest
@@ -70,6 +72,62 @@ def test_a_save_that_dies_leaves_the_old_checkpoint(tmp_path, monkeypatch, stage
     assert load(tmp_path) == (1, [1.0])          # the old checkpoint, whole
     assert sorted(os.listdir(tmp_path)) == ["gen-00000001", "gen-00000002", "metadata.json"]
     save(tmp_path, 3)                            # the next save skips the abandoned generation, then removes it
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000003", "metadata.json"]
+    assert load(tmp_path) == (3, [3.0])
+
+
+def _save_format(mesh, path, value, fmt):
+    sbp.save({"x": sbp.distribute(torch.full((10, 7), float(value)), mesh, "S(0)"), "step": value}, path,
+             format=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_a_cleanup_that_fails_after_the_commit_does_not_fail_the_save(tmp_path, monkeypatch, fmt):
+    """Listing the directory for the cleanup after the switch failing (EIO, a directory without read permission)
+    used to raise that OSError on coord 0 -- a committed save reported as failed, and on torch.distributed the
+    other ranks waited at the closing barrier until the collective timeout. The save is committed: it returns,
+    and the next save removes what is left."""
+    sbp.testing.spmd(functools.partial(_save_format, path=str(tmp_path), value=1, fmt=fmt), (2,))
+    real = os.listdir
+
+    def listdir(path="."):
+        if sys._getframe(1).f_code.co_name == "retire_others":
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path)
+    monkeypatch.setattr(os, "listdir", listdir)
+    sbp.testing.spmd(functools.partial(_save_format, path=str(tmp_path), value=2, fmt=fmt), (2,), timeout=10)
+    monkeypatch.undo()
+    assert load(tmp_path) == (2, [2.0])
+    sbp.testing.spmd(functools.partial(_save_format, path=str(tmp_path), value=3, fmt=fmt), (2,))
+    assert sorted(os.listdir(tmp_path)) == (["gen-00000003", "metadata.json"] if fmt == "sbp" else
+                                            ["model.safetensors"])
+    assert load(tmp_path) == (3, [3.0])
+
+
+def test_a_save_into_a_directory_it_cannot_list_never_reuses_the_committed_generation(tmp_path, monkeypatch):
+    """Where the directory cannot be listed (EIO; write but no read permission) every rank used to count 0
+    generations and write into 'gen-00000001' -- the committed checkpoint's own data directory: a write that
+    then failed on one rank left the previous checkpoint with replaced files, unloadable ("does not match its
+    SHA-256"). The committed generation is read from metadata.json by name instead."""
+    save(tmp_path, 1, shape=(2,))
+    real_listdir, real_write = os.listdir, checkpoint._write
+
+    def listdir(path="."):
+        if os.path.abspath(path) == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real_listdir(path)
+
+    def write(shard, file):
+        if file.endswith("rank00001.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(shard, file)
+    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(checkpoint, "_write", write)
+    with pytest.raises(sbp.testing.SpmdError, match="could not write its file to 'gen-00000002'"):
+        save(tmp_path, 2, shape=(2,))
+    monkeypatch.undo()
+    assert load(tmp_path) == (1, [1.0])          # the previous checkpoint, whole
+    save(tmp_path, 3, shape=(2,))
     assert sorted(os.listdir(tmp_path)) == ["gen-00000003", "metadata.json"]
     assert load(tmp_path) == (3, [3.0])
 

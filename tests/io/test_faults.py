@@ -211,6 +211,31 @@ def test_the_newest_save_loads_whatever_its_format(tmp_path, first, second):
         ({commits[second]} if second in commits else set())   # the older format's commit file is gone
 
 
+def _torch_dcp_over_sbp(mesh, path):
+    """An sbp checkpoint, then a newer state saved by torch's own dcp.save (DTensor code), which removes no
+    metadata.json, into the same directory."""
+    import time
+
+    import torch.distributed.checkpoint as torch_dcp
+    _save(mesh, path, 1)
+    time.sleep(0.05)                                    # (the two commits' modification times differ)
+    newer = {"a": torch.full((8, 4), 2.0), "b": torch.full((6,), 2.0), "step": 2}
+    torch_dcp.save(newer, checkpoint_id=path)
+    with_dcp = {"a": torch.zeros(8, 4), "b": torch.zeros(6), "step": 0}
+    torch_dcp.load(with_dcp, checkpoint_id=path)
+    return _loaded(mesh, path), with_dcp["step"]
+
+
+@pytest.mark.gloo
+def test_a_newer_dcp_save_by_torch_over_an_sbp_checkpoint_is_what_loads(tmp_path):
+    """sbp.load read metadata.json whenever it was there: after torch's dcp.save of a newer state into an sbp
+    checkpoint's directory it silently loaded the older sbp state (step 1) where dcp.load reads step 2. Of two
+    commit files the newer is read."""
+    got = gloo(functools.partial(_torch_dcp_over_sbp, path=str(tmp_path)), (2,))
+    assert {".metadata", "metadata.json"} <= set(os.listdir(tmp_path))
+    assert got == [((2, [2.0]), 2)] * 2
+
+
 # ---- loads that fail change nothing --------------------------------------------------------------------------
 
 @pytest.fixture
@@ -240,6 +265,56 @@ def test_a_failed_load_changes_nothing(saved, damage):
     assert got == [("CheckpointError", [0.0], [1.0, 1.0, 1.0], 0)] * 4
 
 
+def _unwritable_target(mesh, path, kind):
+    """Load into a state dict one of whose targets the load cannot fill in place; the error and what the others
+    hold after."""
+    sd = state(mesh, 0)
+    sd["p"] = sbp.from_local(torch.ones(3), mesh, "P(sum)", global_shape=(3,))   # P(sum): zeroed off coord 0
+    if kind == "meta global":         # a model built on the meta device, its state_dict taken before to_empty
+        sd["b"] = sbp.distribute(torch.empty(6, device="meta"), mesh, "S(0)")
+    elif kind == "meta plain":
+        sd["b"] = torch.empty(6, device="meta")
+    elif kind == "expand":
+        sd["b"] = torch.zeros(1).expand(6)
+    else:                             # a tensor made under torch.inference_mode(), loaded outside it
+        with torch.inference_mode():
+            sd["b"] = torch.zeros(6)
+    try:
+        sbp.load(path, sd, strict=False)
+        error = "returned normally"
+    except sbp.SbpError as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, torch.unique(sd["a"].to_local()).tolist(), sd["p"].to_local().tolist(), sd["step"]
+
+
+WHY = {"meta global": "is on the meta device (no storage)", "meta plain": "is on the meta device (no storage)",
+       "expand": "shares memory between its elements (an expand)", "inference": "is an inference tensor"}
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+@pytest.mark.parametrize("kind", list(WHY))
+def test_a_target_the_load_cannot_fill_is_refused_before_anything_is_written(tmp_path, fmt, kind):
+    """A target on the meta device used to be "loaded" as a no-op (the load returned, nothing was in it); an
+    expanded or inference target failed with torch's RuntimeError after the other keys were written (the
+    safetensors reader; the sbp format already refused an expand). All are refused before any write."""
+    sbp.testing.spmd(functools.partial(_save, path=str(tmp_path), step=7, fmt=fmt), (2,))
+    got = sbp.testing.spmd(functools.partial(_unwritable_target, path=str(tmp_path), kind=kind), (2,))
+    for error, a, p, step in got:
+        assert error.startswith(f"CheckpointError: tensor 'b': the state_dict's tensor {WHY[kind]}"), got
+        assert (a, p, step) == ([0.0], [1.0, 1.0, 1.0], 0)
+
+
+@pytest.mark.gloo
+def test_a_meta_target_is_refused_by_a_dcp_load_before_anything_is_written(tmp_path):
+    """DCP's planner swaps a meta tensor for a new one and loaded into that: nothing into the state dict."""
+    gloo(functools.partial(_save, path=str(tmp_path), step=7, fmt="dcp"), (2,))
+    for kind in ("meta global", "expand"):
+        got = gloo(functools.partial(_unwritable_target, path=str(tmp_path), kind=kind), (2,))
+        for error, a, p, step in got:
+            assert error.startswith(f"CheckpointError: tensor 'b': the state_dict's tensor {WHY[kind]}"), got
+            assert (a, p, step) == ([0.0], [1.0, 1.0, 1.0], 0)
+
+
 def _truncated_dcp_load(mesh, path):
     _save(mesh, path, 7, "dcp")
     if mesh.rank == 0:
@@ -256,6 +331,30 @@ def test_a_truncated_dcp_file_fails_the_load_on_every_rank_before_any_write(tmp_
     assert got[1][0].startswith("DCP checkpoint file") and "__1_0.distcp' has" in got[1][0], got
     assert got[0][0] == f"load failed on rank 1: {got[1][0]}"
     assert [values for _, values in got] == [[0.0]] * 2
+
+
+def _damaged_dcp_load(mesh, path):
+    _save(mesh, path, 7, "dcp")
+    if mesh.rank == 0:   # bytes changed inside rank 1's file, its size kept (what a size check cannot see)
+        file = next(os.path.join(d, "__1_0.distcp") for d, _, names in os.walk(path) if "__1_0.distcp" in names)
+        with open(file, "rb") as f:
+            data = f.read()
+        assert b"torch._utils" in data
+        with open(file, "wb") as f:
+            f.write(data.replace(b"torch._utils", b"torch._utilz"))
+    host_barrier(mesh)
+    return _one_rank_fails(mesh, path)
+
+
+@pytest.mark.gloo
+def test_a_damaged_dcp_file_raises_a_checkpoint_error_naming_it(tmp_path):
+    """A DCP file whose bytes changed (DCP keeps no checksum) used to fail with DCP's page of traceback
+    ("torch.distributed.checkpoint failed: CheckpointException ranks:dict_keys([1]) Traceback ..."); where
+    torch cannot read an entry back, the error now names the file on every rank."""
+    got = gloo(functools.partial(_damaged_dcp_load, path=str(tmp_path)), (2,))
+    assert got[1][0].startswith("cannot read DCP checkpoint file ") and "__1_0.distcp'" in got[1][0], got
+    assert "it is corrupt or altered" in got[1][0] and "Traceback" not in got[1][0], got
+    assert got[0][0] == f"load failed on rank 1: {got[1][0]}"
 
 
 def _one_rank_fails(mesh, path):
@@ -343,6 +442,31 @@ def test_ranks_saving_different_values_are_named_and_nothing_is_committed(tmp_pa
     assert run(functools.partial(_step, path=str(tmp_path)), (4,)) == [1] * 4   # the previous save still loads
 
 
+NAMES = ("alpha", "beta", "gamma", "delta")
+
+
+def _equal_values_in_another_order(mesh, path, fmt):
+    """Each rank builds the same dict value in its own order (as from a set of strings: each torchrun process has
+    its own hash seed); then loads it back."""
+    order = NAMES if mesh.rank % 2 == 0 else NAMES[::-1]
+    seen = {name: len(name) for name in order}
+    sbp.save({"a": sbp.distribute(torch.ones(4), mesh, "S(0)"), "seen": seen, "meta": {"epoch": 3, "seen": seen}},
+             path, format=fmt)
+    sd = {"a": sbp.zeros((4,), mesh, "S(0)"), "seen": {}, "meta": {}}
+    sbp.load(path, sd)
+    return sd["seen"] == seen and sd["meta"] == {"epoch": 3, "seen": seen}, sd["a"].full().tolist()
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors", pytest.param("dcp", marks=pytest.mark.gloo)])
+def test_equal_values_whose_dicts_come_in_another_order_save(tmp_path, fmt):
+    """JSON values were compared by the repr of each rank's value, so equal dicts built in another order were
+    refused ("ranks disagree on JSON values: {'alpha': 5, ...} on ranks [0, 2]; {'delta': 5, ...} on ranks
+    [1, 3]"); a dict's order is no part of its value (nothing collective depends on it)."""
+    run = functools.partial(sbp.testing.spmd, backend="gloo" if fmt == "dcp" else "threads")
+    got = run(functools.partial(_equal_values_in_another_order, path=str(tmp_path), fmt=fmt), (4,))
+    assert got == [(True, [1.0] * 4)] * 4
+
+
 def _save_to_own_path(mesh, path, fmt):
     try:
         sbp.save({"a": sbp.distribute(torch.ones(4), mesh, "S(0)")}, os.path.join(path, f"r{mesh.rank % 2}"),
@@ -360,6 +484,80 @@ def test_ranks_saving_to_different_paths_are_named_before_anything_is_written(tm
     assert got == [f"save: ranks disagree on path (every rank must pass the same; SPMD): {tmp_path}/r0 on ranks "
                    f"[0, 2]; {tmp_path}/r1 on ranks [1, 3]"] * 4
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == []
+
+
+# ---- tensors a checkpoint cannot hold ---------------------------------------------------------------------------
+
+def _odd_tensor(kind):
+    if kind == "sparse":
+        return torch.eye(3).to_sparse()
+    if kind == "nested":
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    if kind == "meta":
+        return torch.empty(3, device="meta")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (2,)), [Shard(0)])
+
+
+def _save_odd(mesh, path, fmt, kind):
+    try:
+        sbp.save(state(mesh, 2) | {"t": _odd_tensor(kind)}, path, format=fmt)
+        error = "saved"
+    except sbp.SbpError as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, _loaded(mesh, path)
+
+
+ODD = {"sparse": "is a tensor of layout torch.sparse_coo, which checkpoints do not hold",
+       "nested": "is a nested tensor, which checkpoints do not hold",
+       "meta": "is on the meta device: it has no data to save",
+       "dtensor": "is a torch DTensor, which this format does not hold: make it an sbp global tensor"}
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+@pytest.mark.parametrize("kind", ["sparse", "nested", "meta"])
+def test_a_tensor_no_format_holds_is_refused_before_anything_is_written(tmp_path, fmt, kind):
+    """A sparse tensor failed in the write (a torch RuntimeError inside the message), a nested one raised a raw
+    RuntimeError ("NestedTensorImpl doesn't support sizes"), a meta one failed copying out of it: refused now,
+    by name, on every rank before anything is written; the previous checkpoint still loads."""
+    sbp.testing.spmd(functools.partial(_save, path=str(tmp_path), step=1, fmt=fmt), (2,))
+    got = sbp.testing.spmd(functools.partial(_save_odd, path=str(tmp_path), fmt=fmt, kind=kind), (2,))
+    for error, loaded in got:
+        assert error.startswith(f"CheckpointError: tensor 't' {ODD[kind]}"), got
+        assert loaded == (1, [1.0])
+
+
+def _dtensor_case(mesh, path, fmt):
+    """With a checkpoint holding a plain 't': save a state whose 't' is a torch DTensor, then load into one."""
+    sbp.save(state(mesh, 1) | {"t": torch.full((8,), 1.0)}, path, format=fmt)
+    errors = []
+    for call in ("save", "load"):
+        sd = state(mesh, 2 if call == "save" else 0) | {"t": _odd_tensor("dtensor") * (1 if call == "save" else 0)}
+        try:
+            sbp.save(sd, path, format=fmt) if call == "save" else sbp.load(path, sd)
+            errors.append(f"{call} returned")
+        except sbp.SbpError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    after = state(mesh, 0) | {"t": torch.zeros(8)}
+    sbp.load(path, after)
+    return errors, torch.unique(sd["a"].to_local()).tolist(), after["step"], after["t"].tolist()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_a_torch_dtensor_is_refused_by_the_sbp_and_safetensors_formats(tmp_path, fmt):
+    """A torch DTensor in sbp.save(format="sbp") was written as a plain tensor: coord 0's *shard* as the whole
+    tensor; the save succeeded and the checkpoint could not load (a torch RuntimeError after other keys were
+    written) or, into a DTensor target, loaded wrong values. Refused on save and as a load target, by name,
+    before anything is written; format="dcp" holds DTensors as they are."""
+    for errors, a, step, t in gloo(functools.partial(_dtensor_case, path=str(tmp_path), fmt=fmt), (2,)):
+        assert errors[0].startswith(f"CheckpointError: tensor 't' {ODD['dtensor']}"), errors
+        assert errors[1].startswith("CheckpointError: tensor 't': the state_dict's tensor is a torch DTensor"), errors
+        assert (a, step, t) == ([0.0], 1, [1.0] * 8)     # the failed load wrote nothing; the first save loads
+    for error, loaded in gloo(functools.partial(_save_odd, path=str(tmp_path / "dcp"), fmt="dcp", kind="dtensor"),
+                              (2,)):
+        assert error == "saved"
 
 
 # ---- a rank that refuses its save or its load on its own --------------------------------------------------------
