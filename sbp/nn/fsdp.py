@@ -1169,7 +1169,7 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
     if isinstance(param, GlobalTensor):
         if param.mesh != mesh:
             raise SbpError(f"fully_shard: parameter {path!r} lives on mesh {param.mesh!r}, the unit on {mesh!r}; "
-                           f"parallelize and fully_shard need one mesh")
+                           f"parallelize and fully_shard need one mesh: {_one_mesh_hint(param.mesh, mesh)}")
         if not isinstance(param.placements[a], Broadcast):
             raise SbpError(f"fully_shard: parameter {path!r} has placement {param.placements[a]!r} on axis {a}, which "
                            f"fully_shard would split; the data-parallel axis must hold it Broadcast (valid: B there)")
@@ -1207,6 +1207,22 @@ def _adopt(unit: Unit, owner: nn.Module, name: str, param: nn.Parameter, path: s
     _OWNER[id(new)] = unit
     param._sbp_stored = new   # (the original parameter is dropped with its module's old slot: no cycle kept)
     return new
+
+
+def _one_mesh_hint(param_mesh: DeviceMesh, mesh: DeviceMesh) -> str:
+    """What to pass instead: sbp's styles and units take the whole mesh and name their axis, where DTensor code
+    passes its sub-meshes (``mesh["tp"]`` to parallelize_module, ``mesh["dp"]`` to FSDP2's fully_shard)."""
+    tp = param_mesh.names[0] if param_mesh.ndim == 1 and param_mesh.names else "tp"
+    dp = mesh.names[0] if mesh.ndim == 1 and mesh.names else "dp"
+    return (f"pass the whole mesh to both and name the axes -- parallelize(model, mesh, plan, tp_axis={tp!r}) and "
+            f"fully_shard(block, mesh, {dp!r}) -- not its sub-meshes (mesh[{tp!r}], mesh[{dp!r}]) as DTensor's "
+            f"parallelize_module and FSDP2 take them")
+
+
+def sharded_by(param: Any) -> Optional[str]:
+    """The name of the `fully_shard` unit storing `param` (a parameter `fully_shard` made), else None."""
+    unit = _OWNER.get(id(param))
+    return None if unit is None else unit.name
 
 
 def _accumulator(param: nn.Parameter) -> Any:

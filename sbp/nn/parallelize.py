@@ -53,6 +53,7 @@ from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from . import packed, tp_local
 from .buckets import bucket_gradients, check_bucket_bytes
+from .fsdp import sharded_by
 from .hf import auto_plan, style_for
 from .rebuild import record
 from .styles import AllReduce, Colwise, Embedding, Packed, Rowwise, Style
@@ -494,6 +495,11 @@ def _shard(param: nn.Parameter, mesh: DeviceMesh, pls: tuple[Placement, ...], na
            converted: dict[int, tuple[nn.Parameter, tuple[Placement, ...], str]]) -> nn.Parameter:
     """The global parameter for `param` (a tied parameter is converted once and shared)."""
     if isinstance(param, GlobalTensor):
+        unit = sharded_by(param)
+        if unit is not None:   # fully_shard came first: the tp layout must exist before the dp split (FSDP2's order)
+            raise SbpError(f"parameter {name!r} is already sharded by fully_shard (unit {unit}, placements "
+                           f"{param.placements}); call parallelize before fully_shard: parallelize(model, mesh, plan, "
+                           f"tp_axis=...) first, then fully_shard each block and the root on the data-parallel axis")
         raise SbpError(f"parameter {name!r} is already a global tensor (placements {param.placements}); "
                        f"parallelize a module once")
     seen = converted.get(id(param))

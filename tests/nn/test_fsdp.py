@@ -851,6 +851,13 @@ def _bad(mesh, case: str):
         sbp.nn.fully_shard(net, mesh, "dp").set_reshard_after_backward("no")
     elif case == "float8_reduce":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp", reduce_dtype=torch.float8_e5m2)    # gradients summed in 8 bits
+    elif case == "fsdp_then_tp":   # the wrong order: fully_shard's dp split first, then the tp layout
+        sbp.nn.fully_shard(net.blocks[0], mesh, "rep")
+        sbp.nn.fully_shard(net, mesh, "rep")
+        sbp.nn.parallelize(net, mesh, TP_PLAN, tp_axis="dp")
+    elif case == "submeshes":   # DTensor's spelling: parallelize_module on mesh["tp"], FSDP2 on mesh["dp"]
+        sbp.nn.parallelize(net, mesh["dp"], TP_PLAN)
+        sbp.nn.fully_shard(net.blocks[0], mesh["rep"], "rep")
 
 
 @pytest.mark.parametrize("case, message", [
@@ -873,6 +880,12 @@ def _bad(mesh, case: str):
     ("sync_str", "set_requires_gradient_sync needs True or False, got 'no'"),
     ("deepcopy", "copy.deepcopy or torch.save of a fully_shard module is not supported"),
     ("tp_first", "on mesh axis 'rep', which comes before the sharding axis 'dp'"),
+    # both failed with a misleading or bare message before: "is already a global tensor ...; parallelize a module
+    # once" (it was parallelized once: fully_shard came first), "parallelize and fully_shard need one mesh"
+    ("fsdp_then_tp", r"parameter 'blocks.0.fc1.weight' is already sharded by fully_shard \(unit blocks.0, .*call "
+                     r"parallelize before fully_shard"),
+    ("submeshes", r"need one mesh: pass the whole mesh to both and name the axes -- parallelize\(model, mesh, plan, "
+                  r"tp_axis='dp'\) and fully_shard\(block, mesh, 'rep'\) -- not its sub-meshes"),
 ])
 def test_bad_input(case: str, message: str) -> None:
     with pytest.raises(sbp.SbpError, match=message) as info:
