@@ -212,9 +212,11 @@ def _made_up(symbols: list, m: int, k: int, tied: Optional[dict] = None) -> Opti
     """The made-up sizes of `symbols` ((symbol, hint) pairs, `_symbols`) for the `k`-th cold decision: each
     at its hint plus a distinct large multiple of the rank count `m`; with `tied`, a tied symbol at its
     expression's value (None where that is no integer)."""
+    import sympy
+
     assign = {s: h + m * _OFFSET * (j + 1) * k for j, (s, h) in enumerate(symbols) if not tied or s not in tied}
     for s, expr in (tied or {}).items():
-        value = expr.xreplace(assign)
+        value = sympy.sympify(expr.xreplace(assign))   # (a bare symbol's value comes back an int)
         if not value.is_Integer:
             return None
         assign[s] = int(value)
@@ -228,7 +230,14 @@ def _related(func, args: tuple, kwargs: dict, leaves: list, mesh, key, values: l
     sizes are symbols of their own, and torch's check of the view guarded ``8 * R == B * T * 8``): the
     call's class decided at made-up sizes that keep the ties (`_ties`: R at B x T), kept under the class key
     and the ties, if that class is generic or priced, its decision fits torch's output sizes and moves no
-    symbolic dim (a split batch kept on its axis: its remainder is pinned, as for any call); else None."""
+    symbolic dim (a split batch kept on its axis: its remainder is pinned, as for any call); else None.
+
+    Also None where one symbol of the replay's own stands for two sizes (`_duck_sized_replay`), and where the
+    decision's choice differs from the one at the call's hint sizes: each rank reads its own guards (a rank
+    whose local size is pinned holds one more), so a rank that declines here decides at the hints, and every
+    rank's graph must hold the same collectives."""
+    if _duck_sized_replay(list(_scalars(args)) + list(_scalars(tuple(kwargs.values())))):
+        return None
     found = _ties(_call_sizes(values, args, kwargs), math.prod(mesh.shape))
     if found is None:
         return None
@@ -240,9 +249,33 @@ def _related(func, args: tuple, kwargs: dict, leaves: list, mesh, key, values: l
     if record is None or record.state not in ("generic", "priced"):
         return None
     decision = instantiate_symbolic(record, func, args, kwargs, leaves, mesh, values)
-    if decision is None or not _fits(decision, outputs) or not keeps_symbolic_splits(decision):
+    if decision is None or not _fits(decision, outputs):
         return None
+    pins = _split_sizes(decision)
+    if pins is None:
+        return None
+    try:
+        if _at_hints(func, args, kwargs, mesh).choice != decision.choice:
+            return None
+    except Exception:   # noqa: BLE001 -- the caller decides it at the hints, where the user's error is raised
+        return None
+    _pin_remainders(pins)
     return decision
+
+
+def _duck_sized_replay(values: list) -> bool:
+    """Whether one symbol of a view replay's own (ephemeral sources only: no input of the graph gives it)
+    stands for two of the call's size arguments `values`: torch gave the replay's equal sizes one symbol
+    (``base.view(6, 6, 8)``), where the graph's input has one per dim. A remainder pinned on it is a guard
+    dynamo cannot write (an IndexError as it builds the guards)."""
+    seen = set()
+    for n in values:
+        if symbolic.is_symbolic(n) and n.node.expr.is_Symbol:
+            s, env = n.node.expr, n.node.shape_env
+            if s in seen and not any(not src.is_ephemeral() for src in env.var_to_sources.get(s, ())):
+                return True
+            seen.add(s)
+    return False
 
 
 def _ties(sizes: list, m: int) -> Optional[tuple[dict, tuple]]:
@@ -414,6 +447,16 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
     here, so the checks of the chosen signature (which may depend on it: balanced pieces differ by one) hold
     for every size the graph takes.
     """
+    pinned = _split_sizes(decision)
+    if pinned is None:
+        return False
+    _pin_remainders(pinned)
+    return True
+
+
+def _split_sizes(decision: Decision) -> Optional[list[tuple[Any, int]]]:
+    """(symbolic size, pieces) of each dim of symbolic size that `decision`'s placements split, or None
+    where the decision moves one (`keeps_symbolic_splits`)."""
     spec, choice = decision.spec, decision.choice
     pinned = []   # (size, parts)
     for meta, target in zip(spec.inputs, choice.inputs):
@@ -422,15 +465,17 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
         cut = symbolic.narrows(meta.placements, target, len(meta.shape))   # cut with symbolic bounds
         for d in symbolic.dynamic_dims(meta.shape):
             if splitters(meta.placements, d) != splitters(target, d) and not cut:
-                return False
+                return None
             pinned.append((meta.shape[d], _parts(spec.mesh_shape, target, d)))
     for meta, pls in zip(spec.outputs, choice.outputs):
         if meta is not None:
             pinned += [(meta.shape[d], _parts(spec.mesh_shape, pls, d)) for d in symbolic.dynamic_dims(meta.shape)]
+    return [(n, parts) for n, parts in pinned if parts > 1]
+
+
+def _pin_remainders(pinned: list[tuple[Any, int]]) -> None:
     for n, parts in pinned:
-        if parts > 1:
-            int(n % parts)   # a guard on the remainder only
-    return True
+        int(n % parts)   # a guard on the remainder only
 
 
 def _parts(mesh_shape: tuple[int, ...], pls: tuple, dim: int) -> int:

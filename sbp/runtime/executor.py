@@ -139,6 +139,10 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     split = symbolic.split_dims(plan, dyn)
     frozen = symbolic.frozen_splits(plan, split)
     moved_dims = [d for d in split if d not in frozen]
+    if moved_dims and not plan.steps:
+        # nothing moves: only a mesh axis of size 1 changes its placement (``(S(1), B) -> (S(1), S(1))`` on a
+        # (2, 1) mesh), so no size is pinned (pinned in a backward AOTAutograd traces, it broke the partitioner)
+        return pending.ready(local).contiguous()
     if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
         symbolic.specialize([global_shape[d] for d in moved_dims])
         dyn = tuple(d for d in dyn if d not in moved_dims)

@@ -162,6 +162,26 @@ def specialize(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
+def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"]) -> tuple:
+    """A traced global tensor's `shape` with each symbolic size whose local size is static pinned by a guard
+    (``int()``: the graph then holds for that size only).
+
+    torch.compile fakes a global input's local on its own: a local size of 0 or 1 is specialized (as any
+    size-1 dim), and one that did not change keeps its value, while the global size is symbolic. The
+    graph holds for that local size only, so for the global sizes that give it; but sbp computes pieces
+    as expressions of the global size (`block_of`), and an op that compares them with the static local
+    (a view of a batch of 2 that leaves each of 2 ranks one row) lets torch's guards solve for the global
+    size and pin it wherever that op runs. Run in a backward that AOTAutograd traces, the pin changes the
+    forward's outputs after torch counted their symbolic sizes: the compiled call then rebuilds an output
+    from the wrong sizes (or its partitioner fails). Pinned here, where the input is made, the size is
+    static from the start.
+
+    >>> pin_static_pieces((4, 6), (2, 6))
+    (4, 6)
+    """
+    return tuple(int(n) if is_symbolic(n) and not is_symbolic(m) else n for n, m in zip(shape, local_shape))
+
+
 def dynamic_dims(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
     """The dims of `shape` whose sizes are symbolic.
 

@@ -429,9 +429,14 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic
+        # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic, but for
+        # those whose local size is static (torch specialized a piece of 1): pinned now, before torch counts
+        # the graph's symbolic sizes, not by an op that relates them later (symbolic.pin_static_pieces)
         mesh, pls, _ = meta
-        return GlobalTensor(inner["_local"], mesh, pls, symbolic.canonical(outer_size))
+        local = inner["_local"]
+        if symbolic.any_symbolic(outer_size):
+            outer_size = symbolic.canonical(symbolic.pin_static_pieces(outer_size, local.shape))
+        return GlobalTensor(local, mesh, pls, tuple(outer_size))
 
     @classmethod
     def __metadata_guard__(cls, orig: tuple, other: tuple) -> bool:

@@ -59,7 +59,10 @@ def run_redistribute_sizes(src, dst, ndim, mesh, sizes=SIZES):
 # the batch dim 0 is split by no placement: one graph for every size (S(1) and B keep it whole)
 WHOLE_BATCH = [("S(1)", "B", 2, (2,)), ("B", "S(1)", 2, (2,)), ("P(sum)", "B", 2, (2,)), ("P(sum)", "S(1)", 2, (2,)),
                ("S(1), S(2)", "S(2), S(1)", 3, (2, 2)), ("P(sum), S(1)", "S(2), B", 3, (2, 2)),
-               ("S(1)", "S(2)", 3, (3,))]
+               ("S(1)", "S(2)", 3, (3,)),
+               # only the size-1 axis changes: nothing moves (the batch was pinned per size, and pinned in a
+               # backward it failed AOTAutograd's partitioner: "Node ... was invalid, but is output")
+               ("S(1), B", "S(1), S(0)", 2, (2, 1))]
 
 
 @pytest.mark.parametrize("src, dst, ndim, mesh_shape", WHOLE_BATCH, ids=[f"{s}->{d}" for s, d, _, _ in WHOLE_BATCH])
@@ -534,3 +537,77 @@ def test_a_block_compiled_alone_takes_a_dp_split_view_input_dynamic_after_one_ch
         (view_diff, view_graphs), (clone_diff, clone_graphs) = out["view"], out["clone"]
         assert view_diff <= 1e-12 and clone_diff <= 1e-12, (rank, out)
         assert view_graphs <= clone_graphs <= 2, f"rank {rank}: {out} (lengths 5..11)"
+
+
+def _double_then_square(h):
+    return (h * 2 + 1).relu() * h
+
+
+def run_square_views_of_a_split_base(sizes, mesh):
+    """A function compiled alone over views ``base.view(b, t, 8)`` of an ``S(0)`` (b t, 8) base, for each
+    (b, t) of `sizes`: (largest difference from plain torch, forward and input gradient; graphs compiled)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(_double_then_square, backend="aot_eager")
+    diff = 0.0
+    for b, t in sizes:
+        whole = torch.randn(b * t, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(b * 100 + t))
+        base = sbp.distribute(whole, mesh, "S(0)", requires_grad=True)
+        plain = whole.clone().requires_grad_()
+        got, want = f(base.view(b, t, 8)), _double_then_square(plain.view(b, t, 8))
+        got.full().pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        diff = max(diff, (got.full() - want).abs().max().item(), (base.grad.full() - plain.grad).abs().max().item())
+    return diff, _graphs()
+
+
+@pytest.mark.parametrize("sizes, most", [(((2, 5), (3, 3)), 2), (((4, 5), (4, 6), (6, 6)), 3)],
+                         ids=["batch-becomes-length", "both-change-to-equal"])
+def test_a_view_input_whose_sizes_torch_ties_to_each_other_compiles(sizes, most) -> None:
+    # where the dynamic compile sees b == t, torch gives the replay's two sizes one symbol (or guards them
+    # equal): tying the base's rows to it made a tie that was a bare symbol (AttributeError 'int' object has no
+    # attribute 'is_Integer'), and pinning the split batch's remainder on a symbol of the replay's own (no
+    # input gives it) left dynamo unable to write the guard (IndexError in produce_guards). Such calls are
+    # pinned at their sizes, as before the ties were read
+    for rank, (diff, graphs) in enumerate(spmd(functools.partial(run_square_views_of_a_split_base, sizes), (2,))):
+        assert diff <= 1e-12 and graphs <= most, (rank, diff, graphs)
+
+
+def _masked_attention(x, mask):
+    h = x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+    a = ((h @ h.transpose(-1, -2)) + mask).softmax(-1)
+    return x + (a @ h).transpose(1, 2).reshape(x.shape)
+
+
+def run_batch_of_one_row_per_rank(mesh):
+    """An attention-like function with a mask input, compiled with no ``dynamic=``, over batches 4 then 2 of
+    ``S(0)`` inputs on 2 ranks: the output shapes and the largest difference (output and input gradient) from
+    the single-process function."""
+    torch._dynamo.reset()
+    f = torch.compile(_masked_attention, backend="aot_eager")
+    shapes, worst = [], 0.0
+    for b in (4, 2):
+        g = torch.Generator().manual_seed(b)
+        x, mask = (torch.randn(s, dtype=torch.float64, generator=g) for s in ((b, 8, 8), (b, 1, 8, 8)))
+        gx = sbp.distribute(x, mesh, "S(0)").requires_grad_()
+        got = f(gx, sbp.distribute(mask, mesh, "S(0)"))
+        shapes.append(tuple(got.shape))
+        got.full().pow(2).sum().backward()
+        px = x.clone().requires_grad_()
+        want = _masked_attention(px, mask)
+        want.pow(2).sum().backward()
+        worst = max(worst, (got.full() - want).abs().max().item(), (gx.grad.full() - px.grad).abs().max().item())
+    return shapes, worst
+
+
+def test_a_dynamic_batch_that_leaves_each_rank_one_row_keeps_its_global_shape() -> None:
+    # batch 2 on 2 ranks: the batch goes symbolic after one change while torch specializes each rank's local
+    # piece of 1. An op of the backward (the view of the attention matmul's gradient, a static local of 1
+    # row against a piece of 2 x B / 2 rows) pinned B while AOTAutograd traced it, after torch had counted
+    # B among the forward output's symbolic sizes: the compiled call read the output's global sizes from the
+    # wrong results of its forward graph (here None: a crash in __tensor_unflatten__; in a transformers layer
+    # the sequence length and a stride, (6, 192, 32) for (2, 6, 32), and the next eager op failed). sbp pins
+    # such a size where the input is made now (sbp.runtime.symbolic.pin_static_pieces)
+    for rank, (shapes, worst) in enumerate(spmd(run_batch_of_one_row_per_rank, (2,))):
+        assert shapes == [(4, 8, 8), (2, 8, 8)], (rank, shapes)
+        assert worst <= 1e-10, (rank, worst)
