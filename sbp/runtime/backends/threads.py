@@ -218,10 +218,13 @@ def spmd_threads(fn: Any, mesh: DeviceMesh,
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout + JOB_GRACE_S   # as the gloo backend bounds a whole job
-    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        alive = next((t for t in threads if t.is_alive()), None)   # (one look: a thread may end between two)
+        if alive is None:
+            break
         if order:   # a rank raised: the others get a few seconds to see the abort and finish, not the timeout
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        next(t for t in threads if t.is_alive()).join(min(0.05, max(deadline - time.monotonic(), 0)))
+        alive.join(min(0.05, max(deadline - time.monotonic(), 0)))
     first = order[0] if order else None
     for rank, t in enumerate(threads):
         if t.is_alive():   # a rank that never returns (not in a collective): report it, free the others
