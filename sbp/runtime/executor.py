@@ -143,6 +143,20 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
         # nothing moves: only a mesh axis of size 1 changes its placement (``(S(1), B) -> (S(1), S(1))`` on a
         # (2, 1) mesh), so no size is pinned (pinned in a backward AOTAutograd traces, it broke the partitioner)
         return pending.ready(local).contiguous()
+    coord = mesh.coord
+    if len(moved_dims) == 1 and coord is not None and traced.is_tracing(local) \
+            and symbolic.moves_one_dim(plan, moved_dims[0]):
+        # gathers and reduce-scatters of the one moved dim: run with its size symbolic, nothing pinned
+        d = moved_dims[0]
+        local = pending.ready(local)
+        for step in plan.steps:
+            if step.kind == "all_reduce":
+                local = traced.run_step(step, local, plan.global_shape, tuple(mesh.shape), coord, mesh.binding)
+                continue
+            parent = step.dst if step.kind == "all_gather" else step.src   # the axis does not split dim d
+            lo, hi = symbolic.block_of(global_shape, tuple(mesh.shape), parent, coord)[d]
+            local = traced.run_symbolic_step(step, local, d, hi - lo, coord[step.axes[0]], mesh.binding)
+        return local.contiguous()
     if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
         symbolic.specialize([global_shape[d] for d in moved_dims])
         dyn = tuple(d for d in dyn if d not in moved_dims)

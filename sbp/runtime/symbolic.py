@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..values.layout import block, splitters
-from ..values.placement import Broadcast, Placement, Split
+from ..values.placement import Broadcast, Partial, Placement, Split
 from ..values.steps import Plan
 
 
@@ -278,6 +278,32 @@ def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]
         if len(axes) == 1 and () not in axes:
             out[d] = axes.pop()
     return out
+
+
+def moves_one_dim(plan: Plan, dim: int) -> bool:
+    """Whether every step of `plan` either reduces (``all_reduce``) or moves `dim` alone, along one mesh axis
+    that splits it innermost: an ``all_gather`` ``S(dim) -> B`` or a ``reduce_scatter`` ``P -> S(dim)``.
+    Such steps run with `dim`'s size symbolic (`traced.run_symbolic_step`): the pieces along the axis are
+    the balanced split of one range of `dim`, whose length is an expression of the size.
+
+    >>> import sbp
+    >>> moves_one_dim(sbp.plan((8, 4), (2,), "S(0)", "B"), 0), moves_one_dim(sbp.plan((8, 4), (2,), "S(0)", "S(1)"), 0)
+    (True, False)
+    """
+    for step in plan.steps:
+        if step.kind == "all_reduce":
+            continue
+        if step.kind not in ("all_gather", "reduce_scatter") or len(step.axes) != 1:
+            return False
+        (axis,) = step.axes
+        split, whole = (step.src, step.dst) if step.kind == "all_gather" else (step.dst, step.src)
+        if split[axis] != Split(dim) or splitters(split, dim)[-1] != axis:
+            return False
+        if any(a != b for k, (a, b) in enumerate(zip(step.src, step.dst)) if k != axis):
+            return False
+        if not isinstance(whole[axis], Broadcast if step.kind == "all_gather" else Partial):
+            return False
+    return True
 
 
 def split_dims(plan: Plan, dims: Sequence[int]) -> tuple[int, ...]:

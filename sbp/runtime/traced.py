@@ -239,6 +239,26 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
     raise PlanError(f"the traced lowering has no step kind {step.kind!r}")
 
 
+def assert_rows_agree(row: list, comm: Communicator, axes: tuple[int, ...], device: torch.device,
+                      message: str) -> None:
+    """In the graph being traced: all-gather `row` (ints, some may be symbolic sizes) over this rank's group
+    along `axes` and assert at run time that every member's row equals this rank's, else the graph raises
+    ``RuntimeError(message)`` -- on every member alike, as each compares the same gathered rows (a check on
+    values only the ranks together know, where a graph cannot branch).
+
+    On the threads backend there is no process group to trace (`CompileError`, as for `run_step`).
+    """
+    if len(comm.members(axes)) == 1:
+        return
+    name, n, _ = group_name(comm, axes)
+    if all(type(v) is int for v in row):
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+    else:   # a symbolic size: traced as the ops that make it
+        mine = torch.stack([torch.scalar_tensor(v, dtype=torch.int64, device=device) for v in row])
+    rows = _wait(_FUNCOL.all_gather_into_tensor(mine, n, name)).view(n, len(row))
+    torch._assert_async(torch.all(rows == mine), message)
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     _keep_forward_collectives_forward()
     out = _FUNCOL.wait_tensor(t)
@@ -364,6 +384,64 @@ def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=())
     inp = _to_group_order(inp, lay.width, order).contiguous()
     got = _wait(_FUNCOL.reduce_scatter_tensor(inp, _op(step), n, name))
     return got[:lay.numels[lay.index]].view(lay.shape + elem)
+
+
+def run_symbolic_step(step: Step, local: torch.Tensor, dim: int, length: "int | torch.SymInt", me: int,
+                      comm: Communicator) -> torch.Tensor:
+    """One ``all_gather`` ``S(dim) -> B`` or ``reduce_scatter`` ``P -> S(dim)`` along one mesh axis that splits
+    `dim` innermost (`sbp.runtime.symbolic.moves_one_dim`), with `dim`'s size symbolic: `length` is the size
+    of the range of `dim` the axis splits (an expression of the global size), `me` this rank's index along
+    the axis. The pieces are the balanced split of that range: ``length // n`` rows and one more on the
+    first ``length % n`` members. That remainder is pinned (a guard: the graph holds for the sizes of one
+    remainder class); shorter pieces travel padded by one row. The length itself stays symbolic.
+
+    The result is sized by expressions of `length` alone, read out of the collective's buffer by
+    `_rows_of` without relating the local's own size symbol to the global one: torch would otherwise
+    rewrite the global size in terms of the local's symbol, which no input of a backward graph binds
+    (inductor then cannot compile that backward: "expected [s..] to have been codegen-ed").
+    """
+    if len(comm.members(step.axes)) == 1:
+        return local.contiguous()
+    name, n, order = group_name(comm, step.axes)
+    base, extra = length // n, int(length % n)
+    width = base + (1 if extra else 0)
+    x = local.movedim(dim, 0)
+    rest = tuple(x.shape[1:])
+    if step.kind == "all_gather":
+        if extra and me >= extra:
+            x = torch.cat([x, x.new_zeros((1,) + rest)])
+        parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)), (n, width) + rest)
+        parts = _reordered(parts, [order.index(m) for m in range(n)])   # group order -> member order
+        out = torch.cat([parts[:extra].flatten(0, 1), parts[extra:, :base].flatten(0, 1)]) if extra \
+            else parts.flatten(0, 1)
+    else:
+        x = _rows_of(x.contiguous(), (length,) + rest)   # the whole range, every member's partial sum of it
+        if extra:
+            head = x[:extra * width].reshape((extra, width) + rest)
+            tail = x[extra * width:].reshape((n - extra, base) + rest)
+            parts = torch.cat([head, torch.cat([tail, tail.new_zeros((n - extra, 1) + rest)], 1)])
+        else:
+            parts = x.reshape((n, base) + rest)
+        parts = _reordered(parts, list(order))   # member order -> group order
+        out = _wait(_FUNCOL.reduce_scatter_tensor(parts.flatten(0, 1).contiguous(), _op(step), n, name))
+        if extra and me >= extra:
+            out = out[:base]
+    return out.movedim(0, dim).contiguous()
+
+
+def _rows_of(buf: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """Contiguous `buf` viewed as `shape` (the same elements), sized by `shape`'s expressions: an
+    ``as_strided`` view, which compares no sizes (a ``view`` would tie `buf`'s size symbols to `shape`'s)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * size
+    return buf.as_strided(shape, tuple(reversed(strides)))
+
+
+def _reordered(parts: torch.Tensor, at: list[int]) -> torch.Tensor:
+    """`parts` (one per member along dim 0) with entry k taken from `at[k]`; itself where nothing moves."""
+    return parts if at == list(range(len(at))) else parts[at]
 
 
 def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str, order: tuple[int, ...],

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..runtime import symbolic
-from ..runtime.agreement import agree, is_enabled, mesh_gather, mismatch
-from ..runtime.traced import CompileError, is_tracing, traced_here
+from ..runtime.agreement import agree, digest, is_enabled, mesh_gather, mismatch
+from ..runtime.traced import CompileError, assert_rows_agree, is_tracing, traced_here
 from ..values.errors import DTypeError, MeshError, RankMismatchError, SbpError, ShapeError
 from ..values.layout import check_global_shape, local_shape, local_slices, splitters
 from ..values.mesh import DeviceMesh
@@ -284,6 +284,8 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
     Without `global_shape` it is inferred with one all_gather of the local shapes (each split dim's global
     length is the sum of the local lengths along its splitting axes); the local shapes must then form a
     balanced split (as `numpy.array_split`), otherwise `ShapeError` names the ranks that do not fit.
+    Inside `torch.compile` the shards are taken as even instead (as DTensor's `from_local`), checked at run
+    time by the same all_gather in the graph (docs/compile.md).
     With ``check=True`` the ranks also verify that they agree on ndim, dtype, placements, global shape
     and that Broadcast locals are bit-identical; a `RankMismatchError` names the ranks that differ.
     A rank outside the mesh must pass `global_shape`. DTensor's spellings work too: ``run_check=`` (as
@@ -301,11 +303,13 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
         global_shape, check = _dtensor_from_local(global_shape, check, run_check, shape, stride)
     # dynamo: one opaque call, traced by AOTAutograd (no collective)
     if torch.compiler.is_compiling() and traced_here():
-        if global_shape is None and not check:
-            global_shape = _unsplit_shape(local, mesh, placements)
-        if global_shape is None or check:
+        if check:
             return _eager_from_local(local, mesh, placements, global_shape, check)   # a graph break
+        if global_shape is None:
+            global_shape = _unsplit_shape(local, mesh, placements)   # None: even shards, checked in the graph
         _check_in_graph(local, mesh, placements, "from_local", global_shape)
+        if global_shape is None:
+            return _compiled_from_even_locals(local, mesh_description(mesh), placements_text(placements))
         return _compiled_from_local(local, mesh_description(mesh), placements_text(placements),
                                     tuple(global_shape), check)
     return _from_local(local, mesh, placements, global_shape, check)
@@ -313,8 +317,8 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements, *, global_shap
 
 def _unsplit_shape(local, mesh, placements) -> Optional[tuple]:
     """The global shape `from_local` can read off the local tensor alone: with no `Split` placement every
-    rank holds the whole shape (`B`, `P`); None where it takes the other ranks' shapes (or the arguments
-    are bad: the eager call reports them)."""
+    rank holds the whole shape (`B`, `P`); None where it takes the other ranks' shapes (compiled: even
+    shards, checked in the graph) or the arguments are bad (the traced call reports them)."""
     if not isinstance(local, torch.Tensor) or isinstance(local, GlobalTensor) or not isinstance(mesh, DeviceMesh):
         return None
     pls = normalize(placements, local.ndim, mesh.ndim, cache=False)
@@ -363,10 +367,14 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
         if global_shape is None:
             raise SbpError(f"from_local: rank {mesh.rank} is outside the mesh and cannot infer the global shape; "
                            f"pass global_shape=")
-    elif is_tracing(local):  # a compiled graph: shapes are known at trace time, no collective runs
-        if global_shape is None or check:
+    elif is_tracing(local):  # a compiled graph: shapes are known at trace time
+        if check:
             raise CompileError(_NEEDS_SHAPE)
-        if dynamic:
+        if global_shape is None:   # even shards, as DTensor's from_local; one all_gather checks it at run time
+            global_shape = _even_global_shape(local, mesh, pls)
+            assert_rows_agree(_shape_row(local, pls), mesh.binding, tuple(range(mesh.ndim)), local.device,
+                              _UNEVEN_IN_GRAPH)
+        elif dynamic:
             _check_local_block(local, global_shape, mesh, pls)
         else:
             _check_local_shapes(global_shape, mesh, pls, None, local)
@@ -382,20 +390,42 @@ def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements, global_shape,
     return from_local_autograd(local, mesh, pls, tuple(global_shape))
 
 
-_NEEDS_SHAPE = ("from_local inside torch.compile needs global_shape= and check=False: inferring or checking "
-                "shapes takes a collective on the values of the local shapes; pass the global shape (or call "
-                "from_local outside the compiled function)")
-_INFERS_SHAPE = ("sbp.from_local without global_shape= (or with check=True) is not traced into a compiled graph: "
-                 "inferring or checking shapes takes a collective on the values of the local shapes; it runs "
-                 "eagerly between two graphs. With fullgraph=True pass global_shape= (or call from_local "
-                 "outside the compiled function)")
+_NEEDS_SHAPE = ("from_local(check=True) inside torch.compile: checking that the ranks agree takes collectives "
+                "on values; pass check=False (or call from_local outside the compiled function)")
+_INFERS_SHAPE = ("sbp.from_local(check=True) is not traced into a compiled graph: checking that the ranks agree "
+                 "takes collectives on values; it runs eagerly between two graphs. With fullgraph=True pass "
+                 "check=False (or call from_local outside the compiled function)")
+_UNEVEN_IN_GRAPH = ("sbp.from_local inside a compiled graph without global_shape= takes the shards as even (every "
+                    "rank's local shape the same, as DTensor's from_local), and the ranks' local shapes (or dtypes, "
+                    "or placements) differ: pass global_shape= for uneven shards, or call from_local outside the "
+                    "compiled function (ShapeError)")
+
+
+def _even_global_shape(local: torch.Tensor, mesh: DeviceMesh, pls) -> tuple:
+    """The global shape of equal local blocks: each split dim's local length times the sizes of the mesh
+    axes that split it (symbolic where the local length is)."""
+    shape = list(local.shape)
+    for axis, p in enumerate(pls):
+        if isinstance(p, Split):
+            shape[p.dim] = shape[p.dim] * mesh.shape[axis]
+    return tuple(shape)
+
+
+def _shape_row(local: torch.Tensor, pls) -> list:
+    """What the ranks of a compiled `from_local` compare: the local shape and digests of dtype and placements."""
+    return [local.ndim, *local.shape, digest(local.dtype), digest(pls)]
 
 
 def _from_local_described(local: torch.Tensor, mesh: tuple, placements, global_shape, check: bool) -> GlobalTensor:
     return _from_local(local, mesh_of(mesh), placements, global_shape, check)
 
 
+def _from_even_locals(local: torch.Tensor, mesh: tuple, placements) -> GlobalTensor:
+    return _from_local(local, mesh_of(mesh), placements, None, False)
+
+
 _compiled_from_local = torch._dynamo.nonstrict_trace(_from_local_described)
+_compiled_from_even_locals = torch._dynamo.nonstrict_trace(_from_even_locals)
 _eager_from_local = torch._dynamo.disable(_from_local, reason=_INFERS_SHAPE)
 
 # ---- from_local helpers ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+import torch._dynamo.testing
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
@@ -176,20 +177,6 @@ def run_conversions(backend, mesh):
 def test_conversions_and_rowwise_matmul_forward_backward(backend) -> None:
     for per_rank in spmd(functools.partial(run_conversions, backend), (2,)):
         assert per_rank == [True, True, True]
-
-
-def run_from_local_without_shape(mesh):
-    f = torch.compile(lambda t: sbp.from_local(t, mesh, "S(0)"), backend="aot_eager", fullgraph=True)
-    try:
-        f(torch.ones(2, 2, dtype=torch.float64))
-    except Exception as e:  # dynamo wraps the error raised while tracing
-        return type(e).__name__, "global_shape=" in str(e)
-    return None
-
-
-def test_from_local_in_a_compiled_function_needs_the_global_shape() -> None:
-    for name, names_the_fix in spmd(run_from_local_without_shape, (2,)):
-        assert names_the_fix, name
 
 
 def run_unsplit_from_local_without_shape(mesh):
@@ -518,7 +505,6 @@ def test_placements_and_mesh_read_inside_a_compiled_function() -> None:
 
 
 EAGER_ONLY = {   # calls that need collectives on values or make new leaves: graph breaks that run eagerly
-    "from_local-infers-shape": lambda t, m: sbp.from_local(t, m, "S(0)").full() * 2,
     "from_local-check": lambda t, m: sbp.from_local(t, m, "S(0)", global_shape=(8, 3), check=True).full() * 2,
     "distribute-src": lambda t, m: sbp.distribute(t, m, "S(0)", src=1).full() * 2,
     "distribute-requires-grad": lambda t, m: sbp.distribute(t, m, "S(1)", requires_grad=True).full() * 2,
@@ -549,6 +535,69 @@ def test_calls_that_need_eager_break_the_graph_and_equal_eager() -> None:
     # after the graph break (an internal dynamo error: "'GlobalTensor' object has no attribute '_mesh'")
     for per_rank in spmd(run_eager_only_calls, (2,)):
         assert per_rank == dict.fromkeys(EAGER_ONLY, (True, True)), per_rank
+
+
+def run_from_local_inferring_the_shape(mesh):
+    """Per placements: `from_local` of split locals without global_shape, compiled with fullgraph=True, equals
+    eager (value, shape, placements, the local's gradient) and its graph holds one all_gather (of the local
+    shapes, which eager runs too); with uneven locals the compiled call raises on every rank, naming the fix;
+    with dynamic=True new local lengths compile at most once more."""
+    out = {}
+    for pls in ("S(0)", "S(1)") if mesh.ndim == 1 else ("S(0), B", "S(0), S(1)", "S(1), S(1)", "P(sum), S(0)"):
+        def call(t, pls=pls):
+            g = sbp.from_local(t, mesh, pls)
+            return g * 2, g.shape
+
+        local = (torch.arange(12., dtype=torch.float64).reshape(4, 3) + 100 * mesh.rank).requires_grad_()
+        (want, want_shape) = call(local)
+        want.to_local().sum().backward()
+        want_grad, local.grad = local.grad, None
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        got, got_shape = torch.compile(call, backend=rec.backend, fullgraph=True)(local)
+        got.to_local().sum().backward()
+        traced = rec.collectives()
+        out[pls] = (got_shape == want_shape and got.placements == want.placements
+                    and torch.equal(got.to_local(), want.to_local()) and torch.equal(local.grad, want_grad),
+                    dict(traced))
+    if mesh.ndim > 1:
+        return out
+    uneven = torch.ones(3 if mesh.rank == 0 else 2, 3)   # a balanced split of 5 rows eagerly
+    eager_rows = sbp.from_local(uneven, mesh, "S(0)").shape[0]
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda t: sbp.from_local(t, mesh, "S(0)") * 2, backend="inductor", fullgraph=True)(uneven)
+        told = "no error"
+    except RuntimeError as e:
+        told = "pass global_shape=" in str(e) or str(e)
+    out["uneven"] = (eager_rows, told)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+
+    def rows(t):
+        g = sbp.from_local(t, mesh, "S(0)") * 2
+        return g.to_local(), g.shape[0]
+
+    f = torch.compile(rows, backend=counter, fullgraph=True, dynamic=True)
+    same = []
+    for n in (5, 7, 4, 9):   # (not 3: duck sizing would tie the 3 rows to the 3 columns)
+        t = torch.arange(3. * n).reshape(n, 3) + mesh.rank
+        (got, got_rows), (want, want_rows) = f(t), rows(t)
+        same.append(torch.equal(got, want) and got_rows == want_rows == 2 * n)
+    out["dynamic"] = (same, counter.frame_count)
+    return out
+
+
+def test_from_local_without_global_shape_compiles_fullgraph_taking_even_shards() -> None:
+    # fails without construct's even-shard path: from_local of a Split without global_shape was a graph break
+    # (fullgraph=True refused it)
+    checked = {"all_gather_into_tensor": 1, "wait_tensor": 1}
+    per_rank = spmd(run_from_local_inferring_the_shape, (2,))
+    for r in per_rank:
+        assert r == {"S(0)": (True, checked), "S(1)": (True, checked), "uneven": (5, True),
+                     "dynamic": ([True] * 4, 1)}, r
+    for r in spmd(run_from_local_inferring_the_shape, (2, 2)):
+        assert r == {pls: (True, checked) for pls in ("S(0), B", "S(0), S(1)", "S(1), S(1)", "P(sum), S(0)")}, r
 
 
 FACTORIES = {   # (call inside the compiled function on input t, which is added so the graph has an input)
