@@ -125,7 +125,8 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     step moves (whole, or split alike in every state: `symbolic.frozen_splits`) is moved behind the others
     and rides along as each position's element (`execute(..., elem=...)`), so the graph holds for every size
     it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`), unless the move only
-    narrows each rank's block (`symbolic.narrows`: ``B -> S(0)``), which is cut with symbolic bounds."""
+    narrows each rank's block (`symbolic.narrows`: ``B -> S(0)``), which is cut with symbolic bounds, or
+    only gathers or reduce-scatters it along one axis at a time (`symbolic.moves_symbolically`)."""
     hints = symbolic.hint_shape(global_shape)
     src = normalize(src, len(hints), mesh.ndim)
     dst = normalize(dst, len(hints), mesh.ndim)
@@ -136,27 +137,14 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
         coord = mesh.coord
         if coord is not None:
             return symbolic.narrow_block(local, global_shape, tuple(mesh.shape), src, dst, coord).contiguous()
-    split = symbolic.split_dims(plan, dyn)
-    frozen = symbolic.frozen_splits(plan, split)
-    moved_dims = [d for d in split if d not in frozen]
+    moved_dims = symbolic.moved_dims(plan, dyn)
     if moved_dims and not plan.steps:
         # nothing moves: only a mesh axis of size 1 changes its placement (``(S(1), B) -> (S(1), S(1))`` on a
         # (2, 1) mesh), so no size is pinned (pinned in a backward AOTAutograd traces, it broke the partitioner)
         return pending.ready(local).contiguous()
     coord = mesh.coord
-    if len(moved_dims) == 1 and coord is not None and traced.is_tracing(local) \
-            and symbolic.moves_one_dim(plan, moved_dims[0]):
-        # gathers and reduce-scatters of the one moved dim: run with its size symbolic, nothing pinned
-        d = moved_dims[0]
-        local = pending.ready(local)
-        for step in plan.steps:
-            if step.kind == "all_reduce":
-                local = traced.run_step(step, local, plan.global_shape, tuple(mesh.shape), coord, mesh.binding)
-                continue
-            parent = step.dst if step.kind == "all_gather" else step.src   # the axis does not split dim d
-            lo, hi = symbolic.block_of(global_shape, tuple(mesh.shape), parent, coord)[d]
-            local = traced.run_symbolic_step(step, local, d, hi - lo, coord[step.axes[0]], mesh.binding)
-        return local.contiguous()
+    if coord is not None and traced.is_tracing(local) and symbolic.moves_symbolically(plan, dyn):
+        return _moved_symbolically(plan, pending.ready(local), mesh, global_shape, moved_dims[0], coord)
     if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
         symbolic.specialize([global_shape[d] for d in moved_dims])
         dyn = tuple(d for d in dyn if d not in moved_dims)
@@ -174,6 +162,19 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     out = execute(symbolic.without_dims(plan, dyn), moved, mesh, tuple(moved.shape[len(keep):]))
     back = [order.index(d) for d in range(len(order))]
     return (out if in_place else out.permute(back)).contiguous()
+
+
+def _moved_symbolically(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, global_shape: tuple, d: int,
+                        coord: tuple[int, ...]) -> torch.Tensor:
+    """`plan`'s gathers and reduce-scatters of dim `d` (and all_reduces) with `d`'s size symbolic."""
+    for step in plan.steps:
+        if step.kind == "all_reduce":
+            local = traced.run_step(step, local, plan.global_shape, tuple(mesh.shape), coord, mesh.binding)
+            continue
+        parent = step.dst if step.kind == "all_gather" else step.src   # the axis does not split dim d
+        lo, hi = symbolic.block_of(global_shape, tuple(mesh.shape), parent, coord)[d]
+        local = traced.run_symbolic_step(step, local, d, hi - lo, coord[step.axes[0]], mesh.binding)
+    return local.contiguous()
 
 
 @lru_cache(maxsize=4096)
