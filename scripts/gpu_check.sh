@@ -166,6 +166,24 @@ def compiled_step():
 attempt("compiled TP step", compiled_step)
 
 
+# from_local of a Split without global_shape, compiled: even shards checked in the graph (read on the host)
+def compiled_from_local():
+    f = torch.compile(lambda t: sbp.from_local(t, mesh, "S(0)") * 2, fullgraph=True)
+    got = f(torch.ones(4, 3, device=dev))
+    check("compiled from_local infers even shards", tuple(got.shape) == (4 * world, 3), str(tuple(got.shape)))
+    if world > 1:
+        try:
+            f(torch.ones(3 if rank == 0 else 2, 3, device=dev))
+            told = "no error"
+        except RuntimeError as e:
+            told = "global_shape=" in str(e) or str(e)[:200]
+        check("compiled from_local refuses uneven shards with a clear error", told is True, str(told))
+        check("the device still works after it", float(torch.ones(2, device=dev).sum()) == 2.0)
+
+
+attempt("compiled from_local", compiled_from_local)
+
+
 # save / load, the closing barrier included (every rank reads metadata.json right after save returns)
 def checkpoint():
     path = os.environ["SBP_CHECK_DIR"]

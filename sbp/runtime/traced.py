@@ -256,7 +256,10 @@ def assert_rows_agree(row: list, comm: Communicator, axes: tuple[int, ...], devi
     else:   # a symbolic size: traced as the ops that make it
         mine = torch.stack([torch.scalar_tensor(v, dtype=torch.int64, device=device) for v in row])
     rows = _wait(_FUNCOL.all_gather_into_tensor(mine, n, name)).view(n, len(row))
-    torch._assert_async(torch.all(rows == mine), message)
+    same = torch.all(rows == mine)
+    # on a GPU the assertion is read on the host: asserted on the device it would be a device-side assert,
+    # which leaves the process's CUDA context unusable (eager `from_local` reads the shapes on the host too)
+    torch._assert_async(same if same.device.type == "cpu" else same.cpu(), message)
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
