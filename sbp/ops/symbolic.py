@@ -208,6 +208,27 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
     return record
 
 
+def _without_size_factors(diff: Any, own: set) -> Any:
+    """`diff` (0 by a guard) without its factors that are powers of the call's own size symbols: a size is at
+    least 1, so the rest is 0 -- ``T*B - T*B'`` (logits of (B x T) rows against targets of (B' x T) with T
+    symbolic too) ties B' to B as ``8*B - 8*B'`` would.
+
+    >>> import sympy
+    >>> b, c, t = sympy.symbols("b c t", positive=True, integer=True)
+    >>> _without_size_factors(t * b - t * c, {b, c, t})
+    b - c
+    """
+    import sympy
+
+    factored = sympy.factor(diff)
+    if not isinstance(factored, sympy.Mul):
+        return diff
+    kept = [a for a in factored.args
+            if not (a.free_symbols and a.free_symbols <= own
+                    and (a.is_Symbol or (a.is_Pow and a.base.is_Symbol and a.exp.is_Integer and a.exp > 0)))]
+    return sympy.expand(sympy.Mul(*kept)) if len(kept) < len(factored.args) else diff
+
+
 def _made_up(symbols: list, m: int, k: int, tied: Optional[dict] = None) -> Optional[dict]:
     """The made-up sizes of `symbols` ((symbol, hint) pairs, `_symbols`) for the `k`-th cold decision: each
     at its hint plus a distinct large multiple of the rank count `m`; with `tied`, a tied symbol at its
@@ -305,7 +326,7 @@ def _ties(sizes: list, m: int) -> Optional[tuple[dict, tuple]]:
     for g in guards:
         if not isinstance(g, sympy.Eq) or len(g.free_symbols) < 2:
             continue
-        diff = sympy.expand((g.lhs - g.rhs).xreplace(tied))
+        diff = _without_size_factors(sympy.expand((g.lhs - g.rhs).xreplace(tied)), own)
         for s, _ in symbols:   # the first symbol the guard is linear in (the view's base before its sizes)
             if s in tied or s not in diff.free_symbols:
                 continue
