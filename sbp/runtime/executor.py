@@ -126,7 +126,7 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     and rides along as each position's element (`execute(..., elem=...)`), so the graph holds for every size
     it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`), unless the move only
     narrows each rank's block (`symbolic.narrows`: ``B -> S(0)``), which is cut with symbolic bounds, or
-    only gathers or reduce-scatters it along one axis at a time (`symbolic.moves_symbolically`)."""
+    only gathers or reduce-scatters it along one axis at a time (`symbolic.moves_one_dim`)."""
     hints = symbolic.hint_shape(global_shape)
     src = normalize(src, len(hints), mesh.ndim)
     dst = normalize(dst, len(hints), mesh.ndim)
@@ -143,7 +143,8 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
         # (2, 1) mesh), so no size is pinned (pinned in a backward AOTAutograd traces, it broke the partitioner)
         return pending.ready(local).contiguous()
     coord = mesh.coord
-    if coord is not None and traced.is_tracing(local) and symbolic.moves_symbolically(plan, dyn):
+    if len(moved_dims) == 1 and coord is not None and traced.is_tracing(local) \
+            and symbolic.moves_one_dim(plan, moved_dims[0]):
         return _moved_symbolically(plan, pending.ready(local), mesh, global_shape, moved_dims[0], coord)
     if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
         symbolic.specialize([global_shape[d] for d in moved_dims])

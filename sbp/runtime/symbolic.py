@@ -320,20 +320,6 @@ def moved_dims(plan: Plan, dims: Sequence[int]) -> list[int]:
     return [d for d in split if d not in frozen]
 
 
-def moves_symbolically(plan: Plan, dims: Sequence[int]) -> bool:
-    """Whether `plan` moves exactly one of the symbolic `dims`, by steps that keep its size symbolic
-    (`moves_one_dim`): the executor then runs it without pinning that size.
-
-    >>> import sbp
-    >>> moves_symbolically(sbp.plan((4, 6), (2,), "S(0)", "B"), (0,))
-    True
-    >>> moves_symbolically(sbp.plan((4, 6), (2,), "S(0)", "S(1)"), (0,))
-    False
-    """
-    moved = moved_dims(plan, dims)
-    return len(moved) == 1 and moves_one_dim(plan, moved[0])
-
-
 def split_dims(plan: Plan, dims: Sequence[int]) -> tuple[int, ...]:
     """The dims of `dims` that a state the plan passes through (its source, its target, each step's) splits.
 
