@@ -126,7 +126,7 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     and rides along as each position's element (`execute(..., elem=...)`), so the graph holds for every size
     it takes; a plan that moves one pins its size (a guard: `sbp.runtime.symbolic`), unless the move only
     narrows each rank's block (`symbolic.narrows`: ``B -> S(0)``), which is cut with symbolic bounds, or
-    only gathers or reduce-scatters it along one axis at a time (`symbolic.moves_one_dim`)."""
+    only gathers, reduce-scatters or exchanges dims along one axis at a time (`symbolic.runs_symbolically`)."""
     hints = symbolic.hint_shape(global_shape)
     src = normalize(src, len(hints), mesh.ndim)
     dst = normalize(dst, len(hints), mesh.ndim)
@@ -143,9 +143,8 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
         # (2, 1) mesh), so no size is pinned (pinned in a backward AOTAutograd traces, it broke the partitioner)
         return pending.ready(local).contiguous()
     coord = mesh.coord
-    if len(moved_dims) == 1 and coord is not None and traced.is_tracing(local) \
-            and symbolic.moves_one_dim(plan, moved_dims[0]):
-        return _moved_symbolically(plan, pending.ready(local), mesh, global_shape, moved_dims[0], coord)
+    if moved_dims and coord is not None and traced.is_tracing(local) and symbolic.runs_symbolically(plan):
+        return _moved_symbolically(plan, pending.ready(local), mesh, global_shape, coord)
     if moved_dims:   # a size the plan moves is pinned (a guard); the others still ride along
         symbolic.specialize([global_shape[d] for d in moved_dims])
         dyn = tuple(d for d in dyn if d not in moved_dims)
@@ -165,16 +164,20 @@ def _redistribute_symbolic(local: torch.Tensor, mesh: DeviceMesh, global_shape: 
     return (out if in_place else out.permute(back)).contiguous()
 
 
-def _moved_symbolically(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, global_shape: tuple, d: int,
+def _moved_symbolically(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, global_shape: tuple,
                         coord: tuple[int, ...]) -> torch.Tensor:
-    """`plan`'s gathers and reduce-scatters of dim `d` (and all_reduces) with `d`'s size symbolic."""
+    """`plan`'s steps (`symbolic.runs_symbolically`) with the moved dims' sizes symbolic."""
     for step in plan.steps:
         if step.kind == "all_reduce":
             local = traced.run_step(step, local, plan.global_shape, tuple(mesh.shape), coord, mesh.binding)
             continue
-        parent = step.dst if step.kind == "all_gather" else step.src   # the axis does not split dim d
-        lo, hi = symbolic.block_of(global_shape, tuple(mesh.shape), parent, coord)[d]
-        local = traced.run_symbolic_step(step, local, d, hi - lo, coord[step.axes[0]], mesh.binding)
+        (axis,) = step.axes
+        ranges = {}   # each moved dim's range the axis splits: its block where the axis does not split it
+        for moved, whole in ((step.src[axis], step.dst), (step.dst[axis], step.src)):
+            if isinstance(moved, Split):
+                lo, hi = symbolic.block_of(global_shape, tuple(mesh.shape), whole, coord)[moved.dim]
+                ranges[moved.dim] = hi - lo
+        local = traced.run_symbolic_step(step, local, ranges, coord[axis], mesh.binding)
     return local.contiguous()
 
 

@@ -213,7 +213,10 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     (((0, 4), (3, 6)), ((0, 4), (3, 6)))
     """
     if cache and not any_symbolic(shape):
-        return block(tuple(shape), mesh_shape, pls, coord)
+        try:
+            return block(tuple(shape), mesh_shape, pls, coord)
+        except TypeError:   # a SymInt a guard pinned to a constant: it does not hash
+            return block(hint_shape(shape), mesh_shape, pls, coord)
     ranges = [(0, n) for n in shape]
     for axis, p in enumerate(pls):
         if isinstance(p, Split):
@@ -280,28 +283,32 @@ def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]
     return out
 
 
-def moves_one_dim(plan: Plan, dim: int) -> bool:
-    """Whether every step of `plan` either reduces (``all_reduce``) or moves `dim` alone, along one mesh axis
-    that splits it innermost: an ``all_gather`` ``S(dim) -> B`` or a ``reduce_scatter`` ``P -> S(dim)``.
-    Such steps run with `dim`'s size symbolic (`traced.run_symbolic_step`): the pieces along the axis are
-    the balanced split of one range of `dim`, whose length is an expression of the size.
+def runs_symbolically(plan: Plan) -> bool:
+    """Whether every step of `plan` reduces (``all_reduce``) or moves dims along one mesh axis that splits
+    them innermost, the other axes unchanged: an ``all_gather`` ``S(d) -> B``, a ``reduce_scatter``
+    ``P -> S(d)`` or an ``all_to_all`` ``S(a) -> S(b)``. Such steps run with the moved dims' sizes symbolic
+    (`traced.run_symbolic_step`): the pieces along the axis are the balanced split of one range of each
+    moved dim, whose length is an expression of the dim's size.
 
     >>> import sbp
-    >>> moves_one_dim(sbp.plan((8, 4), (2,), "S(0)", "B"), 0), moves_one_dim(sbp.plan((8, 4), (2,), "S(0)", "S(1)"), 0)
-    (True, False)
+    >>> [runs_symbolically(sbp.plan((8, 4), (2,), "S(0)", dst)) for dst in ("B", "S(1)")]
+    [True, True]
+    >>> runs_symbolically(sbp.plan((8, 8), (2, 2), "S(0), S(0)", "S(1), S(0)"))   # a transfer over both axes
+    False
     """
     for step in plan.steps:
         if step.kind == "all_reduce":
             continue
-        if step.kind not in ("all_gather", "reduce_scatter") or len(step.axes) != 1:
+        if step.kind not in ("all_gather", "reduce_scatter", "all_to_all") or len(step.axes) != 1:
             return False
         (axis,) = step.axes
-        split, whole = (step.src, step.dst) if step.kind == "all_gather" else (step.dst, step.src)
-        if split[axis] != Split(dim) or splitters(split, dim)[-1] != axis:
-            return False
         if any(a != b for k, (a, b) in enumerate(zip(step.src, step.dst)) if k != axis):
             return False
-        if not isinstance(whole[axis], Broadcast if step.kind == "all_gather" else Partial):
+        kinds = {"all_gather": (Split, Broadcast), "reduce_scatter": (Partial, Split), "all_to_all": (Split, Split)}
+        if not all(isinstance(p, kind) for p, kind in zip((step.src[axis], step.dst[axis]), kinds[step.kind])):
+            return False
+        if any(isinstance(p, Split) and splitters(pls, p.dim)[-1] != axis for pls in (step.src, step.dst)
+               for p in (pls[axis],)):
             return False
     return True
 

@@ -389,47 +389,88 @@ def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=())
     return got[:lay.numels[lay.index]].view(lay.shape + elem)
 
 
-def run_symbolic_step(step: Step, local: torch.Tensor, dim: int, length: "int | torch.SymInt", me: int,
-                      comm: Communicator) -> torch.Tensor:
-    """One ``all_gather`` ``S(dim) -> B`` or ``reduce_scatter`` ``P -> S(dim)`` along one mesh axis that splits
-    `dim` innermost (`sbp.runtime.symbolic.moves_one_dim`), with `dim`'s size symbolic: `length` is the size
-    of the range of `dim` the axis splits (an expression of the global size), `me` this rank's index along
-    the axis. The pieces are the balanced split of that range: ``length // n`` rows and one more on the
-    first ``length % n`` members. That remainder is pinned (a guard: the graph holds for the sizes of one
-    remainder class); shorter pieces travel padded by one row. The length itself stays symbolic.
+def run_symbolic_step(step: Step, local: torch.Tensor, ranges: dict, me: int, comm: Communicator) -> torch.Tensor:
+    """One ``all_gather`` ``S(d) -> B``, ``reduce_scatter`` ``P -> S(d)`` or ``all_to_all`` ``S(a) -> S(b)``
+    along one mesh axis that splits the moved dims innermost (`sbp.runtime.symbolic.runs_symbolically`),
+    with their sizes symbolic: `ranges` maps each moved dim to the length of the range of it the axis
+    splits (an expression of the global size), `me` is this rank's index along the axis. The pieces are
+    the balanced split of that range: ``length // n`` rows and one more on the first ``length % n``
+    members. That remainder is pinned (a guard: the graph holds for the sizes of one remainder class);
+    shorter pieces travel padded by one row. The length itself stays symbolic.
 
-    The result is sized by expressions of `length` alone, read out of the collective's buffer by
-    `_rows_of` without relating the local's own size symbol to the global one: torch would otherwise
-    rewrite the global size in terms of the local's symbol, which no input of a backward graph binds
+    The result is sized by expressions of the lengths alone, read out of the collective's buffer by
+    `_rows_of` without relating the local's own size symbols to the global ones: torch would otherwise
+    rewrite a global size in terms of a local's symbol, which no input of a backward graph binds
     (inductor then cannot compile that backward: "expected [s..] to have been codegen-ed").
     """
     if len(comm.members(step.axes)) == 1:
         return local.contiguous()
     name, n, order = group_name(comm, step.axes)
-    base, extra = length // n, int(length % n)
-    width = base + (1 if extra else 0)
-    x = local.movedim(dim, 0)
-    rest = tuple(x.shape[1:])
+    to_group, to_member = list(order), [order.index(m) for m in range(n)]
+    (axis,) = step.axes
     if step.kind == "all_gather":
-        if extra and me >= extra:
-            x = torch.cat([x, x.new_zeros((1,) + rest)])
-        parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)), (n, width) + rest)
-        parts = _reordered(parts, [order.index(m) for m in range(n)])   # group order -> member order
-        out = torch.cat([parts[:extra].flatten(0, 1), parts[extra:, :base].flatten(0, 1)]) if extra \
-            else parts.flatten(0, 1)
-    else:
-        x = _rows_of(x.contiguous(), (length,) + rest)   # the whole range, every member's partial sum of it
-        if extra:
-            head = x[:extra * width].reshape((extra, width) + rest)
-            tail = x[extra * width:].reshape((n - extra, base) + rest)
-            parts = torch.cat([head, torch.cat([tail, tail.new_zeros((n - extra, 1) + rest)], 1)])
-        else:
-            parts = x.reshape((n, base) + rest)
-        parts = _reordered(parts, list(order))   # member order -> group order
+        d = step.src[axis].dim
+        x = _padded_piece(local.movedim(d, 0), ranges[d], n, me)
+        parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)),
+                         (n, _width(ranges[d], n)) + tuple(x.shape[1:]))
+        out = _joined(_reordered(parts, to_member), ranges[d], n)
+        return out.movedim(0, d).contiguous()
+    if step.kind == "reduce_scatter":
+        d = step.dst[axis].dim
+        x = local.movedim(d, 0)
+        x = _rows_of(x.contiguous(), (ranges[d],) + tuple(x.shape[1:]))   # every member's partial sum of it
+        parts = _reordered(_pieces(x, ranges[d], n), to_group)
         out = _wait(_FUNCOL.reduce_scatter_tensor(parts.flatten(0, 1).contiguous(), _op(step), n, name))
-        if extra and me >= extra:
-            out = out[:base]
-    return out.movedim(0, dim).contiguous()
+        return _own_piece(out, ranges[d], n, me).movedim(0, d).contiguous()
+    a, b = step.src[axis].dim, step.dst[axis].dim   # all_to_all: gathers a, scatters b
+    x = local.movedim((a, b), (0, 1))
+    x = _rows_of(x.contiguous(), (_piece(ranges[a], n, me), ranges[b]) + tuple(x.shape[2:]))
+    parts = _pieces(_padded_piece(x, ranges[a], n, me).movedim(1, 0), ranges[b], n)   # (member, b, a, ...)
+    parts = _reordered(parts.transpose(1, 2), to_group)   # (member, a's piece, b's piece, ...)
+    got = _wait(_FUNCOL.all_to_all_single(parts.contiguous(), [1] * n, [1] * n, name))
+    out = _own_piece(_joined(_reordered(got, to_member), ranges[a], n).movedim(1, 0), ranges[b], n, me)
+    return out.movedim((1, 0), (a, b)).contiguous()
+
+
+def _width(length, n: int):
+    """The padded width of the balanced pieces of `length` rows on `n` members."""
+    return length // n + (1 if length % n else 0)
+
+
+def _piece(length, n: int, me: int):
+    """Member `me`'s rows of the balanced split of `length` on `n` members (its remainder pinned)."""
+    return length // n + (1 if me < int(length % n) else 0)
+
+
+def _padded_piece(x: torch.Tensor, length, n: int, me: int) -> torch.Tensor:
+    """`x`, member `me`'s piece of `length` rows along dim 0, padded by one row to the pieces' width."""
+    extra = int(length % n)
+    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))]) if extra and me >= extra else x
+
+
+def _pieces(x: torch.Tensor, length, n: int) -> torch.Tensor:
+    """`x`, whose dim 0 holds `length` rows, as (n, width, ...): the balanced pieces, the short ones padded."""
+    base, extra = length // n, int(length % n)
+    rest = tuple(x.shape[1:])
+    if not extra:
+        return x.reshape((n, base) + rest)
+    head = x[:extra * (base + 1)].reshape((extra, base + 1) + rest)
+    tail = x[extra * (base + 1):].reshape((n - extra, base) + rest)
+    return torch.cat([head, torch.cat([tail, tail.new_zeros((n - extra, 1) + rest)], 1)])
+
+
+def _joined(parts: torch.Tensor, length, n: int) -> torch.Tensor:
+    """`_pieces`' inverse: (n, width, ...) padded pieces joined into the `length` rows they hold."""
+    base, extra = length // n, int(length % n)
+    if not extra:
+        return parts.flatten(0, 1)
+    return torch.cat([parts[:extra].flatten(0, 1), parts[extra:, :base].flatten(0, 1)])
+
+
+def _own_piece(x: torch.Tensor, length, n: int, me: int) -> torch.Tensor:
+    """`_padded_piece`'s inverse: member `me`'s piece of `length` rows out of `x`, padded to the width."""
+    extra = int(length % n)
+    return x[:length // n] if extra and me >= extra else x
 
 
 def _rows_of(buf: torch.Tensor, shape: tuple) -> torch.Tensor:

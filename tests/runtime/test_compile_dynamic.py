@@ -2,7 +2,8 @@
 stays symbolic, so one graph serves every batch size (``dynamic=True``, ``mark_dynamic``); a size a placement
 splits is pinned by a guard and compiles once per value. Compiled results equal eager ones exactly, and a
 redistribution's collectives are the plan's at every size (an op whose eager choice would move a symbolic dim
-takes one that moves none: the vocab-parallel loss).
+takes one that moves none: the vocab-parallel loss). Gathers, reduce-scatters and all_to_alls of a split
+symbolic dim along one axis keep it symbolic: one graph per remainder of the size by the pieces.
 
 Worker functions are module-level (they travel pickled to the shared gloo pool).
 """
@@ -20,7 +21,7 @@ from torch import nn
 import sbp
 import sbp.nn
 import sbp.testing
-from sbp.nn import Colwise, Rowwise
+from sbp.nn import Colwise, Rowwise, SequenceParallel
 from tests.runtime.test_compile import EAGER_TO_FUNCOL, GraphRecorder
 
 spmd = functools.partial(sbp.testing.spmd, backend="gloo", timeout=300)
@@ -76,24 +77,99 @@ def test_redistribution_of_a_whole_dynamic_dim_compiles_once(src, dst, ndim, mes
         assert all(traced[0] == e for e in eager), (rank, traced, eager)
 
 
-# a gather or reduce-scatter of the split dynamic dim 0 along one axis that splits it innermost
+# a gather, reduce-scatter or all_to_all of the split dynamic dim 0 along one axis that splits it innermost
 MOVES_BATCH = [("S(0)", "B", (2,)), ("P(sum)", "S(0)", (2,)), ("P(sum)", "S(0)", (3,)),
                ("S(0), S(0)", "S(0), B", (2, 2)), ("S(0), P(sum)", "S(0), S(0)", (2, 2)),
-               ("S(0), S(1)", "B, S(1)", (2, 2))]
+               ("S(0), S(1)", "B, S(1)", (2, 2)),
+               ("S(0)", "S(1)", (2,)), ("S(1)", "S(0)", (2,)), ("S(0)", "S(1)", (3,)),
+               ("S(0), S(1)", "S(0), S(0)", (2, 2))]
 
 
-@pytest.mark.parametrize("src, dst, mesh_shape", MOVES_BATCH, ids=[f"{s}->{d}" for s, d, _ in MOVES_BATCH])
-def test_redistribution_that_gathers_or_scatters_the_dynamic_dim_compiles_once_per_remainder(src, dst, mesh_shape):
-    # fails without traced.run_symbolic_step: gathering (or reduce-scattering) the split batch pinned its size
-    # (a guard), one graph per size. Now the pieces are expressions of the size, their remainder by the ranks
-    # pinned: sizes of one remainder class share a graph (every rank: two classes here), each result exact
-    # (no size 6: duck sizing would tie it to the 6 columns)
+@pytest.mark.parametrize("src, dst, mesh_shape", MOVES_BATCH, ids=[f"{s}->{d}-on-{m}" for s, d, m in MOVES_BATCH])
+def test_redistribution_that_moves_the_dynamic_dim_compiles_once_per_remainder(src, dst, mesh_shape):
+    # fails without traced.run_symbolic_step: gathering, reduce-scattering or exchanging (all_to_all) the split
+    # batch pinned its size (a guard), one graph per size. Now the pieces are expressions of the size, their
+    # remainder by the ranks pinned: sizes of one remainder class share a graph (every rank: two classes
+    # here), each result exact (no size 6: duck sizing would tie it to the 6 columns)
     sizes = {2: (4, 8, 5, 7), 3: (9, 12, 7, 10), 4: (8, 12, 9, 13)}[math.prod(mesh_shape)]
     run = functools.partial(run_redistribute_sizes, src, dst, 2, sizes=sizes)
     for rank, (same, graphs, (traced, eager)) in enumerate(spmd(run, mesh_shape)):
         assert all(same), (rank, same)
         assert graphs == 2, f"rank {rank}: {graphs} graphs for batch sizes {sizes}"
         assert all(t == eager[0] for t in traced) and all(e == eager[0] for e in eager), (rank, traced, eager)
+
+
+class _SPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.out = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.fc(self.norm(x))))
+
+
+def run_sequence_parallel_lengths(mesh, lengths=(10, 12, 6, 14, 9, 11)):
+    """A sequence-parallel block (input split on the sequence, S(1)) compiled with dynamic=True over sequence
+    lengths: the largest loss and gradient differences from eager sbp, and the graphs compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    plan = {"norm": SequenceParallel(input_placement="S(1)", output_placement="S(1)"),
+            "fc": Colwise(input_placement="S(1)"), "out": Rowwise(output_placement="S(1)")}
+    base = _SPBlock().double()
+    eager, compiled = (sbp.nn.parallelize(copy.deepcopy(base), mesh, plan) for _ in range(2))
+    f = torch.compile(lambda x: compiled(x).full().pow(2).sum(), backend="aot_eager", fullgraph=True, dynamic=True)
+    diff = 0.0
+    for t in lengths:
+        x = sbp.distribute(torch.randn(2, t, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(t)),
+                           mesh, "S(1)")
+        got, want = f(x), eager(x).full().pow(2).sum()
+        got.backward()
+        want.backward()
+        diff = max(diff, abs(got.item() - want.item()))
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        diff = max(diff, (a.grad.full() - b.grad.full()).abs().max().item())
+    return diff, _graphs()
+
+
+def test_sequence_parallel_block_compiles_once_per_remainder_of_the_sequence_length() -> None:
+    # the block's view of its S(1) input to (B x T, C) must split the rows: its every choice moves the split
+    # sequence (S(1) -> S(0), an all_to_all), so the call pinned T, one graph per length (6 for 6). The
+    # all_to_all now runs with T symbolic (`symbolic.runs_symbolically`): one graph for even lengths, one
+    # for odd ones
+    for rank, (diff, graphs) in enumerate(spmd(run_sequence_parallel_lengths, (2,))):
+        assert diff <= 1e-10, (rank, diff)
+        assert graphs == 2, f"rank {rank}: {graphs} graphs for six sequence lengths"
+
+
+ALONG_SPLIT = {"softmax": lambda x: torch.softmax(x, 0), "cumsum": lambda x: torch.cumsum(x, 0),
+               "sort": lambda x: torch.sort(x, 0)[0], "flip": lambda x: torch.flip(x, (0,)),
+               "cat": lambda x: torch.cat([x, x], 0)}
+
+
+def run_ops_along_the_split_dim(mesh):
+    """Per op of `ALONG_SPLIT` (along dim 0 of an S(0) input), compiled with dynamic=True over six batch sizes:
+    (compiled == eager at every size, graphs compiled)."""
+    out = {}
+    for name, op in ALONG_SPLIT.items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        f = torch.compile(lambda x, op=op: op(x * 1).full(), backend="aot_eager", fullgraph=True, dynamic=True)
+        same = []
+        for b in (8, 10, 12, 9, 11, 13):
+            x = sbp.distribute(torch.randn(b, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(b)),
+                               mesh, "S(0)")
+            same.append(torch.equal(f(x), op(x * 1).full()))
+        out[name] = (all(same), _graphs())
+    return out
+
+
+def test_ops_along_the_split_dynamic_dim_compile_once_per_remainder() -> None:
+    # every choice of these ops' rules moves the split batch (the op needs dim 0 whole on each rank): the
+    # calls were pinned, one graph per size (6 for 6). The decision now takes a move that keeps the batch
+    # symbolic (an all_to_all S(0) -> S(1) or a gather), so one graph serves the even sizes and one the odd
+    for rank, per_op in enumerate(spmd(run_ops_along_the_split_dim, (2,))):
+        assert per_op == {name: (True, 2) for name in ALONG_SPLIT}, (rank, per_op)
 
 
 def run_gather_backward_inductor(mesh):
