@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..runtime import pending
+from ..tensor.autograd import differentiable_once
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
 from ..values.errors import SbpError
 from ..values.mesh import DeviceMesh
@@ -75,7 +76,8 @@ class _BucketIdentity(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
-        return (None,) + ctx.bucket.reduce(grads)
+        return (None,) + differentiable_once(ctx.bucket.reduce(grads), grads,
+                                             "sbp.nn.parallelize's bucketed gradient reduction (dp_bucket_bytes)")
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> None:

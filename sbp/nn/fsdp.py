@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..runtime import agreement, pending
 from ..runtime.pending import PendingTensor
-from ..tensor.autograd import from_local_autograd
+from ..tensor.autograd import differentiable_once, from_local_autograd
 from ..tensor.construct import distribute, from_local
 from ..tensor.global_tensor import GlobalTensor, redistribute_raw
 from ..values.errors import MeshError, SbpError, ShapeError
@@ -637,7 +637,10 @@ class _UnitGather(torch.autograd.Function):
         else:   # held (this rank's parts, no communication), reduced by a later backward with sync
             unit.held, unit.held_used, out, unused = unit.with_held(grads, ctx.local), used, None, None
         _after_backward(unit)
-        return (None, None) + ((None,) * len(grads) if out is None else _store_grads(unit, out, unused))
+        if out is None:
+            return (None, None) + (None,) * len(grads)
+        return (None, None) + differentiable_once(_store_grads(unit, out, unused), grads,
+                                                  "sbp.nn.fully_shard's gradient reduction")
 
 
 def _after_backward(unit: Unit) -> None:
@@ -879,6 +882,9 @@ def fully_shard(module: nn.Module, mesh: Optional[DeviceMesh] = None, axis: "int
     except MeshError as e:
         raise MeshError(f"fully_shard: the mesh has no axis {axis!r} to shard on (mesh shape {mesh.shape}, axis names "
                         f"{mesh.names}); name the data-parallel axis: fully_shard(module, mesh, axis=...)") from e
+    if mesh.coord is None:
+        raise MeshError(f"fully_shard: this rank is outside the mesh (its ranks: {list(mesh.ranks)}); a module is "
+                        f"sharded by the ranks of its mesh: call fully_shard on those ranks only")
     if module in _UNITS:
         original = type(module).__bases__[1].__name__   # (the class before fully_shard made it FSDP<class>)
         raise SbpError(f"fully_shard was already applied to this {original}; apply it once per module (blocks "

@@ -49,14 +49,16 @@ class _TpMove(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...],  # type: ignore[override]
                 src: tuple, dst: tuple, grad_src: tuple, grad_dst: tuple) -> torch.Tensor:
-        ctx.mesh, ctx.shape, ctx.grad = mesh, shape, (grad_src, grad_dst)
+        ctx.mesh, ctx.shape, ctx.moves = mesh, shape, (src, dst, grad_src, grad_dst)
         return x.view_as(x) if src == dst else redistribute_local(x, mesh, shape, src, dst)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        src, dst = ctx.grad
-        if src != dst:
-            grad = redistribute_local(grad, ctx.mesh, ctx.shape, src, dst)
+        src, dst, grad_src, grad_dst = ctx.moves
+        if torch.is_grad_enabled() and grad.requires_grad:   # create_graph: the gradient's move is a move again
+            return (_TpMove.apply(grad, ctx.mesh, ctx.shape, grad_src, grad_dst, src, dst),) + (None,) * 6
+        if grad_src != grad_dst:
+            grad = redistribute_local(grad, ctx.mesh, ctx.shape, grad_src, grad_dst)
         return grad, None, None, None, None, None, None
 
 

@@ -117,6 +117,9 @@ def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, global_shape: Sequ
     shape = check_global_shape(global_shape)
     src = normalize(src, len(shape), mesh.ndim)
     dst = normalize(dst, len(shape), mesh.ndim)
+    if local.is_meta and mesh.coord is not None:   # no storage (deferred init): nothing to move, only the shape
+        return torch.empty(block_shape(block(shape, tuple(mesh.shape), dst, mesh.coord)), dtype=local.dtype,
+                           device="meta")
     return execute(cached_plan(shape, tuple(mesh.shape), src, dst, local.element_size()), local, mesh)
 
 

@@ -318,6 +318,39 @@ def _fmt(pls: tuple[Placement, ...]) -> str:
     return "(" + ", ".join(map(repr, pls)) + ("," if len(pls) == 1 else "") + ")"
 
 
+def differentiable_once(outputs: tuple, grads: tuple, what: str) -> tuple:
+    """An autograd Function's backward `outputs`, computed without a graph (raw collectives): under
+    ``create_graph`` (grad mode on, an incoming gradient in `grads` that requires grad) each tensor among them
+    is made to require grad through a node that raises when it is differentiated, naming `what` -- a
+    second-order gradient through it would otherwise be silently wrong (a gradient penalty's term dropped).
+    First-order values are unchanged. Elsewhere `outputs` as they are.
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> g, = differentiable_once((torch.ones(2),), (x * 1,), "an example's reduction")
+    >>> g.sum().backward()   # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    RuntimeError: a second-order gradient through an example's reduction: the gradients it gives ...
+    """
+    if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+        return outputs
+    live = [k for k, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
+    if not live:
+        return outputs
+    message = (f"a second-order gradient through {what}: the gradients it gives under create_graph=True carry "
+               "no graph (gradient penalties and Hessian-vector products through it are not supported)")
+    made = []
+    for k in live:
+        t = outputs[k].detach()
+        t.requires_grad = True
+        made.append(t)
+    wrapped = torch._C._functions.DelayedError(message.encode(), len(made))(*made)
+    out = list(outputs)
+    for k, t in zip(live, wrapped if isinstance(wrapped, (tuple, list)) else (wrapped,)):
+        out[k] = t
+    return tuple(out)
+
+
 def from_local_autograd(local: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, ...],
                         global_shape: tuple[int, ...], grad_pls: Optional[tuple[Placement, ...]] = None
                         ) -> GlobalTensor:
