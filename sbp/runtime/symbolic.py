@@ -283,6 +283,10 @@ def frozen_splits(plan: Plan, dims: Sequence[int]) -> dict[int, tuple[int, ...]]
     return out
 
 
+# the placements (source, target) on the axis of each step `runs_symbolically` accepts
+_MOVES = {"all_gather": (Split, Broadcast), "reduce_scatter": (Partial, Split), "all_to_all": (Split, Split)}
+
+
 def runs_symbolically(plan: Plan) -> bool:
     """Whether every step of `plan` reduces (``all_reduce``) or moves dims along one mesh axis that splits
     them innermost, the other axes unchanged: an ``all_gather`` ``S(d) -> B``, a ``reduce_scatter``
@@ -299,17 +303,16 @@ def runs_symbolically(plan: Plan) -> bool:
     for step in plan.steps:
         if step.kind == "all_reduce":
             continue
-        if step.kind not in ("all_gather", "reduce_scatter", "all_to_all") or len(step.axes) != 1:
+        if step.kind not in _MOVES or len(step.axes) != 1:
             return False
         (axis,) = step.axes
         if any(a != b for k, (a, b) in enumerate(zip(step.src, step.dst)) if k != axis):
             return False
-        kinds = {"all_gather": (Split, Broadcast), "reduce_scatter": (Partial, Split), "all_to_all": (Split, Split)}
-        if not all(isinstance(p, kind) for p, kind in zip((step.src[axis], step.dst[axis]), kinds[step.kind])):
+        if not all(isinstance(p, kind) for p, kind in zip((step.src[axis], step.dst[axis]), _MOVES[step.kind])):
             return False
-        if any(isinstance(p, Split) and splitters(pls, p.dim)[-1] != axis for pls in (step.src, step.dst)
-               for p in (pls[axis],)):
-            return False
+        for pls in (step.src, step.dst):   # the axis splits its dim innermost (last)
+            if isinstance(pls[axis], Split) and splitters(pls, pls[axis].dim)[-1] != axis:
+                return False
     return True
 
 
