@@ -299,9 +299,16 @@ def runs_symbolically(plan: Plan) -> bool:
     [True, True]
     >>> runs_symbolically(sbp.plan((8, 8), (2, 2), "S(0), S(0)", "S(1), S(0)"))   # a transfer over both axes
     False
+
+    An ``all_gather`` over several axes that split one dim innermost, in their order (``(S(0), S(0)) -> (B,
+    B)``), runs symbolically too (`traced.run_symbolic_gather`).
     """
     for step in plan.steps:
         if step.kind == "all_reduce":
+            continue
+        if step.kind == "all_gather" and len(step.axes) > 1:   # over several axes: their splits of one dim
+            if not _gathers_one_dim(step):
+                return False
             continue
         if step.kind not in _MOVES or len(step.axes) != 1:
             return False
@@ -314,6 +321,15 @@ def runs_symbolically(plan: Plan) -> bool:
             if isinstance(pls[axis], Split) and splitters(pls, pls[axis].dim)[-1] != axis:
                 return False
     return True
+
+
+def _gathers_one_dim(step) -> bool:
+    """Whether an all_gather over several axes takes one dim's innermost splits, in their order, to `B`."""
+    first = step.src[step.axes[0]]
+    if not isinstance(first, Split) or splitters(step.src, first.dim)[-len(step.axes):] != tuple(step.axes):
+        return False
+    return all((step.src[k], step.dst[k]) == (first, Broadcast()) if k in step.axes else step.src[k] == step.dst[k]
+               for k in range(len(step.src)))
 
 
 def moved_dims(plan: Plan, dims: Sequence[int]) -> list[int]:

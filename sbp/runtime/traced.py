@@ -432,6 +432,24 @@ def run_symbolic_step(step: Step, local: torch.Tensor, ranges: dict, me: int, co
     return out.movedim((1, 0), (a, b)).contiguous()
 
 
+def run_symbolic_gather(step: Step, local: torch.Tensor, dim: int, lengths: list, me: int,
+                        comm: Communicator) -> torch.Tensor:
+    """An ``all_gather`` of `dim` over several mesh axes (their innermost splits of it, in order:
+    `sbp.runtime.symbolic.runs_symbolically`) with its size symbolic: `lengths` holds each member's rows
+    (expressions of the global size, the remainders of its nested splits pinned; the first member's is the
+    longest), `me` this rank's member index. Shorter pieces travel padded to the first's length; the result
+    is sized by expressions of the lengths alone (`_rows_of`, as `run_symbolic_step`)."""
+    name, n, order = group_name(comm, step.axes)
+    x = local.movedim(dim, 0)
+    rest = tuple(x.shape[1:])
+    pad = int(lengths[0] - lengths[me])   # 0 or 1: fixed by the pinned remainders (a guard that holds)
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad,) + rest)])
+    parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)), (n, lengths[0]) + rest)
+    parts = _reordered(parts, [order.index(m) for m in range(n)])   # group order -> member order
+    return torch.cat([parts[m, :lengths[m]] for m in range(n)]).movedim(0, dim).contiguous()
+
+
 def _width(length, n: int):
     """The padded width of the balanced pieces of `length` rows on `n` members."""
     return length // n + (1 if length % n else 0)

@@ -77,12 +77,13 @@ def test_redistribution_of_a_whole_dynamic_dim_compiles_once(src, dst, ndim, mes
         assert all(traced[0] == e for e in eager), (rank, traced, eager)
 
 
-# a gather, reduce-scatter or all_to_all of the split dynamic dim 0 along one axis that splits it innermost
+# a gather, reduce-scatter or all_to_all of the split dynamic dim 0 along one axis that splits it innermost (a
+# gather also along several axes: (S(0), S(0)) -> (B, B))
 MOVES_BATCH = [("S(0)", "B", (2,)), ("P(sum)", "S(0)", (2,)), ("P(sum)", "S(0)", (3,)),
                ("S(0), S(0)", "S(0), B", (2, 2)), ("S(0), P(sum)", "S(0), S(0)", (2, 2)),
                ("S(0), S(1)", "B, S(1)", (2, 2)),
                ("S(0)", "S(1)", (2,)), ("S(1)", "S(0)", (2,)), ("S(0)", "S(1)", (3,)),
-               ("S(0), S(1)", "S(0), S(0)", (2, 2))]
+               ("S(0), S(1)", "S(0), S(0)", (2, 2)), ("S(0), S(0)", "B, B", (2, 2))]
 
 
 @pytest.mark.parametrize("src, dst, mesh_shape", MOVES_BATCH, ids=[f"{s}->{d}-on-{m}" for s, d, m in MOVES_BATCH])
