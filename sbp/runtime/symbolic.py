@@ -303,23 +303,25 @@ def runs_symbolically(plan: Plan) -> bool:
     An ``all_gather`` over several axes that split one dim innermost, in their order (``(S(0), S(0)) -> (B,
     B)``), runs symbolically too (`traced.run_symbolic_gather`).
     """
-    for step in plan.steps:
-        if step.kind == "all_reduce":
-            continue
-        if step.kind == "all_gather" and len(step.axes) > 1:   # over several axes: their splits of one dim
-            if not _gathers_one_dim(step):
-                return False
-            continue
-        if step.kind not in _MOVES or len(step.axes) != 1:
+    return all(step_runs_symbolically(step) for step in plan.steps)
+
+
+def step_runs_symbolically(step) -> bool:
+    """`runs_symbolically` for one step of a plan."""
+    if step.kind == "all_reduce":
+        return True
+    if step.kind == "all_gather" and len(step.axes) > 1:   # over several axes: their splits of one dim
+        return _gathers_one_dim(step)
+    if step.kind not in _MOVES or len(step.axes) != 1:
+        return False
+    (axis,) = step.axes
+    if any(a != b for k, (a, b) in enumerate(zip(step.src, step.dst)) if k != axis):
+        return False
+    if not all(isinstance(p, kind) for p, kind in zip((step.src[axis], step.dst[axis]), _MOVES[step.kind])):
+        return False
+    for pls in (step.src, step.dst):   # the axis splits its dim innermost (last)
+        if isinstance(pls[axis], Split) and splitters(pls, pls[axis].dim)[-1] != axis:
             return False
-        (axis,) = step.axes
-        if any(a != b for k, (a, b) in enumerate(zip(step.src, step.dst)) if k != axis):
-            return False
-        if not all(isinstance(p, kind) for p, kind in zip((step.src[axis], step.dst[axis]), _MOVES[step.kind])):
-            return False
-        for pls in (step.src, step.dst):   # the axis splits its dim innermost (last)
-            if isinstance(pls[axis], Split) and splitters(pls, pls[axis].dim)[-1] != axis:
-                return False
     return True
 
 

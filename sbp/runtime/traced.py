@@ -39,6 +39,7 @@ from ..values.placement import Partial
 from ..values.steps import Step
 from .buffers import gather, scatter
 from .communicator import Communicator
+from .symbolic import step_runs_symbolically
 
 _FUNCOL = torch.ops._c10d_functional
 
@@ -232,6 +233,8 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
                 return local.contiguous()
             name, _, _ = group_name(comm, step.axes)
             return _wait(_FUNCOL.all_reduce(local.contiguous(), _op(step), name))
+        case "all_to_all" if step_runs_symbolically(step):
+            return _exchange_padded(step, local, global_shape, mesh_shape, coord, comm)
         case "all_to_all" | "transfer":
             return _exchange(step, local, global_shape, mesh_shape, coord, comm, elem)
         case "reduce_transfer":
@@ -568,6 +571,20 @@ def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> to
     for b, piece in pieces:
         out[relative(b, want)] = piece
     return _tied(out, one)
+
+
+def _exchange_padded(step, local, global_shape, mesh_shape, coord, comm) -> torch.Tensor:
+    """A single-axis all_to_all ``S(a) -> S(b)`` at int sizes, as `run_symbolic_step` runs it at symbolic ones
+    (padded pieces, equal splits): a rank whose sizes torch pinned (a piece of 1, or one duck-sized with
+    another dim) makes the same collective as the ranks that kept them symbolic, or their graphs would
+    exchange pieces of different sizes. Exact (`_exchange`) where a range is empty."""
+    (axis,) = step.axes
+    a, b = step.src[axis].dim, step.dst[axis].dim
+    (lo_a, hi_a), (lo_b, hi_b) = block(global_shape, mesh_shape, step.dst, coord)[a], \
+        block(global_shape, mesh_shape, step.src, coord)[b]
+    if hi_a == lo_a or hi_b == lo_b:
+        return _exchange(step, local, global_shape, mesh_shape, coord, comm)
+    return run_symbolic_step(step, local, {a: hi_a - lo_a, b: hi_b - lo_b}, coord[axis], comm)
 
 
 def _tied(out: torch.Tensor, one: Optional[torch.Tensor]) -> torch.Tensor:
