@@ -19,6 +19,7 @@ compiled for that size, and another size compiles again (as without this module)
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
 from dataclasses import replace
@@ -162,7 +163,8 @@ def specialize(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
-def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"]) -> tuple:
+def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"],
+                      mesh_shape: tuple[int, ...] = (), pls: tuple = ()) -> tuple:
     """A traced global tensor's `shape` with each symbolic size whose local size is static pinned by a guard
     (``int()``: the graph then holds for that size only).
 
@@ -176,10 +178,18 @@ def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequen
     from the wrong sizes (or its partitioner fails). Pinned here, where the input is made, the size is
     static from the start.
 
+    With `mesh_shape` and `pls` (the tensor's placements), a symbolic size split into `k` pieces is pinned
+    too where some rank's piece is 0 or 1 (the size's hint is under 2 x `k`): torch specializes that rank's
+    piece, so that rank pins the size while the others would keep it symbolic, and ranks that see different
+    symbolic sizes decide ops differently -- different collectives, a hang or wrong values. Every rank
+    computes the same from the global size, so every rank pins it.
+
     >>> pin_static_pieces((4, 6), (2, 6))
     (4, 6)
     """
-    return tuple(int(n) if is_symbolic(n) and not is_symbolic(m) else n for n, m in zip(shape, local_shape))
+    parts = [math.prod(mesh_shape[a] for a in splitters(pls, d)) if pls else 1 for d in range(len(shape))]
+    return tuple(int(n) if is_symbolic(n) and (not is_symbolic(m) or (k > 1 and hint(n) < 2 * k)) else n
+                 for n, m, k in zip(shape, local_shape, parts))
 
 
 def dynamic_dims(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:

@@ -435,7 +435,7 @@ class GlobalTensor(torch.Tensor):
         mesh, pls, _ = meta
         local = inner["_local"]
         if symbolic.any_symbolic(outer_size):
-            outer_size = symbolic.canonical(symbolic.pin_static_pieces(outer_size, local.shape))
+            outer_size = symbolic.canonical(symbolic.pin_static_pieces(outer_size, local.shape, mesh.shape, pls))
         return GlobalTensor(local, mesh, pls, tuple(outer_size))
 
     @classmethod

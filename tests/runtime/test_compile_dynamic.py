@@ -117,6 +117,23 @@ def test_an_all_to_all_agrees_across_ranks_that_pin_a_size_and_ranks_that_keep_i
     assert spmd(run_piece_like_a_column, (3,)) == [0.0] * 3
 
 
+def run_softmax_of_a_small_batch(mesh):
+    """softmax over the split batch of a (3, 4) tensor on 2 ranks, compiled with dynamic=True: rank 1's piece
+    is one row, which torch specializes; the largest difference from eager."""
+    torch._dynamo.reset()
+    x = sbp.distribute(torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)), mesh,
+                       "S(0)")
+    f = torch.compile(lambda t: torch.softmax(t * 1, 0), backend="aot_eager", fullgraph=True, dynamic=True)
+    return (f(x).full() - torch.softmax(x.full(), 0)).abs().max().item()
+
+
+def test_a_size_some_ranks_piece_specializes_is_pinned_on_every_rank() -> None:
+    # fails (a hang, then gloo's timeout) without `symbolic.pin_static_pieces` pinning the batch on every rank:
+    # rank 1 pinned it (its piece of 1 is static), rank 0 kept it symbolic, and the two decided the softmax
+    # differently (an all_gather on one, an all_to_all on the other)
+    assert spmd(run_softmax_of_a_small_batch, (2,)) == [0.0, 0.0]
+
+
 def run_gather_backward_inductor(mesh):
     """`x.redistribute("B")` of a batch split S(0), compiled by inductor with dynamic=True, forward and
     backward over even and odd batch sizes: (compiled == eager per size, graphs compiled)."""
