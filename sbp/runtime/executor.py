@@ -176,7 +176,7 @@ def _moved_symbolically(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, globa
             continue
         if len(step.axes) > 1:   # an all_gather of one dim's splits on several axes: each member's rows
             d, shape = step.src[step.axes[0]].dim, tuple(mesh.shape)
-            members = [_with(coord, step.axes, shape, m) for m in range(math.prod(shape[a] for a in step.axes))]
+            members = [mesh.coord_of(rank) for rank in mesh.binding.members(step.axes)]   # member order
             lengths = []
             for member in members:
                 lo, hi = symbolic.block_of(global_shape, shape, step.src, member)[d]
@@ -191,14 +191,6 @@ def _moved_symbolically(plan: Plan, local: torch.Tensor, mesh: DeviceMesh, globa
                 ranges[moved.dim] = hi - lo
         local = traced.run_symbolic_step(step, local, ranges, coord[axis], mesh.binding)
     return local.contiguous()
-
-
-def _with(coord: tuple[int, ...], axes: tuple[int, ...], shape: tuple[int, ...], m: int) -> tuple[int, ...]:
-    """`coord` with its entries on `axes` those of member `m` of its group along them (row-major)."""
-    out = list(coord)
-    for a in reversed(axes):
-        out[a], m = m % shape[a], m // shape[a]
-    return tuple(out)
 
 
 @lru_cache(maxsize=4096)

@@ -164,7 +164,7 @@ def specialize(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
 
 
 def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"],
-                      mesh_shape: tuple[int, ...] = (), pls: tuple = ()) -> tuple:
+                      mesh_shape: tuple[int, ...], pls: tuple) -> tuple:
     """A traced global tensor's `shape` with each symbolic size whose local size is static pinned by a guard
     (``int()``: the graph then holds for that size only).
 
@@ -178,16 +178,17 @@ def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequen
     from the wrong sizes (or its partitioner fails). Pinned here, where the input is made, the size is
     static from the start.
 
-    With `mesh_shape` and `pls` (the tensor's placements), a symbolic size split into `k` pieces is pinned
-    too where some rank's piece is 0 or 1 (the size's hint is under 2 x `k`): torch specializes that rank's
+    A symbolic size that `pls` (the tensor's placements on a mesh of `mesh_shape`) split into `k` pieces is
+    pinned too where some rank's piece is 0 or 1 (the size's hint is under 2 x `k`): torch specializes that rank's
     piece, so that rank pins the size while the others would keep it symbolic, and ranks that see different
     symbolic sizes decide ops differently -- different collectives, a hang or wrong values. Every rank
     computes the same from the global size, so every rank pins it.
 
-    >>> pin_static_pieces((4, 6), (2, 6))
+    >>> from sbp import S
+    >>> pin_static_pieces((4, 6), (2, 6), (2,), (S(0),))
     (4, 6)
     """
-    parts = [math.prod(mesh_shape[a] for a in splitters(pls, d)) if pls else 1 for d in range(len(shape))]
+    parts = [math.prod(mesh_shape[a] for a in splitters(pls, d)) for d in range(len(shape))]
     return tuple(int(n) if is_symbolic(n) and (not is_symbolic(m) or (k > 1 and hint(n) < 2 * k)) else n
                  for n, m, k in zip(shape, local_shape, parts))
 
@@ -223,10 +224,7 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     (((0, 4), (3, 6)), ((0, 4), (3, 6)))
     """
     if cache and not any_symbolic(shape):
-        try:
-            return block(tuple(shape), mesh_shape, pls, coord)
-        except TypeError:   # a SymInt a guard pinned to a constant: it does not hash
-            return block(hint_shape(shape), mesh_shape, pls, coord)
+        return block(tuple(shape), mesh_shape, pls, coord)
     ranges = [(0, n) for n in shape]
     for axis, p in enumerate(pls):
         if isinstance(p, Split):
