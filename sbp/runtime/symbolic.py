@@ -20,6 +20,7 @@ compiled for that size, and another size compiles again (as without this module)
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections import deque
 from dataclasses import replace
@@ -163,6 +164,51 @@ def specialize(shape: Sequence["int | torch.SymInt"]) -> tuple[int, ...]:
     return tuple(int(n) for n in shape)
 
 
+# the locals `untie_local_sizes` marked, with the mark each held before, until `forget_untied`
+_UNTIED: list = []
+_MARK = "_dynamo_propagated_dynamic_indices"
+
+
+def untie_local_sizes(local: torch.Tensor) -> None:
+    """Give each size of a global input's `local` a symbol of its own when torch.compile fakes it with
+    ``dynamic=True`` (``GlobalTensor.__tensor_flatten__`` calls this; elsewhere it does nothing).
+
+    Under ``dynamic=True`` torch gives equal sizes of a graph's inputs one symbol ("duck sizing"), decided
+    per rank from that rank's values. A local's size then shares a symbol with any size that happens to be
+    equal: rank 0's piece of 2 of a sequence of 3 with the batch of 2. Pinning the sequence (rank 1's piece
+    of 1 is static: `pin_static_pieces`) then pins the batch on rank 0 only, and ranks that see different
+    symbolic sizes decide ops differently: equal buffer sizes, different layouts, wrong values. A local size
+    is related to the global sizes by sbp's own equations (`block_of`), never by a coincidence of values:
+    its dims are marked as torch marks a graph output's symbolic dims for the next graph (weakly dynamic, no
+    guard), so each gets a symbol of its own; `forget_untied` takes the mark off again once the input is
+    faked.
+
+    >>> t = torch.ones(2, 3)
+    >>> untie_local_sizes(t); forget_untied()   # outside torch.compile(dynamic=True): nothing to mark
+    >>> hasattr(t, "_dynamo_propagated_dynamic_indices")
+    False
+    """
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None or config.assume_static_by_default or type(local) is not torch.Tensor:
+        return
+    _UNTIED.append((local, local.__dict__.get(_MARK)))
+    setattr(local, _MARK, set(range(local.dim())))
+
+
+def forget_untied() -> None:
+    """Take `untie_local_sizes`' marks off again (``GlobalTensor.__tensor_unflatten__``, once torch faked
+    the input: the symbols are made); a mark torch had set before is put back.
+
+    >>> forget_untied()
+    """
+    while _UNTIED:
+        local, before = _UNTIED.pop()
+        if before is None:
+            local.__dict__.pop(_MARK, None)
+        else:
+            setattr(local, _MARK, before)
+
+
 def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"],
                       mesh_shape: tuple[int, ...], pls: tuple) -> tuple:
     """A traced global tensor's `shape` with each symbolic size whose local size is static pinned by a guard
@@ -224,7 +270,10 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     (((0, 4), (3, 6)), ((0, 4), (3, 6)))
     """
     if cache and not any_symbolic(shape):
-        return block(tuple(shape), mesh_shape, pls, coord)
+        try:
+            return block(tuple(shape), mesh_shape, pls, coord)
+        except TypeError:   # a SymInt a guard pinned to a constant (an SP view's sequence): it does not hash
+            return block(hint_shape(shape), mesh_shape, pls, coord)
     ranges = [(0, n) for n in shape]
     for axis, p in enumerate(pls):
         if isinstance(p, Split):

@@ -425,6 +425,7 @@ class GlobalTensor(torch.Tensor):
     def __tensor_flatten__(self):
         # the global shape with symbolic sizes as None: the metadata is pickled into torch.compile's caches,
         # and a symbolic size would drag its shape environment along (unpicklable: no cache entry was saved)
+        symbolic.untie_local_sizes(self._local)   # dynamic=True: no symbol shared by a coincidence of values
         return ["_local"], (self._mesh, self._placements, tuple(n if type(n) is int else None for n in self.shape))
 
     @staticmethod
@@ -432,6 +433,7 @@ class GlobalTensor(torch.Tensor):
         # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic, but for
         # those whose local size is static (torch specialized a piece of 1): pinned now, before torch counts
         # the graph's symbolic sizes, not by an op that relates them later (symbolic.pin_static_pieces)
+        symbolic.forget_untied()
         mesh, pls, _ = meta
         local = inner["_local"]
         if symbolic.any_symbolic(outer_size):

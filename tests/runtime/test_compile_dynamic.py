@@ -134,6 +134,47 @@ def test_a_size_some_ranks_piece_specializes_is_pinned_on_every_rank() -> None:
     assert spmd(run_softmax_of_a_small_batch, (2,)) == [0.0, 0.0]
 
 
+class _SPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc, self.out = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.fc(self.norm(x))))
+
+
+def run_sp_block_sequences(lengths, mesh):
+    """A sequence-parallel block (input split on the sequence) compiled with dynamic=True, forward and
+    backward at each sequence length (batch 2): compiled loss and gradients against the unsharded block."""
+    torch.manual_seed(0)
+    plan = {"norm": sbp.nn.SequenceParallel(input_placement="S(1)", output_placement="S(1)"),
+            "fc": Colwise(input_placement="S(1)"), "out": Rowwise(output_placement="S(1)")}
+    base = _SPBlock().double()
+    m = sbp.nn.parallelize(copy.deepcopy(base), mesh, plan)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: m(x).full().pow(2).sum(), backend="aot_eager", fullgraph=True, dynamic=True)
+    diffs = []
+    for t in lengths:
+        full = torch.randn(2, t, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(t))
+        m.zero_grad(), base.zero_grad()
+        got = f(sbp.distribute(full, mesh, "S(1)"))
+        got.backward()
+        want = base(full).pow(2).sum()
+        want.backward()
+        grads = [(p.grad.full() - q.grad).abs().max().item() for p, q in zip(m.parameters(), base.parameters())]
+        diffs.append(max([abs(got.item() - want.item())] + grads))
+    return diffs
+
+
+def test_a_local_size_equal_to_an_unrelated_size_is_not_tied_to_it() -> None:
+    # a sequence of 3 on 2 ranks leaves rank 0 a piece of 2, the batch size: torch's duck sizing gave both the
+    # same symbol, so pinning the sequence (rank 1's piece of 1) pinned the batch on rank 0 only, and the ranks
+    # decided the block's redistributions differently with equal buffer sizes (a silently wrong loss: 39.52
+    # against 40.59). A local's sizes under dynamic=True get symbols of their own now.
+    for rank, diffs in enumerate(spmd(functools.partial(run_sp_block_sequences, (3, 5)), (2,))):
+        assert max(diffs) < 1e-10, f"rank {rank}: {diffs}"
+
+
 def run_gather_backward_inductor(mesh):
     """`x.redistribute("B")` of a batch split S(0), compiled by inductor with dynamic=True, forward and
     backward over even and odd batch sizes: (compiled == eager per size, graphs compiled)."""
