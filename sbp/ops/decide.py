@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ..runtime.executor import cached_plan
-from ..runtime.symbolic import hint, hint_shape, is_symbolic, narrows
+from ..runtime.symbolic import hint, hint_shape, is_symbolic, narrows, runs_symbolically
 from ..runtime.traced import untraced
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError, torch_alike
@@ -358,18 +358,21 @@ def candidates(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Choice | li
     if _count(per_axis) > MAX_COMBOS:
         per_axis = [sorted(sigs, key=lambda s, a=a: _changed_on_axis(spec, s, a))[:4]
                     for a, sigs in enumerate(per_axis)]
-    found = []
+    found, moving = [], []   # moving: choices that move a kept size, by steps that keep it symbolic
     keep = KEEP_SIZES.get()
     for index, combo in enumerate(itertools.product(*per_axis)):
         choice = _choice(spec, combo)
         if (rule.check is not None and not rule.check(spec, choice)) or not _representable(spec, choice):
             continue
-        if keep is not None and not keeps_dims(spec, choice, keep.__contains__):
-            continue
         changed = _changed(spec, choice)
+        if keep is not None and not keeps_dims(spec, choice, keep.__contains__):
+            if keeps_dims(spec, choice, keep.__contains__, moving=True):
+                moving.append((changed, index, choice))
+            continue
         if changed == 0 and not _writes_back(spec, choice, aliases):
             return choice  # nothing moves: nothing can be cheaper
         found.append((changed, index, choice))
+    found = found or moving   # a choice that moves a kept size only where every choice does
     found.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
     return found
 
@@ -380,23 +383,31 @@ KEEP_SIZES: contextvars.ContextVar[Optional[frozenset[int]]] = contextvars.Conte
                                                                                        default=None)
 
 
-def keeps_dims(spec: OpSpec, choice: Choice, kept) -> bool:
+def keeps_dims(spec: OpSpec, choice: Choice, kept, moving: bool = False) -> bool:
     """Whether `choice` leaves every input dim whose size is `kept` (a predicate: a symbolic size, or one of
     the made-up sizes that stand for symbols) split by the same mesh axes, or only narrows the input's
-    blocks (`sbp.runtime.symbolic.narrows`: cut locally, with symbolic bounds).
+    blocks (`sbp.runtime.symbolic.narrows`: cut locally, with symbolic bounds); with `moving`, also where
+    it moves them by steps that run with the sizes symbolic (`sbp.runtime.symbolic.runs_symbolically`:
+    gathers, reduce-scatters and all_to_alls along one axis at a time). Those are taken only where no
+    choice keeps the dims: a move of a symbolic size splits it anew, and each split pins a remainder.
 
-    >>> import sbp
-    >>> x = TensorMeta((1013, 10), torch.float32, (sbp.S(1),))
-    >>> spec = OpSpec(torch.ops.aten.neg.default, (2,), {"self": Ref(0)}, (x,), ())
-    >>> [keeps_dims(spec, Choice(((p,),), ()), {1013}.__contains__) for p in (sbp.S(0), B)]
-    [False, True]
+    >>> from sbp import S
+    >>> x = TensorMeta((1013, 10), torch.float32, (S(0), S(0)))
+    >>> spec = OpSpec(torch.ops.aten.neg.default, (2, 2), {"self": Ref(0)}, (x,), ())
+    >>> choices = [Choice((pls,), ()) for pls in ((S(0), S(0)), (S(0), B), (S(1), S(0)))]
+    >>> [keeps_dims(spec, c, {1013}.__contains__) for c in choices]
+    [True, False, False]
+    >>> [keeps_dims(spec, c, {1013}.__contains__, moving=True) for c in choices]   # a gather; a transfer
+    [True, True, False]
     """
     for meta, target in zip(spec.inputs, choice.inputs):
         if not meta.is_global or target == meta.placements:
             continue
         if narrows(meta.placements, target, len(meta.shape)):
             continue
-        if any(kept(n) and splitters(meta.placements, d) != splitters(target, d) for d, n in enumerate(meta.shape)):
+        if any(kept(n) and splitters(meta.placements, d) != splitters(target, d) for d, n in enumerate(meta.shape)) \
+                and not (moving and runs_symbolically(cached_plan(hint_shape(meta.shape), spec.mesh_shape,
+                                                                  meta.placements, target, meta.itemsize))):
             return False
     return True
 
@@ -630,7 +641,8 @@ def instantiate_symbolic(record: DecisionClass, func, args: tuple, kwargs: dict,
         record.found = candidates(rules.lookup(func), hinted, made.aliases)
     found = record.found
     if not isinstance(found, Choice):   # as the class was decided: no choice that moves a symbolic dim
-        found = [c for c in found if keeps_dims(spec, c[2], is_symbolic)]
+        found = [c for c in found if keeps_dims(spec, c[2], is_symbolic)] \
+            or [c for c in found if keeps_dims(spec, c[2], is_symbolic, moving=True)]   # (where one must)
     choice = found if isinstance(found, Choice) else cheapest(hinted, found, made.aliases)
     if choice is None:
         return None

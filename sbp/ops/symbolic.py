@@ -8,17 +8,18 @@ choice, and the output sizes follow the symbols (`sbp.ops.decide.DecisionClass`)
 class's decision with its own (symbolic) spec, so one graph serves every value the sizes take. A class
 whose output sizes no symbol gives (``x[:, :-1]``, a cat) is *shaped* when both cold decisions make the same
 choice (one that is not free must also be the choice at the call's hint sizes): the call runs that choice
-with the output sizes torch's meta kernels give for its symbolic shapes. A decision that moves a symbolic
-dim (redistributes an input along it, other than cutting each rank's block:
-`sbp.runtime.symbolic.narrows`), or a class that is neither (a fallback, a choice that differs),
-specializes the call instead: its symbolic sizes are pinned by guards (the graph then holds for those
-sizes), and it is decided as any call with int sizes -- or, where only some symbols break the made-up
-sizes or change the choice, those alone are pinned and the call is tried again (a call whose global inputs
-are all Broadcast is decided at its hint sizes instead: nothing moves at any size; one whose symbols
-torch's guards tie to each other, a view input's replay, at made-up sizes that keep the ties). Made-up sizes
-break a call where deciding it there fails (whatever torch or sbp raises) or gives output sizes other than torch's
-symbolic ones taken at those sizes (they lie outside torch's guards: a slice bound that is a symbol of its
-own, moved past the end of a static dim). A symbolic float argument is pinned alone.
+with the output sizes torch's meta kernels give for its symbolic shapes. A choice that moves a symbolic dim is
+taken only where every choice does, and only by steps that keep the size symbolic (gathers, reduce-scatters,
+all_to_alls along one axis: `sbp.runtime.symbolic.runs_symbolically`; cutting each rank's block, `narrows`,
+moves nothing). A decision that moves one otherwise, or a class that is neither generic nor shaped (a
+fallback, a choice that differs), specializes the call instead: its symbolic sizes are pinned by guards (the
+graph then holds for those sizes), and it is decided as any call with int sizes -- or, where only some symbols
+break the made-up sizes or change the choice, those alone are pinned and the call is tried again (a call whose
+global inputs are all Broadcast is decided at its hint sizes instead: nothing moves at any size; one whose
+symbols torch's guards tie to each other, a view input's replay, at made-up sizes that keep the ties). Made-up
+sizes break a call where deciding it there fails (whatever torch or sbp raises) or gives output sizes other
+than torch's symbolic ones taken at those sizes (they lie outside torch's guards: a slice bound that is a
+symbol of its own, moved past the end of a static dim). A symbolic float argument is pinned alone.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from .decide import (
     free,
     instantiate_shaped,
     instantiate_symbolic,
+    keeps_dims,
     meta_outputs,
     size_arguments,
 )
@@ -459,10 +461,11 @@ def _torch_guards(func, args: tuple, kwargs: dict) -> Optional[tuple]:
 
 
 def keeps_symbolic_splits(decision: Decision) -> bool:
-    """Whether `decision` moves no dim of symbolic size: each global input's symbolic dims are split by the
-    same mesh axes in its placements and in its target (a redistribution that moves one would pin it), or
-    the input's move only narrows each rank's block (`sbp.runtime.symbolic.narrows`: ``B -> S(0)``, cut
-    with bounds in the symbolic sizes).
+    """Whether `decision` moves no dim of symbolic size other than symbolically: each global input's symbolic
+    dims are split by the same mesh axes in its placements and in its target (a redistribution that moves
+    one would pin it), or the input's move only narrows each rank's block (`sbp.runtime.symbolic.narrows`:
+    ``B -> S(0)``, cut with bounds in the symbolic sizes), or runs with its sizes symbolic (gathers,
+    reduce-scatters and all_to_alls along one axis at a time: `sbp.runtime.symbolic.runs_symbolically`).
 
     A symbolic dim that some placement of the call splits gets its remainder by the pieces pinned by a guard
     here, so the checks of the chosen signature (which may depend on it: balanced pieces differ by one) hold
@@ -477,17 +480,14 @@ def keeps_symbolic_splits(decision: Decision) -> bool:
 
 def _split_sizes(decision: Decision) -> Optional[list[tuple[Any, int]]]:
     """(symbolic size, pieces) of each dim of symbolic size that `decision`'s placements split, or None
-    where the decision moves one (`keeps_symbolic_splits`)."""
+    where the decision moves one other than symbolically (`keeps_symbolic_splits`, `keeps_dims`)."""
     spec, choice = decision.spec, decision.choice
+    if not keeps_dims(spec, choice, symbolic.is_symbolic, moving=True):
+        return None
     pinned = []   # (size, parts)
     for meta, target in zip(spec.inputs, choice.inputs):
-        if not meta.is_global:
-            continue
-        cut = symbolic.narrows(meta.placements, target, len(meta.shape))   # cut with symbolic bounds
-        for d in symbolic.dynamic_dims(meta.shape):
-            if splitters(meta.placements, d) != splitters(target, d) and not cut:
-                return None
-            pinned.append((meta.shape[d], _parts(spec.mesh_shape, target, d)))
+        if meta.is_global:
+            pinned += [(meta.shape[d], _parts(spec.mesh_shape, target, d)) for d in symbolic.dynamic_dims(meta.shape)]
     for meta, pls in zip(spec.outputs, choice.outputs):
         if meta is not None:
             pinned += [(meta.shape[d], _parts(spec.mesh_shape, pls, d)) for d in symbolic.dynamic_dims(meta.shape)]

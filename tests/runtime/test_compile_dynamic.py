@@ -175,6 +175,77 @@ def test_a_local_size_equal_to_an_unrelated_size_is_not_tied_to_it() -> None:
         assert max(diffs) < 1e-10, f"rank {rank}: {diffs}"
 
 
+def run_sequence_parallel_lengths(mesh, lengths=(10, 12, 6, 14, 9, 11)):
+    """The sequence-parallel block compiled with dynamic=True over sequence lengths: the largest loss and
+    gradient differences from eager sbp, and the graphs compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    plan = {"norm": sbp.nn.SequenceParallel(input_placement="S(1)", output_placement="S(1)"),
+            "fc": Colwise(input_placement="S(1)"), "out": Rowwise(output_placement="S(1)")}
+    base = _SPBlock().double()
+    eager, compiled = (sbp.nn.parallelize(copy.deepcopy(base), mesh, plan) for _ in range(2))
+    f = torch.compile(lambda x: compiled(x).full().pow(2).sum(), backend="aot_eager", fullgraph=True, dynamic=True)
+    diff = 0.0
+    for t in lengths:
+        x = sbp.distribute(torch.randn(2, t, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(t)),
+                           mesh, "S(1)")
+        got, want = f(x), eager(x).full().pow(2).sum()
+        got.backward()
+        want.backward()
+        diff = max(diff, abs(got.item() - want.item()))
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        diff = max(diff, (a.grad.full() - b.grad.full()).abs().max().item())
+    return diff, _graphs()
+
+
+def test_sequence_parallel_block_compiles_once_per_remainder_of_the_sequence_length() -> None:
+    # the block's view of its S(1) input to (B x T, C) must split the rows: its every choice moves the split
+    # sequence (S(1) -> S(0), an all_to_all), so the call pinned T, one graph per length (6 for 6). The
+    # all_to_all runs with T symbolic (`symbolic.runs_symbolically`): one graph for even lengths, one for odd
+    for rank, (diff, graphs) in enumerate(spmd(run_sequence_parallel_lengths, (2,))):
+        assert diff <= 1e-10, (rank, diff)
+        assert graphs == 2, f"rank {rank}: {graphs} graphs for six sequence lengths"
+
+
+ALONG_SPLIT = {"softmax": lambda x: torch.softmax(x, 0), "cumsum": lambda x: torch.cumsum(x, 0),
+               "sort": lambda x: torch.sort(x, 0)[0], "flip": lambda x: torch.flip(x, (0,)),
+               "cat": lambda x: torch.cat([x, x], 0)}
+
+
+def run_ops_along_the_split_dim(sizes, mesh):
+    """Per op of `ALONG_SPLIT` (along dim 0 of an S(0) input), compiled with dynamic=True over batch `sizes`,
+    forward and backward: (compiled == eager at every size, graphs compiled)."""
+    out = {}
+    for name, op in ALONG_SPLIT.items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        f = torch.compile(lambda x, op=op: op(x * 1).full(), backend="aot_eager", fullgraph=True, dynamic=True)
+        same = []
+        for b in sizes:
+            full = torch.randn(b, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(b))
+            got = []
+            for fn in (f, lambda x, op=op: op(x * 1).full()):
+                x = sbp.distribute(full, mesh, "S(0)", requires_grad=True)
+                y = fn(x)
+                (y * torch.arange(float(y.numel())).reshape(y.shape)).sum().backward()
+                got.append((y.detach(), x.grad.full()))
+            same.append(all(torch.equal(a, b) for a, b in zip(*got)))
+        out[name] = (all(same), _graphs())
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape, sizes, most", [((2,), (8, 10, 12, 9, 11, 13), 2),
+                                                     ((3,), (9, 10, 11, 12, 13, 14, 4), 4)], ids=["2", "3"])
+def test_ops_along_the_split_dynamic_dim_compile_once_per_remainder(mesh_shape, sizes, most) -> None:
+    # every choice of these ops' rules moves the split batch (the op needs dim 0 whole on each rank): the
+    # calls were pinned, one graph per size. The decision now takes a move that keeps the batch symbolic (an
+    # all_to_all S(0) -> S(1) or a gather): one graph per remainder by the ranks, and one for a size small
+    # enough that some rank's piece is 1 (4 on 3 ranks: pinned on every rank alike)
+    for rank, per_op in enumerate(spmd(functools.partial(run_ops_along_the_split_dim, sizes), mesh_shape)):
+        assert per_op == {name: (True, most) for name in ALONG_SPLIT}, (rank, per_op)
+
+
 def run_gather_backward_inductor(mesh):
     """`x.redistribute("B")` of a batch split S(0), compiled by inductor with dynamic=True, forward and
     backward over even and odd batch sizes: (compiled == eager per size, graphs compiled)."""
