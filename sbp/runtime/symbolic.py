@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from collections import deque
 from dataclasses import replace
 from typing import Iterable, Sequence
 
@@ -72,7 +71,10 @@ def size_key(n: "int | torch.SymInt") -> object:
 class SizeMap:
     """A dict keyed by sizes that may be symbolic (`size_key`), whose lookups also find a size recorded as an
     expression that the guards since recorded make equal to the asked one (``s0 // 2`` recorded, ``1`` asked
-    after torch guarded ``s0 // 2 == 1``, as it does for a size 1 a broadcast could read).
+    after torch guarded ``s0 // 2 == 1``, as it does for a size 1 a broadcast could read). The newest record
+    that answers wins: a graph traced for a batch of 3 records its local batch ``s0 // 2`` where an earlier
+    graph (a batch of 2) recorded the int 1, and the asked 1 must find the new record, not the stale one.
+    A symbolic record answers only within its own shape environment (the graph it was traced in).
 
     >>> m = SizeMap()
     >>> m[3] = 6
@@ -80,24 +82,41 @@ class SizeMap:
     (6, None)
     """
 
+    __slots__ = ("_entries",)
+    LIMIT = 64
+
     def __init__(self) -> None:
-        self._by_key: dict = {}
-        self._symbolic: deque = deque(maxlen=64)   # symbolic sizes kept for the second look (a few per graph)
+        self._entries: dict = {}   # size_key -> (size, value), oldest first
 
     def __setitem__(self, n: "int | torch.SymInt", value: object) -> None:
-        self._by_key[size_key(n)] = value
-        if isinstance(n, torch.SymInt) and is_symbolic(n):
-            self._symbolic.append((n, value))
+        key = size_key(n)
+        entries = self._entries
+        if key in entries:
+            del entries[key]   # set again: it becomes the newest
+        elif len(entries) >= self.LIMIT:
+            del entries[next(iter(entries))]
+        entries[key] = (n, value)
 
     def get(self, n: "int | torch.SymInt", default: object = None) -> object:
-        """The value recorded for size `n`, else `default`."""
-        key = size_key(n)
-        if key in self._by_key:
-            return self._by_key[key]
-        for size, value in reversed(self._symbolic):
-            if size_key(size) == key or statically_known_true(size == n):   # known equal: no guard is added
+        """The value of the newest record for size `n`, else `default`."""
+        key, env = size_key(n), None
+        for k, (size, value) in reversed(self._entries.items()):
+            if k == key:
+                return value
+            if type(size) is int or not is_symbolic(size):
+                continue
+            if env is None:   # (looked up once, and only past a symbolic record: eager lookups skip it)
+                env = n.node.shape_env if isinstance(n, torch.SymInt) else _tracing_shape_env()
+            if size.node.shape_env is env and statically_known_true(size == n):   # known equal: no guard added
                 return value
         return default
+
+
+def _tracing_shape_env() -> object:
+    """The shape environment of the graph torch.compile is tracing, else None."""
+    context = torch._guards.TracingContext.try_get()
+    mode = getattr(context, "fake_mode", None) if context is not None else None
+    return getattr(mode, "shape_env", None)
 
 
 _SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # graph tracer -> {expression: size}

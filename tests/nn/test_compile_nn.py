@@ -251,6 +251,17 @@ def test_batch_size_change_does_not_recompile(sequence_parallel) -> None:
         assert graphs == 1, f"rank {rank}: {graphs} graphs for batch sizes 4, 4, 6, 3, 5"
 
 
+def test_a_local_batch_length_an_earlier_graph_recorded_is_not_reused() -> None:
+    # (2, 2) with sequence parallelism: the attention's local heads come back through `_global_shape`, which
+    # looks up the global batch by the local one. A batch of 2 leaves dp coord 1 one row and records 1 -> 2;
+    # the batch of 3 gives it one row again, recorded as the expression s0 // 2, and the lookup of 1 found
+    # the stale 1 -> 2 first (a ShapeError: "broadcast a dimension of length 2"). The newest record wins now
+    fn = functools.partial(run_batch_change, True, (4, 2, 3))
+    for rank, (graphs, loss_diff, grad_diff) in enumerate(spmd(fn, (2, 2))):
+        assert loss_diff <= TOL and grad_diff <= TOL, (rank, loss_diff, grad_diff)
+        assert graphs <= 3, f"rank {rank}: {graphs} graphs for batch sizes 4, 2, 3"
+
+
 def test_batch_split_on_dp_stays_symbolic_for_sizes_of_one_remainder() -> None:
     # (2, 2): the dp axis splits the batch. Its size stays symbolic, its remainder by the 2 pieces is pinned:
     # even sizes share one graph, odd sizes another. An odd batch's pieces (3 and 2 of 5) are not where the
