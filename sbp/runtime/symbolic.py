@@ -228,6 +228,22 @@ def forget_untied() -> None:
             setattr(local, _MARK, before)
 
 
+def tie_local_sizes(local_shape: Sequence["int | torch.SymInt"], shape: Sequence["int | torch.SymInt"],
+                    pls: tuple) -> None:
+    """Tell torch that each symbolic size of a traced input's local along a dim no placement of `pls` splits
+    is the global size of `shape` there: torch then replaces the local's symbol by the global one everywhere.
+    Left apart, a local size keeps a symbol of its own, which a compiled function's output can carry
+    (``x.reshape(x.shape[0], -1)`` of a global input): its gradient's local then has a size in symbols the
+    backward graph is not given, and inductor cannot compile it.
+
+    >>> from sbp import S
+    >>> tie_local_sizes((2, 3), (4, 3), (S(0),))   # ints: nothing to tell
+    """
+    for d, (n, m) in enumerate(zip(local_shape, shape)):
+        if is_symbolic(n) and not splitters(pls, d):   # a whole dim: its local size is the global one
+            torch._check(n == m)
+
+
 def pin_static_pieces(shape: Sequence["int | torch.SymInt"], local_shape: Sequence["int | torch.SymInt"],
                       mesh_shape: tuple[int, ...], pls: tuple) -> tuple:
     """A traced global tensor's `shape` with each symbolic size whose local size is static pinned by a guard

@@ -438,6 +438,7 @@ class GlobalTensor(torch.Tensor):
         local = inner["_local"]
         if symbolic.any_symbolic(outer_size):
             outer_size = symbolic.canonical(symbolic.pin_static_pieces(outer_size, local.shape, mesh.shape, pls))
+            symbolic.tie_local_sizes(local.shape, outer_size, pls)
         return GlobalTensor(local, mesh, pls, tuple(outer_size))
 
     @classmethod

@@ -246,6 +246,26 @@ def test_ops_along_the_split_dynamic_dim_compile_once_per_remainder(mesh_shape, 
         assert per_op == {name: (True, most) for name in ALONG_SPLIT}, (rank, per_op)
 
 
+def run_reshape_output_inductor(mesh):
+    """A compiled function (inductor, dynamic=True) whose output is a reshape merging two whole dims of an
+    S(0) input, then differentiated: the largest differences of the output and the input's gradient from
+    plain torch."""
+    torch._dynamo.reset()
+    full = torch.randn(8, 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    f = torch.compile(lambda x: x.reshape(x.shape[0], -1), backend="inductor", fullgraph=True, dynamic=True)
+    x = sbp.distribute(full, mesh, "S(0)", requires_grad=True)
+    y = f(x)
+    (y.full() ** 2).sum().backward()
+    return (y.full() - full.reshape(8, -1)).abs().max().item(), (x.grad.full() - 2 * full).abs().max().item()
+
+
+def test_inductor_compiles_the_backward_of_a_reshape_output() -> None:
+    # the output's local keeps the local input's sizes: as symbols of their own, its gradient's size (s1 * s2)
+    # was in symbols inductor's backward graph is not given ("expected [s1, s2] to have been codegen-ed"). The
+    # local's whole dims are tied to the global sizes where the input is made (`symbolic.tie_local_sizes`)
+    assert spmd(run_reshape_output_inductor, (2,)) == [(0.0, 0.0)] * 2
+
+
 def run_gather_backward_inductor(mesh):
     """`x.redistribute("B")` of a batch split S(0), compiled by inductor with dynamic=True, forward and
     backward over even and odd batch sizes: (compiled == eager per size, graphs compiled)."""
