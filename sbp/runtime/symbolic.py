@@ -197,7 +197,8 @@ def untie_local_sizes(local: torch.Tensor) -> None:
     equal: rank 0's piece of 2 of a sequence of 3 with the batch of 2. Pinning the sequence (rank 1's piece
     of 1 is static: `pin_static_pieces`) then pins the batch on rank 0 only, and ranks that see different
     symbolic sizes decide ops differently: equal buffer sizes, different layouts, wrong values. A local size
-    is related to the global sizes by sbp's own equations (`block_of`), never by a coincidence of values:
+    is related to the global sizes by sbp's own equations (`block_of`, `tie_local_sizes`), never by a
+    coincidence of values:
     its dims are marked as torch marks a graph output's symbolic dims for the next graph (weakly dynamic, no
     guard), so each gets a symbol of its own; `forget_untied` takes the mark off again once the input is
     faked.

@@ -432,7 +432,8 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         # the global shape is the outer size torch.compile hands over: symbolic sizes stay symbolic, but for
         # those whose local size is static (torch specialized a piece of 1): pinned now, before torch counts
-        # the graph's symbolic sizes, not by an op that relates them later (symbolic.pin_static_pieces)
+        # the graph's symbolic sizes, not by an op that relates them later (symbolic.pin_static_pieces); the
+        # local's sizes along whole dims are the global ones (symbolic.tie_local_sizes)
         symbolic.forget_untied()
         mesh, pls, _ = meta
         local = inner["_local"]
