@@ -198,10 +198,9 @@ def untie_local_sizes(local: torch.Tensor) -> None:
     of 1 is static: `pin_static_pieces`) then pins the batch on rank 0 only, and ranks that see different
     symbolic sizes decide ops differently: equal buffer sizes, different layouts, wrong values. A local size
     is related to the global sizes by sbp's own equations (`block_of`, `tie_local_sizes`), never by a
-    coincidence of values:
-    its dims are marked as torch marks a graph output's symbolic dims for the next graph (weakly dynamic, no
-    guard), so each gets a symbol of its own; `forget_untied` takes the mark off again once the input is
-    faked.
+    coincidence of values: its dims are marked as torch marks a graph output's symbolic dims for the next
+    graph (weakly dynamic, no guard), so each gets a symbol of its own; `forget_untied` takes the mark off
+    again once the input is faked.
 
     >>> t = torch.ones(2, 3)
     >>> untie_local_sizes(t); forget_untied()   # outside torch.compile(dynamic=True): nothing to mark
@@ -308,7 +307,7 @@ def block_of(shape: Sequence["int | torch.SymInt"], mesh_shape: tuple[int, ...],
     if cache and not any_symbolic(shape):
         try:
             return block(tuple(shape), mesh_shape, pls, coord)
-        except TypeError:   # a SymInt a guard pinned to a constant (an SP view's sequence): it does not hash
+        except TypeError:   # a SymInt a guard pinned to a constant: it does not hash
             return block(hint_shape(shape), mesh_shape, pls, coord)
     ranges = [(0, n) for n in shape]
     for axis, p in enumerate(pls):
