@@ -40,6 +40,7 @@ from ..values.steps import Step
 from .buffers import gather, scatter
 from .communicator import Communicator
 from .symbolic import step_runs_symbolically
+from .torch_fixes import apply as apply_torch_fixes
 
 _FUNCOL = torch.ops._c10d_functional
 
@@ -266,6 +267,7 @@ def assert_rows_agree(row: list, comm: Communicator, axes: tuple[int, ...], devi
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    apply_torch_fixes()   # before the partitioner and inductor see this graph (`sbp.runtime.torch_fixes`)
     _keep_forward_collectives_forward()
     out = _FUNCOL.wait_tensor(t)
     _keep_backward_collectives_backward()

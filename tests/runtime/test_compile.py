@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -903,3 +904,65 @@ def test_a_mesh_axis_of_size_one_compiles() -> None:
     # looked for a process group of one rank ("no process group for ranks [0]"); it is the identity
     pairs = [("B, P(sum)", "B, B"), ("P(sum), P(max)", "B, B"), ("S(0), B", "S(0), S(1)")]
     _check_redistributions(pairs, spmd(functools.partial(run_redistributions, pairs, (5, 6), "aot_eager"), (2, 1)))
+
+
+def run_two_transfers_compiled_together(mesh):
+    """(values and gradients equal eager, collectives in the forward graph) on this rank: two independent
+    exact transfers ``B, S(0) -> S(0), S(0)`` of (7, 5) tensors in one compiled function whose inputs require
+    grad, traced as inductor traces (its decompositions make a rank's one-row ``new_ones`` calls equal
+    constants) and split by its partitioner (the min-cut one, which first runs a CSE pass over the joint
+    graph)."""
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+    values = [_global_value((7, 5)), _global_value((7, 5)) * 3 - 1]
+    grads = [_global_value((7, 5)) * 10 + 1, _global_value((7, 5)) - 2]
+    recorder = GraphRecorder(partition_fn=partition_fn, decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    xs = [sbp.distribute(v, mesh, "B, S(0)").requires_grad_() for v in values]
+    ys = torch.compile(lambda a, b: (a.redistribute("S(0), S(0)"), b.redistribute("S(0), S(0)")),
+                       backend=recorder.backend, fullgraph=True)(*xs)
+    torch.autograd.backward(ys, [sbp.distribute(g, mesh, "S(0), S(0)") for g in grads])
+    same = all(torch.equal(y.full(), v) for y, v in zip(ys, values))
+    same_grads = all(torch.equal(x.grad.full(), g) for x, g in zip(xs, grads))
+    return same, same_grads, dict(recorder.collectives(0))
+
+
+def test_equal_collectives_of_one_rank_are_not_merged_by_the_partitioner() -> None:
+    # fails without sbp.runtime.torch_fixes' CSE mend: rank 0 holds its target rows already, so both transfers
+    # gave it the same one-row all_to_all_single; the partitioner's CSE folded them into one on ranks 0 and 3
+    # while ranks 1 and 2 kept two, and the ranks hung in the second
+    for rank, (same, same_grads, forward) in enumerate(spmd(run_two_transfers_compiled_together, (2, 2))):
+        assert same and same_grads, rank
+        assert forward.get("all_to_all_single") == 2, (rank, forward)
+
+
+def run_fused_read_of_a_gathered_buffer(mesh):
+    """(output equal eager, the generated code's order is right) on this rank: inductor fuses the kernel that
+    adds an all-gathered tensor to a sum of strided slices ((4, 5) loops) with the add's own flat loop."""
+    from torch._inductor.utils import run_and_get_code
+    value = _global_value((8, 5)).float()
+    parts = [_global_value((4, 7)).float().cos() * k for k in range(10)]
+
+    def f(a, *bs):
+        h = sum(b[:, 1:6] * (i + 1) for i, b in enumerate(bs))
+        return h + a.redistribute("B")[:4], h.sum()
+
+    with torch._inductor.config.patch(force_disable_caches=True):   # compile now, whatever the cache holds
+        (out, _), codes = run_and_get_code(torch.compile(f, backend="inductor", fullgraph=True),
+                                           sbp.distribute(value, mesh, "S(0)"),
+                                           *(sbp.distribute(p, mesh, "B") for p in parts))
+    want = sum(p[:, 1:6] * (i + 1) for i, p in enumerate(parts)) + value[:4]
+    lines = codes[0][codes[0].index("def call"):].splitlines()
+    gather = next(i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line)
+    buf = lines[gather].split("=")[0].strip()
+    wait = next(i for i, line in enumerate(lines) if f"wait_tensor.default({buf})" in line)
+    first_read = next(i for i, line in enumerate(lines)
+                      if line.strip().startswith("cpp_fused") and re.search(rf"\b{buf}\b", line))
+    return torch.allclose(out.full(), want), wait < first_read
+
+
+def test_a_kernel_fused_across_loop_shapes_reads_a_gathered_buffer_after_its_wait() -> None:
+    # fails without sbp.runtime.torch_fixes' inductor mend: fusing the (4, 5) and the (20,) loops rebuilt the
+    # add's dependencies without the wait's rename, the fused kernel ran before wait_tensor and read the
+    # all_gather's buffer unfilled (garbage on both ranks; a (2, 2) redistribution's gradient the same way)
+    assert spmd(run_fused_read_of_a_gathered_buffer, (2,)) == [(True, True)] * 2
