@@ -233,7 +233,7 @@ def run_step(step: Step, local: torch.Tensor, global_shape: tuple[int, ...], mes
             if math.prod(local.shape[:local.dim() - len(elem)]) == 0:
                 return local.contiguous()
             name, _, _ = group_name(comm, step.axes)
-            return _wait(_FUNCOL.all_reduce(local.contiguous(), _op(step), name))
+            return _collective("all_reduce", local.contiguous(), _op(step), name)
         case "all_to_all" if step_runs_symbolically(step):
             return _exchange_padded(step, local, global_shape, mesh_shape, coord, comm)
         case "all_to_all" | "transfer":
@@ -259,11 +259,22 @@ def assert_rows_agree(row: list, comm: Communicator, axes: tuple[int, ...], devi
         mine = torch.tensor(row, dtype=torch.int64, device=device)
     else:   # a symbolic size: traced as the ops that make it
         mine = torch.stack([torch.scalar_tensor(v, dtype=torch.int64, device=device) for v in row])
-    rows = _wait(_FUNCOL.all_gather_into_tensor(mine, n, name)).view(n, len(row))
+    rows = _collective("all_gather_into_tensor", mine, n, name).view(n, len(row))
     same = torch.all(rows == mine)
     # on a GPU the assertion is read on the host: asserted on the device it would be a device-side assert,
     # which leaves the process's CUDA context unusable (eager `from_local` reads the shapes on the host too)
     torch._assert_async(same if same.device.type == "cpu" else same.cpu(), message)
+
+
+def _collective(name: str, inp: torch.Tensor, *args) -> torch.Tensor:
+    """``torch.ops._c10d_functional.<name>(inp, *args)`` and its wait. A bool tensor travels as uint8 (bools
+    reduce only by max or min, `P(sum)` refuses them, and both are exact on 0 and 1): inductor's C++ backend
+    failed to compile a bool mask loaded from a collective's buffer (``torch.where`` on an all-gathered
+    comparison: "CppCSEVariable ... dtype: torch.int64" in its mask cast; a torch bug, plain functional
+    collectives alike), and where only some ranks' graphs hit it the others hung."""
+    if inp.dtype != torch.bool:
+        return _wait(getattr(_FUNCOL, name)(inp, *args))
+    return _wait(getattr(_FUNCOL, name)(inp.to(torch.uint8), *args)).to(torch.bool)
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -357,7 +368,7 @@ def _all_gather(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> 
     flat = local.reshape((-1,) + elem)
     if flat.shape[0] != lay.width:
         flat = torch.cat([flat, flat.new_zeros((lay.width - flat.shape[0],) + elem)])
-    buf = _from_group_order(_wait(_FUNCOL.all_gather_into_tensor(flat.contiguous(), n, name)), lay.width, order)
+    buf = _from_group_order(_collective("all_gather_into_tensor", flat.contiguous(), n, name), lay.width, order)
     if lay.runs is not None:
         if len(lay.runs) == 1:   # one run (the pieces lie in order): the buffer, or its head, as it is
             (lo, hi), = lay.runs
@@ -390,7 +401,7 @@ def _reduce_scatter(step, local, global_shape, mesh_shape, coord, comm, elem=())
             for where, shape, offset in lay.places:
                 inp[offset:offset + math.prod(shape)] = local[where].reshape((-1,) + elem)
     inp = _to_group_order(inp, lay.width, order).contiguous()
-    got = _wait(_FUNCOL.reduce_scatter_tensor(inp, _op(step), n, name))
+    got = _collective("reduce_scatter_tensor", inp, _op(step), n, name)
     return got[:lay.numels[lay.index]].view(lay.shape + elem)
 
 
@@ -416,7 +427,7 @@ def run_symbolic_step(step: Step, local: torch.Tensor, ranges: dict, me: int, co
     if step.kind == "all_gather":
         d = step.src[axis].dim
         x = _padded_piece(local.movedim(d, 0), ranges[d], n, me)
-        parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)),
+        parts = _rows_of(_collective("all_gather_into_tensor", x.contiguous(), n, name),
                          (n, _width(ranges[d], n)) + tuple(x.shape[1:]))
         out = _joined(_reordered(parts, to_member), ranges[d], n)
         return out.movedim(0, d).contiguous()
@@ -425,14 +436,14 @@ def run_symbolic_step(step: Step, local: torch.Tensor, ranges: dict, me: int, co
         x = local.movedim(d, 0)
         x = _rows_of(x.contiguous(), (ranges[d],) + tuple(x.shape[1:]))   # every member's partial sum of it
         parts = _reordered(_pieces(x, ranges[d], n), to_group)
-        out = _wait(_FUNCOL.reduce_scatter_tensor(parts.flatten(0, 1).contiguous(), _op(step), n, name))
+        out = _collective("reduce_scatter_tensor", parts.flatten(0, 1).contiguous(), _op(step), n, name)
         return _own_piece(out, ranges[d], n, me).movedim(0, d).contiguous()
     a, b = step.src[axis].dim, step.dst[axis].dim   # all_to_all: gathers a, scatters b
     x = local.movedim((a, b), (0, 1))
     x = _rows_of(x.contiguous(), (_piece(ranges[a], n, me), ranges[b]) + tuple(x.shape[2:]))
     parts = _pieces(_padded_piece(x, ranges[a], n, me).movedim(1, 0), ranges[b], n)   # (member, b, a, ...)
     parts = _reordered(parts.transpose(1, 2), to_group)   # (member, a's piece, b's piece, ...)
-    got = _wait(_FUNCOL.all_to_all_single(parts.contiguous(), [1] * n, [1] * n, name))
+    got = _collective("all_to_all_single", parts.contiguous(), [1] * n, [1] * n, name)
     out = _own_piece(_joined(_reordered(got, to_member), ranges[a], n).movedim(1, 0), ranges[b], n, me)
     return out.movedim((1, 0), (a, b)).contiguous()
 
@@ -450,7 +461,7 @@ def run_symbolic_gather(step: Step, local: torch.Tensor, dim: int, lengths: list
     pad = int(lengths[0] - lengths[me])   # 0 or 1: fixed by the pinned remainders (a guard that holds)
     if pad:
         x = torch.cat([x, x.new_zeros((pad,) + rest)])
-    parts = _rows_of(_wait(_FUNCOL.all_gather_into_tensor(x.contiguous(), n, name)), (n, lengths[0]) + rest)
+    parts = _rows_of(_collective("all_gather_into_tensor", x.contiguous(), n, name), (n, lengths[0]) + rest)
     parts = _reordered(parts, [order.index(m) for m in range(n)])   # group order -> member order
     return torch.cat([parts[m, :lengths[m]] for m in range(n)]).movedim(0, dim).contiguous()
 
@@ -537,7 +548,7 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str, order
     out_sizes = [out_sizes_m[m] for m in order]
     parts = [p for m in order for p in outbox[m]]
     inp = torch.cat(parts) if parts else source.new_empty((0,) + elem)
-    got = _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
+    got = _collective("all_to_all_single", inp.contiguous(), out_sizes, in_sizes, name)
     if tie:
         return [], got.reshape(-1)[0]
     starts, at = {}, 0
@@ -555,7 +566,7 @@ def _all_to_all(source: torch.Tensor, held, send, recv, n: int, name: str, order
 def all_to_all_rows(inp: torch.Tensor, out_sizes: list, in_sizes: list, name: str) -> torch.Tensor:
     """One functional ``all_to_all_single`` along dim 0 of `inp` (sizes in rows, group-rank order; they may
     be symbolic), waited for: `sbp.runtime.rows` in a traced graph."""
-    return _wait(_FUNCOL.all_to_all_single(inp.contiguous(), out_sizes, in_sizes, name))
+    return _collective("all_to_all_single", inp.contiguous(), out_sizes, in_sizes, name)
 
 
 def _exchange(step, local, global_shape, mesh_shape, coord, comm, elem=()) -> torch.Tensor:

@@ -966,3 +966,27 @@ def test_a_kernel_fused_across_loop_shapes_reads_a_gathered_buffer_after_its_wai
     # add's dependencies without the wait's rename, the fused kernel ran before wait_tensor and read the
     # all_gather's buffer unfilled (garbage on both ranks; a (2, 2) redistribution's gradient the same way)
     assert spmd(run_fused_read_of_a_gathered_buffer, (2,)) == [(True, True)] * 2
+
+
+def run_bool_mask_through_a_collective(mesh):
+    """(equal eager, the gathered mask is bool) on this rank: ``torch.where`` on an all-gathered comparison,
+    compiled by inductor; and a bool `P(max)` reduced (a logical or)."""
+    value = _global_value((7, 5)).float()
+
+    def f(x, p):
+        mask = (x > 0).redistribute("B")
+        return torch.where(mask, x.redistribute("B") * 2, 0.0), mask, p.redistribute("B")
+
+    x = sbp.distribute(value, mesh, "S(0)")
+    p = sbp.from_local(torch.eye(3, dtype=torch.bool) & (mesh.coord[0] == 0), mesh, "P(max)", global_shape=(3, 3))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out, mask, summed = torch.compile(f, backend="inductor", fullgraph=True)(x, p)
+    return (torch.equal(out.full(), torch.where(value > 0, value * 2, 0.0)), mask.dtype == torch.bool,
+            torch.equal(summed.full(), torch.eye(3, dtype=torch.bool)), summed.dtype == torch.bool)
+
+
+def test_a_bool_tensor_through_a_collective_compiles_with_inductor() -> None:
+    # fails without sbp.runtime.traced._collective's uint8 carriage: inductor's C++ backend asserted in its
+    # mask cast ("CppCSEVariable(... dtype: torch.int64 ...)", a torch bug); on (2, 2) with uneven shapes only
+    # some ranks' graphs hit it and the others hung
+    assert spmd(run_bool_mask_through_a_collective, (2,)) == [(True, True, True, True)] * 2
