@@ -231,7 +231,7 @@ class Unit:
                 _refill(s, torch.cat(pieces, dim=s.dim))
             return send.new_empty(0)   # nothing of the buffer outlives the copy-out
 
-        self.gathering = pending.submit(comm, run, (0,), dtype, send.device)
+        self.gathering = pending.submit(comm, run, (0,), dtype, send.device, axes=(self.axis,))
         in_group = {k for g in self.groups for k in g.at}
         self.planned = [redistribute_raw(_cast(s.param, self.param_dtype), s.compute, async_op=True, snapshot=False)
                         if not s.flat and s.dim is not None and k not in in_group else None
@@ -386,7 +386,7 @@ class Unit:
             log.append(("reduce_scatter", name, "backward", tuple(comm.counters.calls[before:])))
             return seg
 
-        seg = pending.submit(comm, run, (width,), dtype, buf.device)
+        seg = pending.submit(comm, run, (width,), dtype, buf.device, axes=(axis, *rep))
         for k, s in flat:
             if grads[k] is None and k not in unsure:
                 continue

@@ -12,6 +12,17 @@ queue's worker (the executor running a plan, a row move, a check, ``mesh.binding
 drains the rank's queue (`drain`), so it never overtakes async work submitted before it (work submitted
 from the queue's own thread does not drain, or it would wait for itself).
 
+Ordering with compiled graphs: a graph made by torch.compile issues its functional collectives straight to
+the process groups, with no drain. So every global tensor a compiled graph takes as an input, or as the
+gradient of an output (torch flattens it, `GlobalTensor.__tensor_flatten__`, right before the graph runs),
+calls `fence`: the rank's queue is drained first if work on it may communicate over a group some compiled
+graph of this process runs collectives on (`note_graph_group`, at trace time; each job's `span` says
+which ranks it talks to). Async work on other groups keeps running beside the graph: a fully sharded
+model's gathers and reduce_scatters on the data-parallel axis overlap compiled blocks whose collectives
+are tensor-parallel. Without this, a compiled block whose graph held a collective on the data-parallel
+axis (an uneven batch's rows moved, a batch mean) raced the queue's reduce_scatter to the same gloo
+group from two threads, in an order that differed between ranks: the ranks aborted.
+
 The worker runs with the caller's `contextvars` (``sbp.debug()``, ``sbp.strict()``) as they were at
 submission. On CUDA the work runs on a side stream that first waits for the caller's current stream (an
 event recorded at submission), and the waiter's current stream waits for an event recorded after it, as
@@ -55,16 +66,19 @@ class CommQueue:
         self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._outstanding = 0          # submitted and not finished
+        self._spans: dict[Optional[frozenset], int] = {}   # their spans (`submit`), with counts
         self._idle = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
         self.blocked_s = 0.0           # seconds callers spent blocked on this queue's work (exposed communication)
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the worker after everything submitted before; its result (or error) in a `Future`."""
+    def submit(self, fn: Callable[[], Any], span: Optional[frozenset] = None) -> Future:
+        """Run `fn` on the worker after everything submitted before; its result (or error) in a `Future`.
+        `span`: the world ranks of the group(s) `fn` communicates over (None: unknown, any group)."""
         fut: Future = Future()
-        job = (fn, fut, contextvars.copy_context(), _cuda_ready_event())
+        job = (fn, fut, contextvars.copy_context(), _cuda_ready_event(), span)
         with self._lock:
             self._outstanding += 1
+            self._spans[span] = self._spans.get(span, 0) + 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name=f"sbp-comm-{self.name}", daemon=True)
                 self._thread.start()
@@ -74,6 +88,21 @@ class CommQueue:
     def busy(self) -> bool:
         """Whether work is queued or running."""
         return self._outstanding > 0
+
+    def touches(self, groups: "set[frozenset] | frozenset[frozenset]") -> bool:
+        """Whether work queued or running may communicate over one of `groups` (sets of world ranks): its
+        span (`submit`) holds the group, or is unknown.
+
+        >>> import threading
+        >>> q, go = CommQueue("demo"), threading.Event()
+        >>> _ = q.submit(go.wait, span=frozenset({0, 2}))     # rank 0's group along a data-parallel axis
+        >>> q.touches({frozenset({0, 1})}), q.touches({frozenset({0, 2})})
+        (False, True)
+        >>> go.set(); q.drain(); q.touches({frozenset({0, 2})})
+        False
+        """
+        with self._lock:
+            return any(span is None or any(g <= span for g in groups) for span in self._spans)
 
     def on_worker(self) -> bool:
         """Whether the calling thread is this queue's worker (its work must not wait for the queue)."""
@@ -99,7 +128,7 @@ class CommQueue:
                         self._thread = None
                         return
                 continue
-            fn, fut, ctx, ready = job
+            fn, fut, ctx, ready, span = job
             try:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -109,6 +138,9 @@ class CommQueue:
             finally:
                 with self._idle:
                     self._outstanding -= 1
+                    self._spans[span] -= 1
+                    if not self._spans[span]:
+                        del self._spans[span]
                     self._idle.notify_all()
 
 
@@ -246,8 +278,9 @@ class PendingTensor(torch.Tensor):
 
 
 def submit(comm: Any, fn: Callable[[], torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
-           device: torch.device) -> PendingTensor:
-    """Run `fn` (collectives of `comm`'s rank returning a tensor of `shape`) on the rank's queue.
+           device: torch.device, axes: Optional[Sequence[int]] = None) -> PendingTensor:
+    """Run `fn` (collectives of `comm`'s rank returning a tensor of `shape`) on the rank's queue. `axes`:
+    the mesh axes `fn` communicates along (their groups and those of their subsets); None: any.
 
     >>> import sbp.testing
     >>> def fn(mesh):
@@ -257,7 +290,36 @@ def submit(comm: Any, fn: Callable[[], torch.Tensor], shape: Sequence[int], dtyp
     [(True, [1.0, 1.0]), (True, [1.0, 1.0])]
     """
     q = queue_of(comm)
-    return PendingTensor(q.submit(fn), shape, dtype, device, queue=q)
+    span = None if axes is None else frozenset(comm.members(tuple(axes)))
+    return PendingTensor(q.submit(fn, span), shape, dtype, device, queue=q)
+
+
+GRAPH_GROUPS: set[frozenset] = set()   # world ranks of each group a compiled graph of this process communicates on
+
+
+def note_graph_group(members: Sequence[int]) -> None:
+    """Record that a compiled graph runs collectives on the group of `members` (called while tracing).
+
+    >>> note_graph_group((0, 1)); frozenset((0, 1)) in GRAPH_GROUPS
+    True
+    """
+    GRAPH_GROUPS.add(frozenset(members))
+
+
+def fence(comm: Any) -> None:
+    """Before a compiled graph runs on this rank: wait for the async work of `comm`'s rank if any of it
+    may communicate over a group some compiled graph uses (the module docstring: "Ordering with compiled
+    graphs"); async work on other groups keeps running. Nothing to do when the queue is idle.
+
+    >>> import sbp.testing
+    >>> sbp.testing.spmd(lambda mesh: fence(mesh.binding), (2,))
+    [None, None]
+    """
+    q = QUEUES.of(comm, create=False)
+    if q is None or not q.busy() or not GRAPH_GROUPS:
+        return
+    if q.touches(GRAPH_GROUPS):
+        q.drain()
 
 
 def ready(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ..values.errors import MeshError, PlanError
 from ..values.layout import block, block_numel, block_shape, relative
 from ..values.placement import Partial
 from ..values.steps import Step
+from . import pending
 from .buffers import gather, scatter
 from .communicator import Communicator
 from .symbolic import step_runs_symbolically
@@ -165,6 +166,7 @@ def group_name(comm: Communicator, axes: tuple[int, ...]) -> tuple[str, int, tup
     pg = groups.get(tuple(sorted(members)))
     if pg is None:
         raise CompileError(f"no process group for ranks {list(members)} on rank {comm.rank}")
+    pending.note_graph_group(members)   # async work on this group now waits before a graph runs (`pending.fence`)
     return pg.group_name, len(members), _order(members)
 
 

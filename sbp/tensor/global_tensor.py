@@ -423,6 +423,12 @@ class GlobalTensor(torch.Tensor):
         return rebuild_global_tensor, args + (attrs,) if attrs else args   # (attributes set on it, as torch keeps)
 
     def __tensor_flatten__(self):
+        # torch flattens a compiled graph's global inputs and output gradients right before the graph runs;
+        # the graph's collectives then go straight to the process groups: async work that may use the same
+        # groups runs first (`pending.fence`), as sbp's eager collectives drain the queue first
+        binding = self._mesh.binding
+        if binding is not None:
+            pending.fence(binding)
         # the global shape with symbolic sizes as None: the metadata is pickled into torch.compile's caches,
         # and a symbolic size would drag its shape environment along (unpicklable: no cache entry was saved)
         symbolic.untie_local_sizes(self._local)   # dynamic=True: no symbol shared by a coincidence of values
@@ -889,7 +895,8 @@ def _submit_redistribute(x: GlobalTensor, dst: tuple[Placement, ...], snapshot: 
         return out.clone() if same else out
 
     want = tuple(hi - lo for lo, hi in block(shape, mesh.shape, dst, mesh.coord))
-    return pending.submit(mesh.binding, run, want, x.dtype, x._local.device)
+    axes = {a for step in cached_plan(shape, tuple(mesh.shape), src, dst, x.element_size()).steps for a in step.axes}
+    return pending.submit(mesh.binding, run, want, x.dtype, x._local.device, axes=sorted(axes))
 
 
 def check_partial_dtype(placements: tuple[Placement, ...], dtype: torch.dtype, what: str) -> None:

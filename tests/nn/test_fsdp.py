@@ -513,20 +513,31 @@ def test_compiled_root_trains_as_one_process() -> None:
     _check_training("hsdp", EVEN, backend="gloo", compiled="aot_eager")
 
 
-def _compiled_uneven_root(mesh):
-    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+class _Centered(nn.Module):
+    """A linear layer whose output is centred over the batch: on a batch split over dp, a collective on dp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(40, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y - y.mean(0, keepdim=True)
+
+
+def _compiled_root_on_dp(mesh, rows: int, reshard: bool, centered: bool):
     with _BUILD:
         torch.manual_seed(0)
-        net = net.double().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+        net = nn.Sequential(*[_Centered() if centered else nn.Linear(8, 8) for _ in range(4)]).double()
         ref = copy.deepcopy(net)
     for block in net:
-        sbp.nn.fully_shard(block, mesh, "dp")
-    model = torch.compile(sbp.nn.fully_shard(net, mesh, "dp"), backend="aot_eager")
-    x = torch.linspace(-1, 1, 3 * 5 * 8, dtype=torch.float64).reshape(3, 5, 8)   # 3 rows over 2: uneven
+        sbp.nn.fully_shard(block, mesh, "dp", reshard_after_forward=reshard)
+    model = torch.compile(sbp.nn.fully_shard(net, mesh, "dp", reshard_after_forward=reshard), backend="aot_eager")
+    x = torch.linspace(-1, 1, rows * 5 * 8, dtype=torch.float64).reshape((rows, 40) if centered else (rows, 5, 8))
     out = []
-    for _ in range(2):
-        model(x).full().pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
+    for step in range(3):
+        model(x * (step + 1)).full().pow(2).sum().backward()
+        ref(x * (step + 1)).pow(2).sum().backward()
         out.append(max((p.grad.full() - q.grad).abs().max().item() for p, q in zip(net.parameters(), ref.parameters())))
         for p in list(net.parameters()) + list(ref.parameters()):
             p.grad = None
@@ -534,11 +545,17 @@ def _compiled_uneven_root(mesh):
 
 
 @pytest.mark.gloo
-def test_compiled_root_with_an_uneven_batch_trains_as_one_process() -> None:
-    # the compiled graph moves rows on the dp group (an uneven batch reshaped); a gather prefetched on sbp's queue
-    # thread reached the same gloo group concurrently, in an order that differed by rank: the backward hung
-    for diffs in sbp.testing.spmd(_compiled_uneven_root, (2,), names=("dp",), backend="gloo", timeout=120):
-        assert max(diffs) < 1e-12
+@pytest.mark.parametrize("rows, reshard, centered", [(3, True, False), (3, False, False), (4, False, True)])
+def test_compiled_units_with_collectives_on_dp_train_as_one_process(rows, reshard, centered) -> None:
+    """The compiled units' graphs run collectives on the dp group -- rows moved (3 rows over 2 ranks: an uneven
+    batch reshaped) or a batch mean (`_Centered`) -- while sbp's queue thread gathers the next unit's
+    parameters or reduce-scatters the last unit's gradients on that group. Before the graphs waited for that
+    work (`sbp.runtime.pending.fence`), the two threads reached the gloo group in an order that differed by
+    rank: the ranks aborted ("Received data size doesn't match") or hung."""
+    for diffs in sbp.testing.spmd(functools.partial(_compiled_root_on_dp, rows=rows, reshard=reshard,
+                                                    centered=centered),
+                                  (2,), names=("dp",), backend="gloo", timeout=120):
+        assert max(diffs) < 1e-12, diffs
 
 
 def _fullgraph_root(mesh):
