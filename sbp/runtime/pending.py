@@ -302,6 +302,7 @@ def note_graph_group(members: Sequence[int]) -> None:
 
     >>> note_graph_group((0, 1)); frozenset((0, 1)) in GRAPH_GROUPS
     True
+    >>> GRAPH_GROUPS.discard(frozenset((0, 1)))      # (this example's record: no graph of this process uses it)
     """
     GRAPH_GROUPS.add(frozenset(members))
 
