@@ -65,8 +65,8 @@ class CommQueue:
         self.name = name
         self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._outstanding = 0          # submitted and not finished
-        self._spans: dict[Optional[frozenset], int] = {}   # their spans (`submit`), with counts
+        # work submitted and not finished, counted by span (`submit`); a span whose count falls to 0 is dropped
+        self._spans: dict[Optional[frozenset], int] = {}
         self._idle = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
         self.blocked_s = 0.0           # seconds callers spent blocked on this queue's work (exposed communication)
@@ -77,7 +77,6 @@ class CommQueue:
         fut: Future = Future()
         job = (fn, fut, contextvars.copy_context(), _cuda_ready_event(), span)
         with self._lock:
-            self._outstanding += 1
             self._spans[span] = self._spans.get(span, 0) + 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name=f"sbp-comm-{self.name}", daemon=True)
@@ -87,7 +86,7 @@ class CommQueue:
 
     def busy(self) -> bool:
         """Whether work is queued or running."""
-        return self._outstanding > 0
+        return bool(self._spans)
 
     def touches(self, groups: "set[frozenset] | frozenset[frozenset]") -> bool:
         """Whether work queued or running may communicate over one of `groups` (sets of world ranks): its
@@ -114,7 +113,7 @@ class CommQueue:
             return
         t0 = time.perf_counter()
         with self._idle:
-            while self._outstanding:
+            while self._spans:
                 self._idle.wait()
         self.blocked_s += time.perf_counter() - t0
 
@@ -124,7 +123,7 @@ class CommQueue:
                 job = self._jobs.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
                 with self._lock:
-                    if self._outstanding == 0:   # nothing queued: end; submit starts a new worker under the lock
+                    if not self._spans:   # nothing queued: end; submit starts a new worker under the lock
                         self._thread = None
                         return
                 continue
@@ -137,7 +136,6 @@ class CommQueue:
                         fut.set_exception(e)
             finally:
                 with self._idle:
-                    self._outstanding -= 1
                     self._spans[span] -= 1
                     if not self._spans[span]:
                         del self._spans[span]
