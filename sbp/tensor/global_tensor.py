@@ -25,7 +25,10 @@ from ..values.errors import DTypeError, MeshError, PlacementError, SbpError, Sha
 from ..values.layout import block, local_slices
 from ..values.mesh import DeviceMesh, live_mesh
 from ..values.placement import Broadcast, Partial, Placement, Split, normalize
-from . import autograd  # the class's conversions are its autograd functions: the one allowed cycle
+from . import (
+    autograd,  # the class's conversions are its autograd functions: the one allowed cycle
+    traced_values,
+)
 from .setitem import basic_entries, index_error, narrows_a_split_dim, write_blocks
 
 OpHandler = Callable[[Any, tuple, dict], Any]
@@ -1221,3 +1224,6 @@ for _code in (GlobalTensor.__torch_dispatch__.__func__.__code__, GlobalTensor.__
 # a process that imports any torch layer of sbp (`import sbp.testing`, `import sbp.nn`) may `torch.load` global
 # tensors (weights_only by default) before it uses any `sbp.<name>`
 register_safe_globals()
+
+# `y.placements` / `y.mesh` of a global tensor made inside a compiled graph read as constants
+traced_values.register()

@@ -507,6 +507,46 @@ def test_placements_and_mesh_read_inside_a_compiled_function() -> None:
     assert spmd(run_layout_reads_in_compiled_code, (2, 2)) == [(True, True)] * 4
 
 
+# reads of the placements / mesh of a global tensor the graph made (no source: sbp.tensor.traced_values)
+IN_GRAPH_READS = {
+    "redistribute-to-read": lambda x, w: x.redistribute(x.redistribute("B, S(0)").placements),
+    "branch": lambda x, w: (lambda y: y * 2 if y.placements[0] == sbp.B and isinstance(y.placements[1], sbp.Split)
+                            and y.placements[1].dim == 0 else y * 3)(x.redistribute("B, S(0)")),
+    "from_local-like": lambda x, w: (lambda y: sbp.from_local(y.to_local() * 2, y.mesh, y.placements,
+                                                              global_shape=y.shape))(x + 1),
+    "partial-op": lambda x, w: (lambda y: y.redistribute("B, B") if y.placements[1].op == "sum" else y)(x @ w),
+    "returned": lambda x, w: ((x @ w).placements, (x + 1).mesh, (x @ w).sum() * 1),
+}
+
+
+def run_in_graph_layout_reads(mesh):
+    """Per case: compiled with fullgraph=True equals eager, placements and meshes returned from the graph
+    included (the mesh returned is the live bound one), with the eager plan's collectives in the graph."""
+    x = sbp.distribute(torch.arange(24., dtype=torch.float64).reshape(4, 6), mesh, "S(0), S(1)")
+    w = sbp.distribute(torch.arange(12., dtype=torch.float64).reshape(6, 2) / 7, mesh, "B, S(0)")
+    out = {}
+    for name, call in IN_GRAPH_READS.items():
+        mesh.binding.counters.reset()
+        want = call(x, w)
+        eager = collections.Counter(EAGER_TO_FUNCOL[c.collective] for c in mesh.binding.counters.calls)
+        torch._dynamo.reset()
+        rec = GraphRecorder()
+        got = torch.compile(call, backend=rec.backend, fullgraph=True)(x, w)
+        same = all(g is m if isinstance(m, sbp.DeviceMesh) else g == m if isinstance(m, tuple)
+                   else g.placements == m.placements and torch.equal(g.full(), m.full())
+                   for g, m in zip(*((got, want) if isinstance(want, tuple) else ((got,), (want,)))))
+        traced = rec.collectives()
+        traced.pop("wait_tensor", None)
+        out[name] = (same, traced == eager)
+    return out
+
+
+def test_placements_and_mesh_of_tensors_made_in_the_graph_read_as_constants() -> None:
+    # fails without sbp.tensor.traced_values: dynamo's "Unexpected type in sourceless builder" on every case
+    for per_rank in spmd(run_in_graph_layout_reads, (2, 2)):
+        assert per_rank == dict.fromkeys(IN_GRAPH_READS, (True, True)), per_rank
+
+
 EAGER_ONLY = {   # calls that need collectives on values or make new leaves: graph breaks that run eagerly
     "from_local-check": lambda t, m: sbp.from_local(t, m, "S(0)", global_shape=(8, 3), check=True).full() * 2,
     "distribute-src": lambda t, m: sbp.distribute(t, m, "S(0)", src=1).full() * 2,
