@@ -15,8 +15,41 @@ from .errors import PlacementError
 REDUCE_OPS = ("sum", "min", "max")
 
 
+class _Kind:
+    """What kind of placement a placement is, as methods (sbp's names, and DTensor's for ported code:
+    `is_shard` = `is_split`, `is_replicate` = `is_broadcast`); `isinstance` answers the same.
+
+    >>> Split(1).is_split(), Split(1).is_split(0), B.is_broadcast(), Partial("max").is_partial("max")
+    (True, False, True, True)
+    >>> Split(0).is_shard(dim=0), B.is_replicate(), B.is_partial()
+    (True, True, False)
+    """
+
+    __slots__ = ()
+
+    def is_split(self, dim: "int | None" = None) -> bool:
+        """A `Split`, along `dim` when one is given (the normalised dim a tensor reports)."""
+        return type(self) is Split and (dim is None or self.dim == dim)
+
+    def is_broadcast(self) -> bool:
+        """The `Broadcast` placement."""
+        return type(self) is Broadcast
+
+    def is_partial(self, op: "str | None" = None) -> bool:
+        """A `Partial`, of reduction `op` when one is given."""
+        return type(self) is Partial and (op is None or self.op == op)
+
+    def is_shard(self, dim: "int | None" = None) -> bool:
+        """DTensor's spelling of `is_split`."""
+        return self.is_split(dim)
+
+    def is_replicate(self) -> bool:
+        """DTensor's spelling of `is_broadcast`."""
+        return self.is_broadcast()
+
+
 @dataclass(frozen=True, slots=True, eq=False, init=False)
-class Split:
+class Split(_Kind):
     """`S(dim)`: the logical tensor is the concatenation along `dim` of the coords' local tensors.
 
     Placements are interned values: equal placements are the same object (``Split(0) is Split(0)``), so
@@ -48,7 +81,7 @@ class Split:
 
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
-class Broadcast:
+class Broadcast(_Kind):
     """`B`: every coord holds the whole (sub)tensor. One object (``Broadcast() is B``).
 
     >>> Broadcast(), Broadcast() is Broadcast()
@@ -66,7 +99,7 @@ class Broadcast:
 
 
 @dataclass(frozen=True, slots=True, eq=False, init=False)
-class Partial:
+class Partial(_Kind):
     """`P(op)`: the logical tensor is the element-wise `op` reduction over the coords' local tensors.
     One object per op (``Partial() is Partial("sum")``).
 

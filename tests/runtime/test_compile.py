@@ -515,6 +515,9 @@ IN_GRAPH_READS = {
     "from_local-like": lambda x, w: (lambda y: sbp.from_local(y.to_local() * 2, y.mesh, y.placements,
                                                               global_shape=y.shape))(x + 1),
     "partial-op": lambda x, w: (lambda y: y.redistribute("B, B") if y.placements[1].op == "sum" else y)(x @ w),
+    "kind-methods": lambda x, w: (lambda y: y * 2 if y.placements[0].is_replicate() and y.placements[1].is_split(0)
+                                  and not y.placements[1].is_partial() else y * 3)(x.redistribute("B, S(0)")),
+    "kind-methods-of-an-input": lambda x, w: x * 2 if x.placements[1].is_shard(1) else x * 3,
     "returned": lambda x, w: ((x @ w).placements, (x + 1).mesh, (x @ w).sum() * 1),
 }
 

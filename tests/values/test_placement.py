@@ -148,6 +148,16 @@ def test_is_partial():
     assert [is_partial(p) for p in (sbp.S(0), sbp.B, sbp.PartialSum(), sbp.PartialMax())] == [False, False, True, True]
 
 
+def test_kind_methods_answer_as_isinstance():
+    ps = (sbp.S(0), sbp.S(1), sbp.S(-1), sbp.B, sbp.PartialSum(), sbp.PartialMax())
+    assert [p.is_split() for p in ps] == [isinstance(p, sbp.Split) for p in ps] == [True] * 3 + [False] * 3
+    assert [p.is_split(1) for p in ps] == [False, True, False, False, False, False]
+    assert [p.is_shard(dim=-1) for p in ps] == [False, False, True, False, False, False]
+    assert [p.is_broadcast() for p in ps] == [p.is_replicate() for p in ps] == [False] * 3 + [True, False, False]
+    assert [p.is_partial() for p in ps] == [is_partial(p) for p in ps]
+    assert [p.is_partial("max") for p in ps] == [False] * 5 + [True]
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: sbp.Split(True), "Split dim must be an int, got True (bool)"),
     (lambda: sbp.Split("0"), "Split dim must be an int, got '0' (str)"),
