@@ -94,7 +94,9 @@ class _Context:
         compiles its own."""
         key = repr((kind, style, _signature(module)))   # within this context's table; `serial` picks the context
         self.opaque_fns.setdefault(key, fn)
-        serial = self.serial
+        # the serial as a string: dynamo turns an int it sees change (a second model through the same compiled
+        # hook) or any int under dynamic=True into a symbol, which cannot pick a context (unhashable)
+        serial = str(self.serial)
         return lambda *args: _call_opaque(serial, key, *args)
 
     def shared(self, x: torch.Tensor, pls: tuple[Placement, ...], convert) -> GlobalTensor:
@@ -135,8 +137,8 @@ _CONTEXTS: "weakref.WeakValueDictionary[int, _Context]" = weakref.WeakValueDicti
 
 
 @torch._dynamo.nonstrict_trace
-def _call_opaque(serial: int, key: str, *args: Any) -> Any:
-    return _CONTEXTS[serial].opaque_fns[key](*args)
+def _call_opaque(serial: str, key: str, *args: Any) -> Any:
+    return _CONTEXTS[int(serial)].opaque_fns[key](*args)
 
 
 def _signature(module: Optional[nn.Module]) -> tuple:
