@@ -23,7 +23,9 @@ after the first (attention's heads, ``S(1)``) does not survive that merge (rank 
 redistributed. `SplitBatchMatmul`, a torch-function mode, rewrites such a call before the decomposition:
 the split batch dims are moved to the front, where the merge keeps the split (``(H, b, T, d) -> (H*b, T, d)``
 is `S(0)`), and the result is permuted back. Same values, no communication; `sbp.nn.parallelize` turns
-the mode on while a parallelized model runs its forward.
+the mode on while a parallelized model runs its forward. Where batch dims are split on several axes (batch
+on dp, heads on tp), no order survives the merge, and the mode computes the matmul on the local blocks
+(`local_batch_layout`).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..runtime.traced import traced_here
+from ..tensor.construct import from_local
 from ..tensor.global_tensor import GlobalTensor
-from ..values.placement import Split
+from ..values.placement import Broadcast, Partial, Split
 from .spec import PSUM, B, OpSpec, Rule, Sig
 
 
@@ -168,8 +171,54 @@ def _with_mode(mode: TorchFunctionMode, body: Any, *args: Any, **kwargs: Any) ->
         return body(*args, **kwargs)
 
 
+def local_batch_layout(a: Any, b: Any) -> Optional[tuple[tuple, tuple, tuple]]:
+    """For ``matmul(a, b)`` of global operands whose batch dims are split on more than one dim (attention's
+    batch on dp and heads on tp, ``(S(0), S(1))``): (output placements, gradient placements of `a`, of `b`)
+    when each rank's block of the result is the matmul of its local blocks -- per mesh axis both `B`, both
+    `Split` on one batch dim, `a` split on its rows (`b` `B`) or `b` on its columns (`a` `B`); the other
+    operand's gradient is then a partial sum there. None otherwise (including one split batch dim, which
+    `split_batch_first` keeps whole through torch's merge of the batch dims).
+
+    No batch order keeps two dims split on different axes through that merge (rank (i, j)'s rows of the
+    merged ``b*H`` are its batch rows times its heads: no contiguous block), so such a call is computed on
+    the local blocks, without the merge.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     q = sbp.distribute(torch.ones(2, 4, 3, 5), mesh, "S(0), S(1)")     # (batch, heads, tokens, dim)
+    ...     return local_batch_layout(q, q.transpose(-2, -1)), local_batch_layout(q, q.full().transpose(-2, -1))
+    >>> sbp.testing.spmd(fn, (2, 2))[0]
+    (((S(0), S(1)), (S(0), S(1)), (S(0), S(1))), None)
+    """
+    if not (isinstance(a, GlobalTensor) and isinstance(b, GlobalTensor)) or a.ndim != b.ndim or a.ndim < 4:
+        return None
+    nb = a.ndim - 2
+    if a.shape[:nb] != b.shape[:nb] or a.mesh != b.mesh:
+        return None
+    out, ga, gb, batch = [], [], [], set()
+    for pa, pb in zip(a.placements, b.placements):
+        if isinstance(pa, Broadcast) and isinstance(pb, Broadcast):
+            out.append(pa), ga.append(pa), gb.append(pb)
+        elif isinstance(pa, Split) and pa is pb and pa.dim < nb:        # one batch dim, split alike
+            out.append(pa), ga.append(pa), gb.append(pb)
+            batch.add(pa.dim)
+        elif isinstance(pa, Split) and pa.dim == nb and isinstance(pb, Broadcast):     # a's rows
+            out.append(pa), ga.append(pa), gb.append(Partial())
+        elif isinstance(pa, Broadcast) and isinstance(pb, Split) and pb.dim == nb + 1:  # b's columns
+            out.append(pb), ga.append(Partial()), gb.append(pb)
+        else:
+            return None
+    return (tuple(out), tuple(ga), tuple(gb)) if len(batch) > 1 else None
+
+
 def _split_batch_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.matmul(a, b)`` with the split batch dims moved to the front and back (`split_batch_first`)."""
+    """``torch.matmul(a, b)`` with the split batch dims moved to the front and back (`split_batch_first`),
+    or on the local blocks where several batch dims are split (`local_batch_layout`)."""
+    local = local_batch_layout(a, b)
+    if local is not None:
+        out, ga, gb = local
+        product = torch.matmul(a.to_local(grad_placements=ga), b.to_local(grad_placements=gb))
+        return from_local(product, a.mesh, out, global_shape=(*a.shape[:-1], b.shape[-1]))
     perm = split_batch_first(a, b)
     if perm is None:
         return torch.matmul(a, b)

@@ -135,6 +135,32 @@ def test_split_batch_matmul_keeps_the_head_split(mesh, heads):
         assert (calls == 0) == even and (out_pls == pls[0] or not even), (out_pls, calls)
 
 
+@pytest.mark.parametrize("mesh, q, k, v", [
+    ((2, 2), "S(0), S(1)", "S(0), S(1)", "S(0), S(1)"),           # batch on dp, heads on tp
+    ((2, 2, 2), "S(0), S(1), S(2)", "S(0), S(1), B", "S(0), S(1), B"),   # and q's tokens on a third axis
+    ((2, 2, 2), "S(0), S(1), B", "S(0), S(1), S(2)", "S(0), S(1), B"),   # k's tokens: the scores' columns
+], ids=str)
+def test_matmul_with_several_split_batch_dims_computes_on_the_local_blocks(mesh, q, k, v):
+    """Batch and heads split on different axes (a dp x tp mesh): no batch order keeps both splits through
+    torch's merge of the batch dims, so SplitBatchMatmul computes such a matmul on the local blocks (a row or
+    column split of one operand beside them). Values and gradients exact (batch 3: uneven), and the first
+    matmul runs no collective (before: all_to_alls and row moves of the operands, then of the gradients)."""
+    fulls = [randn((3, 4, 6, 2), i) for i in range(3)]
+    pls = [sbp.placements(p) for p in (q, k, v)]
+    with SplitBatchMatmul():
+        assert check_op(_attention_scores, fulls, pls, mesh)
+
+    def fn(mesh_):
+        xs = [make_global(f, mesh_, p) for f, p in zip(fulls, pls)]
+        mesh_.binding.counters.reset()
+        with SplitBatchMatmul():
+            scores = torch.matmul(xs[0], xs[1].transpose(2, 3))
+        return scores.placements, len(mesh_.binding.counters.calls)
+
+    want = sbp.placements(q if k == v else "S(0), S(1), S(3)")
+    assert sbp.testing.spmd(fn, mesh) == [(want, 0)] * len(sbp.testing.spmd(lambda m: 0, mesh))
+
+
 def test_split_batch_matmul_leaves_other_calls_alone():
     """Plain tensors, broadcast batch dims and already-leading splits take torch's own path."""
 
