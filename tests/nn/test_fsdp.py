@@ -821,7 +821,11 @@ def test_bucketed_dp_gradients() -> None:
 
 def _bad(mesh, case: str):
     net, _, _ = _model(EVEN)
-    if case == "twice":
+    if case == "compiled_autograd":   # (the forward is eager here: refused before any graph)
+        sbp.nn.fully_shard(net, mesh, "dp")
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            net(torch.ones(4, net.blocks[0].fc1.in_features))
+    elif case == "twice":
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
         sbp.nn.fully_shard(net.blocks[0], mesh, "dp")
     elif case == "axis":
@@ -879,6 +883,8 @@ def _bad(mesh, case: str):
 
 @pytest.mark.parametrize("case, message", [
     ("twice", "already applied to this Block"),
+    # trained to wrong gradients without a word before (the step under torch.compile with compiled autograd)
+    ("compiled_autograd", r"fully_shard does not train under compiled autograd \(torch._dynamo.config"),
     ("axis", "the mesh has no axis 'fsdp'"),
     ("shared", "is shared with unit"),
     ("local_tp", "local_batch=True. computes on plain tensors"),
