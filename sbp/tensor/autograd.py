@@ -245,10 +245,12 @@ def from_full_autograd(t: torch.Tensor, mesh: DeviceMesh, pls: tuple[Placement, 
     return _FromFull.apply(t, mesh, pls, tuple(t.shape))
 
 
-def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
+def to_local(x: GlobalTensor, grad_pls=None, *, check: bool = True) -> torch.Tensor:
     """Differentiable `x.to_local()`; the local gradient gets `grad_pls` (default: `x`'s placements with
     `P(op)` as `P(sum)`: each rank's local gradient is one part of the logical gradient). Given
-    `grad_pls` must give the local tensor's shape on every coord (`check_grad_placements`).
+    `grad_pls` must give the local tensor's shape on every coord (`check_grad_placements`; `check=False`
+    for normalised placements that do by construction, e.g. under symbolic sizes, which the check's cached
+    layout maths cannot take).
 
     >>> import torch, sbp, sbp.testing
     >>> def fn(mesh):
@@ -260,7 +262,7 @@ def to_local(x: GlobalTensor, grad_pls=None) -> torch.Tensor:
     """
     if grad_pls is None:
         grad_pls = _sum_parts(x._placements)
-    else:
+    elif check:
         grad_pls = normalize(grad_pls, x.ndim, x._mesh.ndim)
         check_grad_placements(tuple(x.shape), x._mesh.shape, x._placements, grad_pls)
     return _ToLocal.apply(x, grad_pls)
