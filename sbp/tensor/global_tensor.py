@@ -694,10 +694,16 @@ def placements_text(placements) -> Any:
     ('S(0), B', 'P')
     """
     if isinstance(placements, Placement):
-        return repr(placements)
+        return _placement_text(placements)
     if isinstance(placements, (tuple, list)) and all(isinstance(p, Placement) for p in placements):
-        return ", ".join([repr(p) for p in placements])
+        return ", ".join([_placement_text(p) for p in placements])
     return placements
+
+
+def _placement_text(p: Placement) -> str:
+    # int(): dynamo may hand an input's Split dim in as a symbol (dynamic=True, or after a recompile for other
+    # placements); the dim is a constant of the graph, so it is specialized (a guard), as the layout is
+    return f"S({int(p.dim)})" if isinstance(p, Split) else repr(p)
 
 
 def mesh_description(mesh: DeviceMesh) -> tuple:
