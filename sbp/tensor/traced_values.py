@@ -18,29 +18,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..values.mesh import DeviceMesh, live_mesh
+from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Split
 
 
 def rebuilt_by(value: Any) -> tuple[str, str, tuple]:
     """(module, callable, constant arguments): the call a compiled function's bytecode makes to return
-    `value` (a placement or a mesh made inside the graph).
+    `value` (a placement or a mesh made inside the graph) -- the one its pickle makes (`__reduce__`): a
+    placement's class, a bound mesh's `live_mesh` (this process's live mesh of that description).
 
-    >>> import sbp
+    >>> import sbp, sbp.testing
     >>> rebuilt_by(sbp.S(1)), rebuilt_by(sbp.Partial("max"))
     (('sbp.values.placement', 'Split', (1,)), ('sbp.values.placement', 'Partial', ('max',)))
-    >>> rebuilt_by(sbp.DeviceMesh((2,), names=("tp",)))
+    >>> sbp.testing.spmd(lambda mesh: rebuilt_by(mesh), (2,), names=("tp",))[0]
     ('sbp.values.mesh', 'live_mesh', ((2,), ('tp',), (0, 1), 'cpu'))
     """
-    if isinstance(value, Split):
-        return Split.__module__, "Split", (value.dim,)
-    if isinstance(value, Partial):
-        return Partial.__module__, "Partial", (value.op,)
-    if isinstance(value, Broadcast):
-        return Broadcast.__module__, "Broadcast", ()
-    if isinstance(value, DeviceMesh):
-        return live_mesh.__module__, "live_mesh", (value.shape, value.names, value.ranks, value.device_type)
-    raise TypeError(f"no rebuilding call for a {type(value).__name__}")
+    call, args = value.__reduce__()[:2]
+    return call.__module__, call.__qualname__, args
 
 
 def register() -> bool:
