@@ -291,7 +291,10 @@ class DeviceMesh(_Bindable):
             if rank in group:
                 names = None if self.names is None else tuple(self.names[a] for a in axes)
                 binding = None if self.binding is None else self.binding.submesh_binding(self, axes, group)
-                return DeviceMesh(tuple(self.shape[a] for a in axes), names, group, self.device_type, binding)
+                sub = DeviceMesh(tuple(self.shape[a] for a in axes), names, group, self.device_type, binding)
+                if binding is not None and self.rank in group:   # what a pickled or compiled copy binds to
+                    LIVE_MESHES.remember(sub, per_thread=binding.backend == "threads")
+                return sub
         raise MeshError(f"coord {tuple(coord)} is not in a mesh of shape {self.shape}")  # pragma: no cover
 
     # ---- bound meshes ------------------------------------------------------------------------------

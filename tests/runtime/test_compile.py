@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import io
 import itertools
 import re
 import threading
@@ -519,7 +520,10 @@ IN_GRAPH_READS = {
                                   and not y.placements[1].is_partial() else y * 3)(x.redistribute("B, S(0)")),
     "kind-methods-of-an-input": lambda x, w: x * 2 if x.placements[1].is_shard(1) else x * 3,
     "returned": lambda x, w: ((x @ w).placements, (x + 1).mesh, (x @ w).sum() * 1),
+    "index": lambda x, w: x * (x.redistribute("B, S(0)").placements.index(SPLIT_0) + 1),
+    "index-of-an-input": lambda x, w: x * (x.placements.index(sbp.S(1)) + list(x.placements).index(SPLIT_0) + 1),
 }
+SPLIT_0 = sbp.S(0)   # a module constant: read by the graph from a global (a value with a source)
 
 
 def run_in_graph_layout_reads(mesh):
@@ -545,9 +549,35 @@ def run_in_graph_layout_reads(mesh):
 
 
 def test_placements_and_mesh_of_tensors_made_in_the_graph_read_as_constants() -> None:
-    # fails without sbp.tensor.traced_values: dynamo's "Unexpected type in sourceless builder" on every case
+    # fails without sbp.tensor.traced_values: dynamo's "Unexpected type in sourceless builder" on every case;
+    # the two "index" cases without its sourced entries: "currently can't reconstruct arbitrary frozen dataclass
+    # instances" (a placement read from an input or a global was a plain frozen dataclass)
     for per_rank in spmd(run_in_graph_layout_reads, (2, 2)):
         assert per_rank == dict.fromkeys(IN_GRAPH_READS, (True, True)), per_rank
+
+
+def run_sub_mesh_returned_and_reloaded(mesh):
+    """A sub-mesh (mesh["tp"]) that a compiled function returns, and the one a torch.load of a tensor on it
+    binds to: the input's own object and binding (per call), and results equal eager."""
+    sub = mesh["tp"]
+    x = sbp.distribute(torch.arange(8.), sub, "S(0)")
+    torch._dynamo.reset()
+    cf = torch.compile(lambda t: ((t + 1).mesh, t * 2), backend="aot_eager", fullgraph=True)
+    out = []
+    for _ in range(2):
+        m, y = cf(x)
+        out.append(m is sub and m.binding is sub.binding and torch.equal(y.full(), torch.arange(8.) * 2))
+    buf = io.BytesIO()
+    torch.save(x, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    out.append(loaded.mesh is sub and torch.equal(loaded.full(), x.full()))
+    return out
+
+
+def test_a_sub_mesh_returned_or_reloaded_is_the_live_one() -> None:
+    # before sub-meshes were remembered as live (sbp.values.mesh.LIVE_MESHES), each was bound anew: a mesh
+    # equal to the input's with other process groups (made by init_mesh over the world on first use)
+    assert spmd(run_sub_mesh_returned_and_reloaded, (2, 2), names=("dp", "tp")) == [[True] * 3] * 4
 
 
 EAGER_ONLY = {   # calls that need collectives on values or make new leaves: graph breaks that run eagerly

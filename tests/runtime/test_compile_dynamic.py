@@ -873,23 +873,45 @@ def test_attention_scores_split_on_dp_and_tp_compile_with_dynamic_batch() -> Non
         assert graphs <= 2, f"rank {rank}: {graphs} graphs"   # batch 13 splits 7 / 6: its own remainder class
 
 
-def run_from_local_with_an_inputs_layout(mesh):
-    """`sbp.from_local(..., x.mesh, x.placements)` compiled with dynamic=True (dynamo hands the input's Split dim
-    in as a symbol): equal to eager for two layouts and two sizes."""
-    def f(x):
-        return sbp.from_local(x.to_local() * 2, x.mesh, x.placements, global_shape=x.shape)
+def from_local_with_an_inputs_layout(x):
+    return sbp.from_local(x.to_local() * 2, x.mesh, x.placements, global_shape=x.shape)
 
+
+def redistribute_to_an_inputs_layout(x):
+    return x.redistribute(x.placements) * 2
+
+
+def redistribute_on_an_inputs_mesh(x):   # DTensor's order of arguments, and the keyword
+    return x.redistribute(x.mesh, "B").redistribute(placements=x.placements, mesh=x.mesh) * 2
+
+
+def run_with_an_inputs_layout(f, dynamic, mesh):
+    """`f` (which passes the input's placements back into sbp) compiled with `dynamic`: equal to eager for two
+    layouts and two sizes; and the graphs compiled."""
     torch._dynamo.reset()
-    cf = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
-    out = []
+    torch._dynamo.utils.counters.clear()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    out, graphs = [], []
     for pls, rows in (("S(0)", 4), ("S(1)", 4), ("S(0)", 6)):
-        x = sbp.distribute(torch.arange(rows * 4, dtype=torch.float64).reshape(rows, 4), mesh, pls)
+        # (10 columns: no size equal to another by coincidence, which dynamo's duck sizing would tie)
+        x = sbp.distribute(torch.arange(rows * 10, dtype=torch.float64).reshape(rows, 10), mesh, pls)
         got, want = cf(x), f(x)
         out.append(got.placements == want.placements and torch.equal(got.to_local(), want.to_local()))
-    return out
+        graphs.append(_graphs())
+    return out, graphs
 
 
-def test_from_local_with_an_inputs_placements_compiles_with_dynamic_shapes() -> None:
-    # failed before the placements' text specialized the symbolic dim: dynamo's "BUILD_STRING type error" at
-    # f"S({dim})" (placements_text)
-    assert spmd(run_from_local_with_an_inputs_layout, (2,)) == [[True] * 3] * 2
+@pytest.mark.parametrize("f", [from_local_with_an_inputs_layout, redistribute_to_an_inputs_layout,
+                               redistribute_on_an_inputs_mesh])
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_an_inputs_placements_passed_back_compile_with_dynamic_shapes(f, dynamic) -> None:
+    # from_local under dynamic=True failed before the placements' text specialized the symbolic dim (dynamo's
+    # "BUILD_STRING type error" at f"S({dim})", placements_text); both calls failed before an input's placement
+    # was a guarded constant (sbp.tensor.traced_values): dynamo made its Split dim a symbol (dynamic=True, or
+    # automatic dynamic at the recompile for S(1)) and rebuilt Split(<symbol>) ("Split dim must be an int");
+    # likewise the mesh's shape before the input's mesh was one ("mesh shape must be a non-empty tuple of
+    # positive ints, got (Proxy(...),)")
+    for rank, (same, graphs) in enumerate(spmd(functools.partial(run_with_an_inputs_layout, f, dynamic), (2,))):
+        assert same == [True] * 3, (rank, same)
+        # one graph per layout; automatic dynamic adds one when the 6-row size comes back to S(0)
+        assert graphs[-1] <= (2 if dynamic else 3), f"rank {rank}: graphs after each call {graphs}"
