@@ -50,7 +50,7 @@ _TORCH_NAMES = {
     "empty": "sbp.tensor.factories", "full": "sbp.tensor.factories", "ones": "sbp.tensor.factories",
     "rand": "sbp.tensor.factories", "randn": "sbp.tensor.factories", "zeros": "sbp.tensor.factories",
     "strict": "sbp.ops.strict",
-    "from_dtensor": "sbp.io.interop", "to_dtensor": "sbp.io.interop",
+    "from_dtensor": "sbp.io.interop", "to_dtensor": "sbp.io.interop", "full_state_dict": "sbp.io.interop",
     "load": "sbp.io.checkpoint", "save": "sbp.io.checkpoint",
     "visualize": "sbp.tools.visualize",
 }

@@ -1,4 +1,5 @@
-"""Conversion to and from PyTorch DTensor: `to_dtensor` and `from_dtensor`.
+"""Conversion to and from PyTorch DTensor (`to_dtensor`, `from_dtensor`), and the full state dict torch's
+tools expect (`full_state_dict`).
 
 Placements map one to one: ``S(d) <-> Shard(d)``, ``B <-> Replicate()``, ``P(op) <-> Partial(op)`` for op
 in sum/min/max. The meshes cover the same world ranks in the same row-major order. The two libraries cut
@@ -15,6 +16,7 @@ bound mesh's communicator, so later conversions create nothing. They need torch.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -206,3 +208,61 @@ def _check_same_ranks(mesh: DeviceMesh, torch_mesh: Any) -> DeviceMesh:
                         f"mesh of shape {tuple(torch_mesh.shape)} over ranks {list(ranks)}")
     _cache(mesh)
     return mesh
+
+
+def full_state_dict(state_dict: Any, *, cpu_offload: bool = False) -> Any:
+    """`state_dict` with each global tensor replaced by its logical value as a plain tensor (detached; on the
+    CPU with `cpu_offload`), nested dicts, lists and tuples walked, every other value kept as it is -- what
+    torch's ``get_model_state_dict(..., StateDictOptions(full_state_dict=True))`` gives for a DTensor model
+    (torch's helpers gather DTensors only and hand sbp's global tensors back as they are). For a model's
+    or an optimizer's state dict, ``sbp.full_state_dict(get_optimizer_state_dict(model, opt))`` included.
+
+    Collective: every rank of the tensors' meshes calls it with the same keys (each global tensor is one
+    gather, made in the order of the keys' paths, so ranks that built their dicts in different orders still
+    agree); every rank gets the whole state.
+
+    >>> import sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     sd = {"w": sbp.distribute(torch.arange(4.), mesh, "S(0)"), "step": 3}
+    ...     return full_state_dict(sd)
+    >>> sbp.testing.spmd(fn, (2,))[0]
+    {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+    """
+    found: dict[str, GlobalTensor] = {}
+    _global_leaves(state_dict, "", found)
+    fulls = {}
+    for path in sorted(found):
+        x = found[path]
+        if id(x) not in fulls:   # (one tensor at two paths, a tied weight: gathered once)
+            full = x.detach().full()
+            fulls[id(x)] = full.cpu() if cpu_offload else full
+    return _replaced(state_dict, fulls, cpu_offload)
+
+
+def _global_leaves(obj: Any, path: str, found: dict) -> None:
+    if isinstance(obj, GlobalTensor):
+        found[path] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _global_leaves(v, f"{path}.{k!r}", found)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _global_leaves(v, f"{path}.{i}", found)
+
+
+def _replaced(obj: Any, fulls: dict, cpu_offload: bool) -> Any:
+    if isinstance(obj, GlobalTensor):
+        return fulls[id(obj)]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)   # the same kind of dict (an OrderedDict keeps its `_metadata`)
+        for k, v in obj.items():
+            out[k] = _replaced(v, fulls, cpu_offload)
+        return out
+    if isinstance(obj, list):
+        return [_replaced(v, fulls, cpu_offload) for v in obj]
+    if isinstance(obj, tuple):
+        values = [_replaced(v, fulls, cpu_offload) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    if cpu_offload and isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    return obj
