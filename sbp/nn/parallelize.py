@@ -102,6 +102,10 @@ class _Context:
     def shared(self, x: torch.Tensor, pls: tuple[Placement, ...], convert) -> GlobalTensor:
         """`convert(x)`, reused when the previous conversion in this forward pass was of this very tensor,
         unchanged since (same version), to these placements, in the same grad mode."""
+        if torch.compiler.is_compiling() and not isinstance(x, GlobalTensor):
+            # a plain local share in a graph (a fully_shard unit on local shares): converted each time, one
+            # opaque move per layer (dynamo cannot trace the version / weakref bookkeeping below)
+            return convert(x)
         if x.is_inference():   # (no version counter to tell it unchanged: converted each time)
             return convert(x)
         ref, key, out = self.last_input

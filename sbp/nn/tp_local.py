@@ -26,9 +26,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..runtime.executor import redistribute_local
+from ..tensor.global_tensor import mesh_description, mesh_of, placements_text
 from ..values.errors import SbpError
 from ..values.mesh import DeviceMesh
-from ..values.placement import Broadcast, Partial, Placement, Split
+from ..values.placement import Broadcast, Partial, Placement, Split, normalize
 from .styles import Colwise, Rowwise
 
 
@@ -62,6 +63,26 @@ class _TpMove(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def _moved_described(x: torch.Tensor, mesh: tuple, shape: tuple[int, ...], moves: str) -> torch.Tensor:
+    """`_TpMove` with its mesh and placements as constants a compiled graph's opaque call takes (a
+    `mesh_description`; the four placements as text, joined by ``;``)."""
+    pls = [normalize(m, len(shape), len(mesh[0])) for m in moves.split(";")]
+    return _TpMove.apply(x, mesh_of(mesh), shape, *pls)
+
+
+# under torch.compile one opaque call that AOTAutograd traces (its collectives: functional ones in the graph);
+# dynamo itself would break the graph in the executor's eager bookkeeping
+_compiled_move = torch._dynamo.nonstrict_trace(_moved_described)
+
+
+def _move(x: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...], src: tuple, dst: tuple, grad_src: tuple,
+          grad_dst: tuple) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        moves = ";".join(placements_text(p) for p in (src, dst, grad_src, grad_dst))
+        return _compiled_move(x, mesh_description(mesh), tuple(int(n) for n in shape), moves)
+    return _TpMove.apply(x, mesh, shape, src, dst, grad_src, grad_dst)
+
+
 def reduce_grad(x: torch.Tensor, mesh: DeviceMesh, tp_axis: int) -> torch.Tensor:
     """Megatron's `f` on a plain local tensor Broadcast on the tp axis: identity forward; backward, the gradient
     (this rank's part of a sum, `P(sum)` on tp) all-reduced to `B`.
@@ -75,7 +96,7 @@ def reduce_grad(x: torch.Tensor, mesh: DeviceMesh, tp_axis: int) -> torch.Tensor
     [[3.0, 3.0], [3.0, 3.0]]
     """
     b, p = on_tp(mesh, tp_axis, Broadcast()), on_tp(mesh, tp_axis, Partial())
-    out = _TpMove.apply(x, mesh, tuple(x.shape), b, b, p, b)
+    out = _move(x, mesh, tuple(x.shape), b, b, p, b)
     note(out, BOUNDARY)
     return out
 
@@ -94,8 +115,8 @@ def move(x: torch.Tensor, mesh: DeviceMesh, tp_axis: int, shape: tuple[int, ...]
     [[3.0, 3.0], [3.0, 3.0]]
     """
     grad = lambda p: Broadcast() if isinstance(p, Partial) else p  # noqa: E731
-    out = _TpMove.apply(x, mesh, shape, on_tp(mesh, tp_axis, src), on_tp(mesh, tp_axis, dst),
-                        on_tp(mesh, tp_axis, grad(dst)), on_tp(mesh, tp_axis, grad(src)))
+    out = _move(x, mesh, shape, on_tp(mesh, tp_axis, src), on_tp(mesh, tp_axis, dst),
+                on_tp(mesh, tp_axis, grad(dst)), on_tp(mesh, tp_axis, grad(src)))
     note(out, REPLICATED if isinstance(dst, Broadcast) else SPLIT)
     return out
 
@@ -110,6 +131,8 @@ def note(t: torch.Tensor, kind: str) -> None:
     """Tell the active `SplitTracker` (if any) what `t` holds: a piece that differs along the tp axis
     (`SPLIT`), a value Broadcast on it that may carry a gradient (`REPLICATED`), or a colwise layer's input
     after `reduce_grad` (`BOUNDARY`: it may meet the layer's pieces, its gradient is reduced)."""
+    if torch.compiler.is_compiling():   # (the check runs eagerly: no tracker in a compiled graph)
+        return
     tracker = getattr(_ACTIVE, "tracker", None)
     if tracker is not None:
         tracker.mark(t, kind)
