@@ -22,6 +22,8 @@ from typing import Any, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..runtime.agreement import agree, mesh_gather
+from ..runtime.backends.base import comm_device
 from ..runtime.backends.dist import init_mesh
 from ..tensor.construct import from_local
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides, grad_placements
@@ -219,7 +221,8 @@ def full_state_dict(state_dict: Any, *, cpu_offload: bool = False) -> Any:
 
     Collective: every rank of the tensors' meshes calls it with the same keys (each global tensor is one
     gather, made in the order of the keys' paths, so ranks that built their dicts in different orders still
-    agree); every rank gets the whole state.
+    agree); every rank gets the whole state. The ranks first agree on the keys and layouts (one small
+    all_gather on the first tensor's mesh): a key or layout that differs is a `RankMismatchError` naming it.
 
     >>> import sbp, sbp.testing
     >>> def fn(mesh):
@@ -230,8 +233,16 @@ def full_state_dict(state_dict: Any, *, cpu_offload: bool = False) -> Any:
     """
     found: dict[str, GlobalTensor] = {}
     _global_leaves(state_dict, "", found)
+    paths = sorted(found)
+    if paths:   # (a gather that a rank skipped or made of another tensor would wait forever or mix values)
+        mesh = found[paths[0]].mesh
+        gather, members = mesh_gather(mesh)
+        agree(gather, members, "full_state_dict: the ranks' state dicts differ (every rank passes the same keys "
+              "and layouts; SPMD)", {"keys": paths, "layouts": [(tuple(found[p].shape), found[p].placements,
+                                                                  found[p].dtype) for p in paths]},
+              device=comm_device(mesh))
     fulls = {}
-    for path in sorted(found):
+    for path in paths:
         x = found[path]
         if id(x) not in fulls:   # (one tensor at two paths, a tied weight: gathered once)
             full = x.detach().full()
@@ -240,14 +251,15 @@ def full_state_dict(state_dict: Any, *, cpu_offload: bool = False) -> Any:
 
 
 def _global_leaves(obj: Any, path: str, found: dict) -> None:
+    """The global tensors in `obj` by path (``model.0.weight``, ``optim.state[0].exp_avg``)."""
     if isinstance(obj, GlobalTensor):
         found[path] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _global_leaves(v, f"{path}.{k!r}", found)
+            _global_leaves(v, (f"{path}.{k}" if path else k) if isinstance(k, str) else f"{path}[{k!r}]", found)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _global_leaves(v, f"{path}.{i}", found)
+            _global_leaves(v, f"{path}[{i}]", found)
 
 
 def _replaced(obj: Any, fulls: dict, cpu_offload: bool) -> Any:

@@ -98,7 +98,7 @@ def test_full_state_dict_keeps_kinds_and_moves_to_the_cpu() -> None:
 def test_full_state_dict_gathers_in_the_order_of_the_keys() -> None:
     # ranks that built the same keys in different orders: each tensor still meets its own pieces (before, the
     # gathers ran in each rank's dict order and swapped halves of "a" and "b" without a word); a tensor at two
-    # paths (tied) is gathered once
+    # paths (tied) is gathered once (3 collectives: the agreement on keys and layouts, then one gather each)
     def fn(mesh):
         a = sbp.distribute(torch.arange(4.), mesh, "S(0)")
         b = sbp.distribute(torch.arange(10., 14.), mesh, "S(0)")
@@ -108,4 +108,22 @@ def test_full_state_dict_gathers_in_the_order_of_the_keys() -> None:
         return {k: v.tolist() for k, v in out.items() if k != "tied"}, out["tied"][0] is out["a"], \
             len(mesh.binding.counters.calls)
     for got, tied, gathers in sbp.testing.spmd(fn, (2,)):
-        assert got == {"a": [0., 1., 2., 3.], "b": [10., 11., 12., 13.]} and tied and gathers == 2
+        assert got == {"a": [0., 1., 2., 3.], "b": [10., 11., 12., 13.]} and tied and gathers == 3
+
+
+def test_full_state_dict_names_a_key_the_ranks_do_not_share() -> None:
+    # before the ranks agreed on keys and layouts first, rank 0's second gather waited for a rank that had no
+    # such key (a collective timeout, which named nothing)
+    def fn(mesh):
+        a = sbp.distribute(torch.arange(4.), mesh, "S(0)")
+        sd = {"a": a, "opt": {"state": {0: [a * 2]}}}
+        if mesh.rank == 0:
+            sd["b"] = sbp.distribute(torch.ones(2), mesh, "B")
+        try:
+            sbp.full_state_dict(sd)
+        except sbp.RankMismatchError as e:
+            return str(e)
+        return "no error"
+    for message in sbp.testing.spmd(fn, (2,)):
+        assert "['a', 'b', 'opt.state[0][0]'] on ranks [0]; ['a', 'opt.state[0][0]'] on ranks [1]" in message, \
+            message
