@@ -1060,3 +1060,27 @@ def test_unshard_and_reshard_as_fsdp2() -> None:
         assert states == ["sharded", "gathered", "sharded", "gathered"]
         assert stored   # after reshard() the module holds its stored parameter again
         assert torch.allclose(out, want, atol=1e-12, rtol=0)
+
+
+def _first_forward_without_grad(mesh, net: nn.Module, x: torch.Tensor):
+    net = copy.deepcopy(net)
+    sbp.nn.parallelize(net, mesh, {"1.1": "colwise", "1.3": "rowwise"}, tp_axis="tp")
+    sbp.nn.fully_shard(net[1], mesh, "dp")
+    sbp.nn.fully_shard(net, mesh, "dp")
+    xs = sbp.distribute(x, mesh, "S(0), B")
+    with torch.no_grad():   # a training-mode forward without gradients first: the check runs there
+        net(xs)
+    return unit_of(net[1]).auto
+
+
+def test_a_tensor_parallel_block_checked_without_gradients_goes_local() -> None:
+    # the global run without gradients is 1 ulp (float64) off the local run, while the global run with
+    # gradients equals it bitwise; before, that kept the block global for good -- now the eager rerun with
+    # gradients decides, as for a compiled root
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 12), nn.Sequential(nn.LayerNorm(12), nn.Linear(12, 16), nn.Tanh(),
+                                                        nn.Linear(16, 12)), nn.Linear(12, 4)).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    verdicts = sbp.testing.spmd(functools.partial(_first_forward_without_grad, net=net, x=x), (2, 2),
+                                names=("dp", "tp"))
+    assert verdicts == ["local"] * 4, verdicts
