@@ -1490,7 +1490,7 @@ def _agreed(unit: Unit, same: Optional[bool]) -> Optional[bool]:
 
 @torch._dynamo.disable
 def _rerun(unit: Unit, args: tuple, kwargs: dict) -> Any:
-    """The unit's forward run again under the caller's no_grad, on the parameters the caller bound; eagerly,
+    """The unit's forward run again in the caller's grad mode, on the parameters the caller bound; eagerly,
     also under a compiled root (whose hooks run between its graphs, where dynamo would compile the run's
     frames too); its buffers are clones for the run (the originals are never written), restored after."""
     swapped = []   # (module, name, original)

@@ -701,8 +701,8 @@ def placements_text(placements) -> Any:
 
 
 def _placement_text(p: Placement) -> str:
-    # int(): dynamo may hand an input's Split dim in as a symbol (dynamic=True, or after a recompile for other
-    # placements); the dim is a constant of the graph, so it is specialized (a guard), as the layout is
+    # int(): a fallback for a torch whose dynamo lacks the hooks `traced_values` uses (there an input's Split dim
+    # may come in as a symbol under dynamic shapes; with them an input's placements are constants already)
     return f"S({int(p.dim)})" if isinstance(p, Split) else repr(p)
 
 
