@@ -18,11 +18,11 @@ from typing import Any, Optional
 import torch
 
 from ..runtime.executor import cached_plan
-from ..runtime.symbolic import hint, hint_shape, is_symbolic, narrows, runs_symbolically
+from ..runtime.symbolic import hint, hint_shape, is_symbolic, moved_dims, narrows, runs_symbolically
 from ..runtime.traced import untraced
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides
 from ..values.errors import DTypeError, ShapeError, torch_alike
-from ..values.layout import block, block_numel, splitters
+from ..values.layout import block, block_numel
 from ..values.mesh import DeviceMesh
 from ..values.placement import Partial
 from . import table as rules
@@ -385,7 +385,8 @@ KEEP_SIZES: contextvars.ContextVar[Optional[frozenset[int]]] = contextvars.Conte
 
 def keeps_dims(spec: OpSpec, choice: Choice, kept, moving: bool = False) -> bool:
     """Whether `choice` leaves every input dim whose size is `kept` (a predicate: a symbolic size, or one of
-    the made-up sizes that stand for symbols) split by the same mesh axes, or only narrows the input's
+    the made-up sizes that stand for symbols) split by the same mesh axes in every state the move's plan
+    passes through (`sbp.runtime.symbolic.moved_dims`: what the executor pins), or only narrows the input's
     blocks (`sbp.runtime.symbolic.narrows`: cut locally, with symbolic bounds); with `moving`, also where
     it moves them by steps that run with the sizes symbolic (`sbp.runtime.symbolic.runs_symbolically`:
     gathers, reduce-scatters and all_to_alls along one axis at a time). Those are taken only where no
@@ -405,9 +406,13 @@ def keeps_dims(spec: OpSpec, choice: Choice, kept, moving: bool = False) -> bool
             continue
         if narrows(meta.placements, target, len(meta.shape)):
             continue
-        if any(kept(n) and splitters(meta.placements, d) != splitters(target, d) for d, n in enumerate(meta.shape)) \
-                and not (moving and runs_symbolically(cached_plan(hint_shape(meta.shape), spec.mesh_shape,
-                                                                  meta.placements, target, meta.itemsize))):
+        dims = [d for d, n in enumerate(meta.shape) if kept(n)]
+        if not dims:
+            continue
+        # the plan the executor runs, with its intermediate states: ``(B, P) -> (P, B)`` splits dim 0 on the
+        # way (half the all_reduce's bytes), which pins its size as surely as a split target would
+        plan = cached_plan(hint_shape(meta.shape), spec.mesh_shape, meta.placements, target, meta.itemsize)
+        if plan.steps and moved_dims(plan, dims) and not (moving and runs_symbolically(plan)):
             return False
     return True
 

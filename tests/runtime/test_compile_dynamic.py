@@ -915,3 +915,32 @@ def test_an_inputs_placements_passed_back_compile_with_dynamic_shapes(f, dynamic
         assert same == [True] * 3, (rank, same)
         # one graph per layout; automatic dynamic adds one when the 6-row size comes back to S(0)
         assert graphs[-1] <= (2 if dynamic else 3), f"rank {rank}: graphs after each call {graphs}"
+
+
+def product_with_its_transpose(x):
+    y = x @ x.transpose(0, 1)
+    return y, y.placements
+
+
+def run_product_with_its_transpose(mesh):
+    """`x @ x.T` of a (B, P(sum)) input under dynamic=True for two row counts: the placements read in the
+    graph, the returned ones, equality with eager's values, and the graphs compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cf = torch.compile(product_with_its_transpose, backend="aot_eager", fullgraph=True, dynamic=True)
+    out = []
+    for rows in (4, 6):
+        x = sbp.distribute(torch.arange(rows * 10, dtype=torch.float64).reshape(rows, 10), mesh, "B, P(sum)")
+        (got, read), (want, _) = cf(x), product_with_its_transpose(x)
+        out.append((read, got.placements, torch.equal(got.full(), want.full())))
+    return out, _graphs()
+
+
+def test_an_ops_placements_read_in_the_graph_are_those_it_returns() -> None:
+    # the class decision under symbolic sizes kept the cheapest choice whose endpoints split no symbolic dim:
+    # the first operand's (B, P(sum)) -> (P(sum), B), whose plan splits the rows on the way (half the bytes),
+    # which pinned them; dynamo's fake run read (P(sum), P(sum)) while AOT's trace, at the pinned rows,
+    # chose and returned (S(0), P(sum)), and the next row count recompiled
+    for rank, (out, graphs) in enumerate(spmd(run_product_with_its_transpose, (2, 2))):
+        assert all(read == got and equal for read, got, equal in out), (rank, out)
+        assert graphs == 1, f"rank {rank}: {graphs} graphs"
