@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..runtime.executor import redistribute_local
 from ..runtime.pending import PendingTensor
 from ..tensor.global_tensor import GlobalTensor
-from ..values.placement import Partial
+from ..values.placement import Broadcast, Partial
 from .spec import Rule, no_signatures
 
 aten = torch.ops.aten
@@ -235,3 +236,51 @@ def fused_optimizer(func, args: tuple, kwargs: dict) -> Any:
 
 FUSED = Rule(no_signatures, composite=fused_optimizer,
              doc="one local call when the parameters, gradients and states line up")
+
+
+def unscale(func, args: tuple, kwargs: dict) -> Any:
+    """``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``, what
+    ``torch.amp.GradScaler.unscale_`` runs: each rank unscales and checks its own blocks in one local call,
+    then `found_inf` (a plain tensor, one per rank) takes its max over the mesh axes that split a gradient
+    (one all_reduce of one element per mesh of the list), so every rank skips or takes the step alike. A
+    Partial gradient (a partial sum may be finite where the sum is not) or a global `found_inf` / `inv_scale`
+    takes the fallback.
+
+    >>> import torch, sbp, sbp.testing
+    >>> def fn(mesh):
+    ...     g = sbp.distribute(torch.tensor([2.0, 4.0, float("inf"), 8.0]), mesh, "S(0)")
+    ...     found = torch.zeros(1)
+    ...     torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.tensor(0.5))
+    ...     return found.item(), g.to_local().tolist()
+    >>> sbp.testing.spmd(fn, (2,))    # rank 0's block is finite; the step is skipped on both ranks
+    [(1.0, [1.0, 2.0]), (1.0, [inf, 4.0])]
+    """
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args), **kwargs)
+    grads, found_inf, inv_scale = bound["self"], bound["found_inf"], bound["inv_scale"]
+    if isinstance(found_inf, GlobalTensor) or isinstance(inv_scale, GlobalTensor) or any(
+            isinstance(t, GlobalTensor) and any(isinstance(p, Partial) for p in t._placements) for t in grads):
+        return NotImplemented
+    torch._C._increment_version([t for t in grads if isinstance(t, GlobalTensor)])
+    func(_locals_of(grads), found_inf, inv_scale)
+    meshes: dict[int, tuple[Any, set[int]]] = {}   # id(mesh) -> (mesh, the axes that split a gradient on it)
+    for t in grads:
+        if isinstance(t, GlobalTensor):
+            axes = meshes.setdefault(id(t._mesh), (t._mesh, set()))[1]
+            axes.update(a for a, p in enumerate(t._placements) if not isinstance(p, Broadcast))
+    for mesh, axes in meshes.values():   # in the list's order: the same on every rank
+        if axes:
+            src = tuple(Partial("max") if a in axes else Broadcast() for a in range(mesh.ndim))
+            agreed = redistribute_local(found_inf, mesh, tuple(found_inf.shape), src, (Broadcast(),) * mesh.ndim)
+            found_inf.copy_(agreed)
+
+
+def _locals_of(items: list) -> list:
+    """`items` with each global tensor replaced by its local (`_locals`), plain tensors as they are."""
+    globals_ = [t for t in items if isinstance(t, GlobalTensor)]
+    it = iter(_locals(globals_))
+    return [next(it) if isinstance(t, GlobalTensor) else t for t in items]
+
+
+UNSCALE = Rule(no_signatures, composite=unscale,
+               doc="one local call; found_inf's max over the axes that split a gradient (one all_reduce per mesh)")

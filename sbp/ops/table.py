@@ -146,6 +146,8 @@ TABLE: dict[Any, Rule] = {
     aten.fill_.Tensor: views.FILL,
     aten.zero_.default: views.ZERO,
     aten.copy_.default: views.COPY,
+    # training
+    aten._amp_foreach_non_finite_check_and_unscale_.default: optim.UNSCALE,
     # ops that need whole values: Broadcast inputs, no warning
     aten._local_scalar_dense.default: views.FULL_NO_META,
     aten.equal.default: views.FULL_NO_META,

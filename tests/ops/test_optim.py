@@ -204,3 +204,49 @@ def test_a_fused_step_on_a_partial_parameter_reaches_every_handle():
     for seen in sbp.testing.spmd(_other_handles_after_a_fused_step, (2,)):
         assert seen == {"before": (4.0, 4.0, 4.0), "after step": (0.0, 0.0, 0.0),
                         "after a write into a view": (-4.0, -4.0)}, seen
+
+
+def _scaled_training(params: dict, mesh=None, steps: int = 3) -> tuple:
+    """`steps` AdamW steps through `torch.amp.GradScaler`, the second with an inf in w1's gradient at (5, 3)
+    (on one rank's block only); the parameters, the scale after each step, and the collectives each
+    `unscale_` made (with a mesh)."""
+    opt = torch.optim.AdamW(list(params.values()), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    scales, made = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        mask = torch.zeros(SHAPES["w1"], dtype=torch.float64)
+        mask[5, 3] = float("inf") if step == 1 else 0.0
+        if mesh is not None:
+            mask = make_global(mask, mesh, params["w1"].placements)
+        scaler.scale(_loss(params) + (params["w1"] * mask).sum()).backward()
+        if mesh is not None:
+            mesh.binding.counters.reset()
+        scaler.unscale_(opt)
+        if mesh is not None:
+            made.append(sorted(c.collective for c in mesh.binding.counters.calls))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return params, scales, made
+
+
+@pytest.mark.parametrize("mesh_shape", sorted(LAYOUTS))
+def test_grad_scaler_skips_a_step_on_every_rank_when_one_block_overflows(mesh_shape):
+    # GradScaler's unscale op had no rule: the fallback gathered every gradient whole on every rank; now each
+    # rank checks its own blocks and the ranks agree on found_inf with one all_reduce of one element (per axis)
+    fulls = {k: randn(s, i) for i, (k, s) in enumerate(SHAPES.items())}
+    ref, ref_scales, _ = _scaled_training({k: nn.Parameter(v.clone()) for k, v in fulls.items()})
+    assert ref_scales == [2.0 ** 11, 2.0 ** 10, 2.0 ** 11]   # the second step skipped, the scale halved
+
+    def fn(mesh):
+        with sbp.strict():
+            params = {k: nn.Parameter(make_global(v, mesh, LAYOUTS[mesh_shape][k])) for k, v in fulls.items()}
+            params, scales, made = _scaled_training(params, mesh)
+            return {k: p.full() for k, p in params.items()}, scales, made
+
+    for rank, (got, scales, made) in enumerate(sbp.testing.spmd(fn, mesh_shape)):
+        assert scales == ref_scales, (rank, scales)
+        assert made == [["all_reduce"] * len(mesh_shape)] * 3, (rank, made)   # (one call per mesh axis)
+        for k in SHAPES:
+            assert torch.allclose(got[k], ref[k].detach(), atol=TOL, rtol=0), k
