@@ -1,4 +1,4 @@
-"""Neural-network ops: softmax backward, layer norm, RMS norm, embedding and the NLL loss.
+"""Neural-network ops: softmax backward, layer/RMS/group norm, embedding, losses, convolution, pooling, GLU.
 
 ===============================  ==============================================  =========================
 op                               inputs per mesh axis                            outputs
@@ -25,6 +25,15 @@ scaled dot-product attention     q, k, v (mask) S(batch or head dim)            
 (CPU flash kernel, + backward)   (grouped kv heads: each rank's q heads are the
                                  groups of its kv heads)
                                  backward: grad P(sum), the rest B                P(sum)
+mse / smooth_l1 / huber /        self, target S(d) (a broadcast weight S where    S(d) none, P(sum) reduced
+binary_cross_entropy(_logits)    it spans d, else B)
+(+ backward)                     backward: grad S(d) none, else B                 S(d); grad P(sum) -> P(sum)
+convolution (+ backward)         input (grad) S(0), weight, bias B                S(0) (grads of weight and
+                                                                                  bias P(sum))
+                                 no bias: input P(sum)                            P(sum)
+max/avg_pool2d/3d (+ backward)   S(d) of a batch or channel dim                   S(d)
+native_group_norm (+ backward)   input S(0) (N: this rank's rows)                 as layer norm
+glu (+ backward)                 S(d), d != dim                                   S(d)
 ===============================  ==============================================  =========================
 
 The batch-split `mean` NLL divides the local sum by the *global* total weight (one all_reduce of a
@@ -293,36 +302,143 @@ SDPA = Rule(_sdpa_sigs, run=_run_sdpa, check=_sdpa_check,
                 "kv heads' groups); backward: grad P(sum) -> P(sum); B")
 
 
-# ---- mean squared error -------------------------------------------------------------------------------------------
-def _mse_sigs(spec: OpSpec, axis: int) -> list[Sig]:
-    """Split alike (S(d) -> S(d) for 'none', P(sum) when reduced); backward also P(sum) in the gradient."""
+# ---- element-wise losses: mean squared error, smooth L1, Huber, binary cross-entropy (with logits) ----------------
+def _loss_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """`self` and `target` split alike (S(d) -> S(d) for 'none', P(sum) when reduced); a `weight` /
+    `pos_weight` broadcast against them split on the dim that spans d (B where it is broadcast along d);
+    backward also P(sum) in the gradient (it is linear in it). A target of another shape (broadcast): B."""
     x = spec.tensor("self")
     reduction = spec.arg("reduction", MEAN)
     backward = spec.tensor("grad_output") is not None
     out = Split if reduction == NONE or backward else (lambda d: PSUM)
     sigs = []
-    for d in range(x.ndim):
-        placed = {"self": Split(d), "target": Split(d)}
-        if backward:
-            placed["grad_output"] = Split(d) if reduction == NONE else B
-        sigs.append(spec.sig(placed, (out(d),)))
+    if spec.tensor("target").shape == x.shape:
+        for d in range(x.ndim):
+            placed = {"self": Split(d), "target": Split(d)}
+            for name in ("weight", "pos_weight"):
+                w = spec.tensor(name)
+                if w is not None:
+                    wd = d - (x.ndim - w.ndim)
+                    placed[name] = Split(wd) if wd >= 0 and w.shape[wd] != 1 else B
+            if backward:
+                placed["grad_output"] = Split(d) if reduction == NONE else B
+            sigs.append(spec.sig(placed, (out(d),)))
     sigs.append(spec.sig({}, (B,)))
     if backward:
         sigs.append(spec.sig({"grad_output": PSUM}, (PSUM,)))
     return sigs
 
 
-def _run_mse(call: Call) -> Any:
+def _run_loss(call: Call) -> Any:
     """A split mean is the local *sum* divided by the global number of elements (forward and backward)."""
     spec = call.spec
     index = spec.index("self")
     if spec.arg("reduction", MEAN) != MEAN or not any(isinstance(p, Split) for p in call.choice.inputs[index]):
         return call.default()
-    count = math.prod(spec.inputs[index].shape)
-    tensors = call.args[:3] if spec.tensor("grad_output") is not None else call.args[:2]
-    return call.func(*tensors, SUM) / count
+    args, kwargs = list(call.args), dict(call.kwargs)
+    at = [a.name for a in call.func._schema.arguments].index("reduction")
+    if at < len(args):
+        args[at] = SUM
+    else:
+        kwargs["reduction"] = SUM
+    return call.func(*args, **kwargs) / math.prod(spec.inputs[index].shape)
 
 
-MSE_LOSS = Rule(_mse_sigs, run=_run_mse, doc="S(d)->S(d) ('none') or P(sum) (sum; mean over the global count); B")
-MSE_LOSS_BACKWARD = Rule(_mse_sigs, run=_run_mse, doc="S(d)->S(d) (grad B, mean over the global count); "
-                                                      "grad P(sum)->P(sum); B")
+LOSS = Rule(_loss_sigs, run=_run_loss, doc="S(d)->S(d) ('none') or P(sum) (sum; mean over the global count); a "
+                                           "broadcast weight split where it spans d; B")
+LOSS_BACKWARD = Rule(_loss_sigs, run=_run_loss, doc="S(d)->S(d) (grad B, mean over the global count); "
+                                                    "grad P(sum)->P(sum); B")
+
+
+# ---- convolution and pooling: each sample (and, pooling, each channel) on its own -----------------------------------
+def _conv_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """Batch S(0) -> S(0) (weight, bias B); without a bias, linear in the input: P(sum) -> P(sum); B."""
+    sigs = [spec.sig({"input": Split(0)}, (Split(0),)), spec.sig({}, (B,))]
+    if spec.tensor("bias") is None:
+        sigs.append(spec.sig({"input": PSUM}, (PSUM,)))
+    return sigs
+
+
+def _conv_backward_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """grad and input S(0) -> (S(0), P(sum), P(sum)) (the weight's and bias's gradients sum over the batch);
+    linear in the gradient: P(sum) -> P(sum); B."""
+    nout = len(spec.outputs)
+    return [spec.sig({"grad_output": Split(0), "input": Split(0)}, (Split(0),) + (PSUM,) * (nout - 1)),
+            spec.sig({}, (B,) * nout), spec.sig({"grad_output": PSUM}, (PSUM,) * nout)]
+
+
+def _planes(k: int):
+    """Pooling over the last `k` dims: any other dim (batch, channels) split alike in and out; B. The backward
+    (a `grad_output` input) is linear in the gradient: P(sum) -> P(sum)."""
+    def sigs(spec: OpSpec, axis: int) -> list[Sig]:
+        x = spec.tensor("self")
+        names = [n for n in ("grad_output", "self", "indices") if spec.tensor(n) is not None]
+        nout = len(spec.outputs)
+        out = [spec.sig(dict.fromkeys(names, Split(d)), (Split(d),) * nout) for d in range(x.ndim - k)]
+        out.append(spec.sig({}, (B,) * nout))
+        if spec.tensor("grad_output") is not None:
+            out.append(spec.sig({"grad_output": PSUM}, (PSUM,) * nout))
+        return out
+    return sigs
+
+
+CONVOLUTION = Rule(_conv_sigs, doc="batch S(0)->S(0) (weight, bias B); no bias: P(sum)->P(sum); B")
+CONVOLUTION_BACKWARD = Rule(_conv_backward_sigs, doc="grad, input S(0)->(S(0), P(sum), P(sum)); "
+                                                     "grad P(sum)->P(sum); B")
+def _run_planes(call: Call) -> Any:
+    """Pooling on the local block; a block left empty by a split channel dim (torch refuses empty non-batch dims)
+    gives empty outputs of the block's shape where the global input is not empty (else torch decides)."""
+    x = call.args[call.spec.index("self")]
+    if x.numel() or not math.prod(call.spec.tensor("self").shape):
+        return call.default()
+    outs = tuple(torch.empty(call.out_shape(i), dtype=meta.dtype, device=x.device)
+                 for i, meta in enumerate(call.spec.outputs))
+    return outs if len(outs) > 1 else outs[0]
+
+
+_POOL_DOC = "S(d) of a batch or channel dim->S(d); backward also grad P(sum)->P(sum); B"
+POOL_2D = Rule(_planes(2), run=_run_planes, doc=_POOL_DOC)
+POOL_3D = Rule(_planes(3), run=_run_planes, doc=_POOL_DOC)
+
+
+# ---- group norm (per sample) and GLU (halves one dim) ----------------------------------------------------------------
+def _group_norm_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """Batch S(0) -> S(0) (the per-sample mean and rstd too; weight, bias B); backward: grad, input, mean, rstd
+    S(0) -> (S(0), P(sum), P(sum)), linear in the gradient: P(sum) -> P(sum); B."""
+    nout = len(spec.outputs)
+    if spec.tensor("grad_out") is None:
+        return [spec.sig({"input": Split(0)}, (Split(0),) * nout), spec.sig({}, (B,) * nout)]
+    batch = dict.fromkeys(("grad_out", "input", "mean", "rstd"), Split(0))
+    return [spec.sig(batch, (Split(0),) + (PSUM,) * (nout - 1)), spec.sig({}, (B,) * nout),
+            spec.sig({"grad_out": PSUM}, (PSUM,) * nout)]
+
+
+def _run_group_norm(call: Call) -> Any:
+    """The op with its batch-size argument `N` this rank's rows (the global batch where the batch is whole)."""
+    args, kwargs = list(call.args), dict(call.kwargs)
+    at = [a.name for a in call.func._schema.arguments].index("N")
+    rows = call.args[call.spec.index("input")].shape[0]
+    if at < len(args):
+        args[at] = rows
+    else:
+        kwargs["N"] = rows
+    return call.func(*args, **kwargs)
+
+
+def _glu_sigs(spec: OpSpec, axis: int) -> list[Sig]:
+    """Any dim but the halved one split alike (input, and the backward's gradient) -> S(d); the backward is
+    linear in the gradient: P(sum) -> P(sum); B."""
+    x = spec.tensor("self")
+    dim = spec.arg("dim", -1) % x.ndim
+    names = [n for n in ("grad_output", "self") if spec.tensor(n) is not None]
+    sigs = [spec.sig(dict.fromkeys(names, Split(d)), (Split(d),)) for d in range(x.ndim) if d != dim]
+    sigs.append(spec.sig({}, (B,)))
+    if "grad_output" in names:
+        sigs.append(spec.sig({"grad_output": PSUM}, (PSUM,)))
+    return sigs
+
+
+GROUP_NORM = Rule(_group_norm_sigs, run=_run_group_norm, doc="batch S(0)->(S(0), S(0), S(0)); weight, bias B")
+GROUP_NORM_BACKWARD = Rule(_group_norm_sigs, run=_run_group_norm,
+                           doc="batch S(0)->(S(0), P(sum), P(sum)); grad P(sum)->P(sum)")
+GLU = Rule(_glu_sigs, doc="S(d != dim)->S(d); backward also grad P(sum)->P(sum); B")

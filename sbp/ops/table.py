@@ -44,6 +44,12 @@ TABLE: dict[Any, Rule] = {
     aten.argmin.default: reductions.ALONG_DIM.rule(),
     aten.var.correction: reductions.ALONG_DIM.rule(),
     aten.std.correction: reductions.ALONG_DIM.rule(),
+    aten.var_mean.correction: reductions.ALONG_DIM.rule(),
+    aten.std_mean.correction: reductions.ALONG_DIM.rule(),
+    aten.median.dim: reductions.ALONG_DIM.rule(),
+    aten.nanmedian.dim: reductions.ALONG_DIM.rule(),
+    aten.mode.default: reductions.ALONG_DIM.rule(),
+    aten.norm.ScalarOpt_dim: reductions.ALONG_DIM.rule(),
     aten.logsumexp.default: reductions.ALONG_DIM.rule(),
     aten.linalg_vector_norm.default: reductions.ALONG_DIM.rule(),
     aten.prod.dim_int: reductions.ALONG_DIM.rule(),
@@ -55,6 +61,9 @@ TABLE: dict[Any, Rule] = {
     aten.all.default: reductions.ALONG_ALL.rule(),
     aten.cumsum.default: reductions.SCAN.rule(),
     aten.cumprod.default: reductions.ALONG_KEEP.rule(),
+    aten.logcumsumexp.default: reductions.ALONG_KEEP.rule(),
+    aten.cummax.default: reductions.ALONG_KEEP.rule(),
+    aten.cummin.default: reductions.ALONG_KEEP.rule(),
     aten.sort.default: reductions.ALONG_KEEP.rule(),
     aten.topk.default: reductions.ALONG_KEEP.rule(),
     aten.tril.default: reductions.TRIANGLE.rule(),
@@ -89,8 +98,29 @@ TABLE: dict[Any, Rule] = {
     aten.embedding_dense_backward.default: nn.EMBEDDING_BACKWARD,
     aten.nll_loss_forward.default: nn.NLL_LOSS,
     aten.nll_loss_backward.default: nn.NLL_LOSS_BACKWARD,
-    aten.mse_loss.default: nn.MSE_LOSS,
-    aten.mse_loss_backward.default: nn.MSE_LOSS_BACKWARD,
+    aten.mse_loss.default: nn.LOSS,
+    aten.mse_loss_backward.default: nn.LOSS_BACKWARD,
+    aten.smooth_l1_loss.default: nn.LOSS,
+    aten.smooth_l1_loss_backward.default: nn.LOSS_BACKWARD,
+    aten.huber_loss.default: nn.LOSS,
+    aten.huber_loss_backward.default: nn.LOSS_BACKWARD,
+    aten.binary_cross_entropy.default: nn.LOSS,
+    aten.binary_cross_entropy_backward.default: nn.LOSS_BACKWARD,
+    aten.binary_cross_entropy_with_logits.default: nn.LOSS,
+    aten.native_group_norm.default: nn.GROUP_NORM,
+    aten.native_group_norm_backward.default: nn.GROUP_NORM_BACKWARD,
+    aten.glu.default: nn.GLU,
+    aten.glu_backward.default: nn.GLU,
+    aten.convolution.default: nn.CONVOLUTION,
+    aten.convolution_backward.default: nn.CONVOLUTION_BACKWARD,
+    aten.max_pool2d_with_indices.default: nn.POOL_2D,
+    aten.max_pool2d_with_indices_backward.default: nn.POOL_2D,
+    aten.avg_pool2d.default: nn.POOL_2D,
+    aten.avg_pool2d_backward.default: nn.POOL_2D,
+    aten.max_pool3d_with_indices.default: nn.POOL_3D,
+    aten.max_pool3d_with_indices_backward.default: nn.POOL_3D,
+    aten.avg_pool3d.default: nn.POOL_3D,
+    aten.avg_pool3d_backward.default: nn.POOL_3D,
     aten._scaled_dot_product_flash_attention_for_cpu.default: nn.SDPA,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: nn.SDPA,
     # views and shape ops
@@ -164,7 +194,7 @@ def lookup(func) -> Optional[Rule]:
     'contraction mk,kn->mn'
     >>> lookup(torch.ops.aten.gelu.default) is pointwise.POINTWISE
     True
-    >>> lookup(torch.ops.aten._foreach_add_.List) is optim.FOREACH, lookup(torch.ops.aten.cummax.default)
+    >>> lookup(torch.ops.aten._foreach_add_.List) is optim.FOREACH, lookup(torch.ops.aten.histc.default)
     (True, None)
     """
     rule = TABLE.get(func)

@@ -20,7 +20,7 @@ aten = torch.ops.aten
 
 
 def _no_rule(x):
-    return x.cummax(0)[0]   # aten.cummax has no rule
+    return x.renorm(2, 0, 1.0)   # aten.renorm has no rule
 
 
 def test_fallback_runs_on_broadcast_inputs_and_warns_once():
@@ -36,9 +36,10 @@ def test_fallback_runs_on_broadcast_inputs_and_warns_once():
         results = sbp.testing.spmd(fn, (1,))
     ours = [w for w in caught if issubclass(w.category, FallbackWarning)]
     assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "aten.cummax.default" in str(ours[0].message) and "(S(0),)" in str(ours[0].message)
+    assert "aten.renorm.default" in str(ours[0].message) and "(S(0),)" in str(ours[0].message)
     pls, once, twice = results[0]
-    assert pls == (B,) and torch.equal(once, full.cummax(0)[0]) and torch.equal(twice, (full * 2).cummax(0)[0])
+    assert pls == (B,) and torch.equal(once, full.renorm(2, 0, 1.0))
+    assert torch.equal(twice, (full * 2).renorm(2, 0, 1.0))
 
 
 def test_strict_turns_the_fallback_into_unsupported_op_error():
@@ -46,7 +47,7 @@ def test_strict_turns_the_fallback_into_unsupported_op_error():
         x = make_global(randn((4, 3)), mesh, (S(0),))
         with sbp.strict():
             assert sbp.ops.is_strict()
-            with pytest.raises(sbp.UnsupportedOpError, match=r"aten\.cummax\.default.*S\(0\)"):
+            with pytest.raises(sbp.UnsupportedOpError, match=r"aten\.renorm\.default.*S\(0\)"):
                 _no_rule(x)
         assert not sbp.ops.is_strict()
         with warnings.catch_warnings():

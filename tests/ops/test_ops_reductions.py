@@ -40,6 +40,16 @@ REDUCTIONS = {
     "tril": (lambda x, d, k: x.tril(-1 if k else 0), ("sum", "max")),
     "flip": (lambda x, d, k: x.flip(d), ("sum", "max")),
     "prod": (lambda x, d, k: x.prod(d, keepdim=k), ("sum",)),
+    "var_mean": (lambda x, d, k: torch.var_mean(x, d, keepdim=k), ("sum",)),
+    "std_mean": (lambda x, d, k: torch.std_mean(x, d, correction=0, keepdim=k), ("sum",)),
+    "median_dim": (lambda x, d, k: x.median(d, keepdim=k), ("sum",)),
+    "nanmedian_dim": (lambda x, d, k: x.nanmedian(d, keepdim=k), ("sum",)),
+    "mode": (lambda x, d, k: x.mode(d, keepdim=k), ("sum",)),
+    # (what F.pairwise_distance runs; torch.norm itself goes to vector_norm)
+    "norm_p_dim": (lambda x, d, k: torch.ops.aten.norm.ScalarOpt_dim(x + 3, 3, [d], k), ("sum",)),
+    "logcumsumexp": (lambda x, d, k: x.logcumsumexp(d), ("sum",)),
+    "cummax": (lambda x, d, k: x.cummax(d), ("sum",)),
+    "cummin": (lambda x, d, k: x.cummin(d), ("sum",)),
 }
 
 
