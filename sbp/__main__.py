@@ -1,6 +1,7 @@
 """``python -m sbp`` (and the ``sbp`` console script): the command line of `sbp.tools.cli`."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -15,7 +16,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     {"global_shape": [8, 8], ...}
     True
     """
-    return _main(argv)
+    try:
+        return _main(argv)
+    except BrokenPipeError:   # the reader left (``sbp plan ... | head``): no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
     if format not in FORMATS:
         raise CheckpointError(f"save: format {format!r} is not known (valid: {', '.join(map(repr, FORMATS))})")
     _check_one_process(state_dict, mesh)
+    _agree_format(state_dict, mesh, format)
     if format == "dcp":
         return dcp.save_dcp(state_dict, path, mesh=mesh)
     if format == "safetensors":
@@ -135,6 +136,18 @@ def save(state_dict: dict, path: "str | os.PathLike", *, mesh: Optional[DeviceMe
         if failed:
             raise_together(mesh, path, refused)
         _save(found, path, mesh, me, first, values, f"gen-{last + 1:08d}")
+
+
+def _agree_format(state_dict: dict, mesh: Optional[DeviceMesh], format: str) -> None:
+    """The ranks of the save's mesh pass the same `format` (one all_gather of one digest): the formats run
+    different collectives, so ranks that differ waited out the timeout (or, with DCP's on the default group,
+    for ever) and left a half-made save behind; now a `RankMismatchError` names them before anything is
+    written."""
+    mesh = common_mesh(leaves(state_dict), mesh)
+    if mesh is None or mesh.coord is None:
+        return
+    gather, members = agreement.mesh_gather(mesh)
+    agreement.agree(gather, members, "save", {"format": format}, device=comm_device(mesh))
 
 
 def _save(found: dict, path: str, mesh: Optional[DeviceMesh], me: int, first: bool, values: dict[str, Any],
@@ -374,6 +387,9 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
     except CheckpointError as e:   # (a directory this rank does not see): joins the others' agreement, which
         agree_loaded(target_meshes(leaves(state_dict)), path, e)   # then raises on every rank
         raise
+    # the ranks read one format: a save of another format committing meanwhile made ranks take different
+    # paths, whose collectives never met (a hang); now every rank raises "read different saves"
+    agree_loaded(target_meshes(leaves(state_dict)), path, None, agreement.digest(kind))
     if kind == "dcp":
         return dcp.load_dcp(path, state_dict, strict=strict)
     if kind == "safetensors":

@@ -29,6 +29,7 @@ or no mesh at all (a plain state dict, one process). Values DTensor code pickled
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -47,12 +48,14 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..runtime import agreement
 from ..runtime.backends.dist import PROCESS_GROUPS
 from ..tensor.global_tensor import GlobalTensor
 from ..values.errors import CheckpointError
@@ -284,7 +287,32 @@ class _CheckedReader(dcp.FileSystemReader):
     gathers every rank's failure: a missing or truncated file fails the load on every rank with nothing
     written. (DCP files carry no checksum: changed bytes inside a file are not detected.)"""
 
+    digest = 0   # of the ``.metadata`` bytes this rank read (`read_metadata`)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's ``.metadata``, read once as bytes so the ranks can compare what they read (`prepare_global_plan`).
+        (Unpickled as DCP itself does: a DCP directory is trusted code, as for ``dcp.load``.)"""
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            raw = file.read()
+        self.digest = agreement.digest(hashlib.sha256(raw).hexdigest())
+        metadata = pickle.loads(raw)   # noqa: S301 -- DCP's own format (see above)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator, before any rank reads data: the ranks read one ``.metadata``. Another save
+        committing between two ranks' reads made them load different saves, each rank part of one, without an
+        error; now DCP raises this on every rank, nothing written."""
+        if len({plan.storage_data for plan in plans}) > 1:
+            raise CheckpointError(f"load of {self.path!r}: the ranks read different saves (another save committed "
+                                  f"during the load; no rank's state_dict was changed); load again once the save "
+                                  f"is done")
+        return super().prepare_global_plan([dataclasses.replace(plan, storage_data=None) for plan in plans])
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = dataclasses.replace(plan, storage_data=self.digest)   # carried to `prepare_global_plan`
         ends: dict[str, int] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]

@@ -27,7 +27,7 @@ from ..runtime.backends.base import comm_device
 from ..runtime.backends.dist import init_mesh
 from ..tensor.construct import from_local
 from ..tensor.global_tensor import GlobalTensor, contiguous_strides, grad_placements
-from ..values.errors import MeshError, PlacementError, SbpError
+from ..values.errors import CheckpointError, MeshError, PlacementError, SbpError
 from ..values.layout import block
 from ..values.mesh import DeviceMesh
 from ..values.placement import Broadcast, Partial, Placement, Split
@@ -253,6 +253,9 @@ def full_state_dict(state_dict: Any, *, cpu_offload: bool = False) -> Any:
 def _global_leaves(obj: Any, path: str, found: dict) -> None:
     """The global tensors in `obj` by path (``model.0.weight``, ``optim.state[0].exp_avg``)."""
     if isinstance(obj, GlobalTensor):
+        if path in found and found[path] is not obj:   # ``{"a.b": x, "a": {"b": y}}``: which one is meant
+            raise CheckpointError(f"full_state_dict: two entries of the state_dict have the path {path!r}; rename "
+                                  f"one")
         found[path] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():

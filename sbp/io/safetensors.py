@@ -283,15 +283,21 @@ def load_safetensors(path: str, state_dict: dict, *, strict: bool = True) -> dic
     try:
         try:
             entries, values, read = _check(path, found, strict, fds)   # every check before the first write
+            # and every read: an I/O error on one rank fails the load on every rank, nothing written
+            pieces = {key: _read_block(entries[key], leaf, fds) for key, (leaf, _, _) in found.items()
+                      if key in entries and key not in values}
             error = None
         except Exception as e:  # noqa: BLE001 - whatever failed, every rank must learn of it, then all raise
-            entries, values, read, error = {}, {}, 0, e
+            values, pieces, read, error = {}, {}, 0, e
         agree_loaded(meshes, path, error, read)   # one all_reduce: all ranks raise (a failure, mixed saves) or none
         for key, (leaf, container, index) in found.items():
             if key in values:
                 container[index] = values[key]   # (rebuilt in the state dict's types by the checks)
-            elif key in entries:
-                _load_tensor(entries[key], leaf, fds)
+            elif key in pieces:
+                local, _ = target_block(leaf)    # (zeroes a P(sum) target away from coord 0)
+                if pieces[key] is not None:
+                    with torch.no_grad():
+                        local.copy_(pieces[key])
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -331,22 +337,25 @@ def _check(path: str, found: dict, strict: bool, fds: dict[str, int]) -> tuple[d
     return entries, values, read
 
 
-def _load_tensor(entry, target: torch.Tensor, fds: dict[str, int]) -> None:
+def _read_block(entry, target: torch.Tensor, fds: dict[str, int]) -> Optional[torch.Tensor]:
+    """This rank's block of the tensor `entry` describes, read from its file (nothing written); None where the
+    rank fills nothing or an empty block."""
     file, start, dtype, shape, (lo, _) = entry
-    local, want = target_block(target)
+    local, want = target_block(target, zero=False)
     if local is None or block_numel(want) == 0:
-        return
+        return None
     itemsize = torch.empty((), dtype=dtype, device="cpu").element_size()
     buf = bytearray(block_numel(want) * itemsize)
     view = memoryview(buf)
     for at, (a, b) in _runs(shape, want, itemsize):
-        got = os.pread(fds[file], b - a, start + lo + at)
+        try:
+            got = os.pread(fds[file], b - a, start + lo + at)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file!r}: {e}") from e
         if len(got) != b - a:
             raise CheckpointError(f"{file!r} ends before the data of a tensor it lists: it is truncated")
         view[a:b] = got
-    piece = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(block_shape(want))
-    with torch.no_grad():
-        local.copy_(piece)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(block_shape(want))
 
 
 def _read_headers(path: str, fds: dict[str, int]) -> tuple[dict[str, tuple], dict[str, Any], int]:

@@ -8,6 +8,7 @@ JSON leaf (an optimizer's ``param_groups``).
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -205,6 +206,9 @@ def _not_json(value: Any) -> str:
             base = "tuple" if isinstance(v, tuple) else "list"
             return (f"{at}{v!r:.80} is a {_type_name(v)}, a {base} subclass that reads back as a plain list (valid "
                     f"sequences: {SEQUENCES})")
+        if isinstance(v, dict) and type(v) not in (dict, collections.OrderedDict):
+            return (f"{at}{v!r:.80} is a {_type_name(v)}, a dict subclass that reads back as a plain dict (valid "
+                    f"mappings: dict, OrderedDict)")
         if isinstance(v, dict):
             bad = [k for k in v if type(k) is not str]
             if bad:
@@ -220,8 +224,9 @@ def _not_json(value: Any) -> str:
 def _same_json(value: Any, back: Any) -> bool:
     """Whether `back` (read from JSON) is `value`, tuples read as lists (`like` restores them) and nan
     equal to itself; dict keys must be the same strings."""
-    if isinstance(value, dict):
-        return isinstance(back, dict) and list(value) == list(back) and all(
+    if isinstance(value, dict):   # (a Counter, a defaultdict would read back as plain dicts)
+        return type(value) in (dict, collections.OrderedDict) and isinstance(back, dict) and \
+            list(value) == list(back) and all(
             _same_json(v, back[k]) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return _kept_sequence(type(value)) and isinstance(back, list) and len(back) == len(value) and \

@@ -190,8 +190,8 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
 
 @lru_cache(maxsize=1024)
 def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, itemsize) -> CrossMeshPlan:
-    land, _ = _landing(dst)
-    post = plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0)
+    lands = _landings(dst, len(shape))
+    posts = [plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0) for land in lands]
     if any(isinstance(p, Partial) for p in src):
         # send contributions as they are (reduced at the destination), or reduce inside the source mesh first
         mids = ([src] if len({p.op for p in src if isinstance(p, Partial)}) == 1 else []) \
@@ -200,13 +200,15 @@ def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, i
         mids = [src]
     # Each candidate's figures are known before its pieces are listed (`_costs`): only the cheapest is built.
     pres = [plan_cached(shape, src_mesh.shape, src, mid, itemsize, 0) for mid in mids]
-    costs = [_costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) for mid, pre in zip(mids, pres)]
-    best = costs.index(min(costs))
-    return _build(shape, src_mesh, src, mids[best], dst_mesh, land, post, dst, itemsize, pres[best])
+    options = [(_costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize), i, j)
+               for i, (mid, pre) in enumerate(zip(mids, pres)) for j, land in enumerate(lands)]
+    _, i, j = min(options)
+    return _build(shape, src_mesh, src, mids[i], dst_mesh, lands[j], posts[j], dst, itemsize, pres[i])
 
 
 def _costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) -> tuple[int, int, int]:
-    """(bytes_per_rank, num_collectives, transfer_bytes) of the plan `_build` makes through `mid`.
+    """(bytes_per_rank, num_collectives, transfer_bytes) of the plan `_build` makes through `mid`, landing as
+    `land` (its finish on the destination mesh is local: `_landings`).
 
     Exact, not an estimate: every destination rank receives its target block once per contribution of one
     replica, less the piece of it that it holds itself (tests compare with the built plans).
@@ -220,10 +222,16 @@ CACHES = (("crossmesh.plan_cross_mesh", _cross_cached),)
 """The memos of this module, by name (`sbp.planning.clear_caches` clears them)."""
 
 
-def _landing(dst: tuple[Placement, ...]) -> tuple[tuple[Placement, ...], bool]:
-    """Destination placements the pieces build: `dst` with Partial axes as Broadcast (made P locally)."""
-    land = tuple(Broadcast() if isinstance(p, Partial) else p for p in dst)
-    return land, land != dst
+def _landings(dst: tuple[Placement, ...], ndim: int) -> list[tuple[Placement, ...]]:
+    """Destination placements the pieces may build: `dst` with each Partial axis as Broadcast or as a split of
+    some dim (made Partial locally after: ``S(d) -> P`` keeps each rank's block and fills the rest with the
+    op's identity, no bytes): a Broadcast landing sends the whole tensor to every destination rank, a split
+    one only its block. Broadcast first (the order breaks ties)."""
+    out: list[list[Placement]] = [[]]
+    for p in dst:
+        options = ([Broadcast()] + [Split(d) for d in range(ndim)]) if isinstance(p, Partial) else [p]
+        out = [o + [q] for o in out for q in options]
+    return [tuple(o) for o in out]
 
 
 def _reduced_states(src: tuple[Placement, ...], ndim: int) -> list[tuple[Placement, ...]]:

@@ -134,6 +134,9 @@ def measure(mesh: DeviceMesh, sizes: Sequence[int] = SIZES, repeats: int = 5,
                        f"got the plain value {mesh!r}")
     if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 4 for s in sizes):
         raise SbpError(f"calibrate sizes must be ints >= 4 (bytes per member's piece), got {tuple(sizes)!r}")
+    if len(set(sizes)) < 2:   # a latency and a bandwidth are a line through the times: one size fits any
+        raise SbpError(f"calibrate sizes must hold at least two different sizes (a latency and a bandwidth are "
+                       f"fitted to the times), got {tuple(sizes)!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise SbpError(f"calibrate repeats must be a positive int, got {repeats!r}")
     comm = mesh.binding

@@ -151,13 +151,18 @@ def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int 
     if text in PRESETS:
         return Topology.preset(text, mesh_shape, devices_per_host)
     try:
-        with open(text, encoding="utf-8") as f:
-            data = f.read()
+        with open(text, encoding="utf-8-sig") as f:   # (a byte-order mark, as some editors write, is skipped)
+            data = f.read(_TOPOLOGY_CHARS + 1)        # (a device or a huge file: not read to the end)
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason}"
         raise SbpError(f"--topology {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a readable "
                        f"JSON file ({why})") from None
+    if len(data) > _TOPOLOGY_CHARS:
+        raise SbpError(f"--topology {text!r} is not a topology JSON file: longer than {_TOPOLOGY_CHARS} characters")
     return Topology.from_json(data).check(mesh_shape)
+
+
+_TOPOLOGY_CHARS = 1 << 20   # a topology file is one small JSON object per mesh axis
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

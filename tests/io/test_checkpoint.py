@@ -11,6 +11,7 @@ import enum
 import functools
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -512,3 +513,48 @@ def test_namedtuples_and_sizes_come_back_in_the_state_dicts_types(tmp_path, fmt)
         "entry 'p' would not come back as it is from JSON ({'pair': (1, 2)} reads back as {'pair': [1, 2]}): at "
         "['pair']: (1, 2) is a tests.io.test_checkpoint.Pair, a tuple subclass that reads back as a plain list (valid sequences: "
         "list, tuple, a namedtuple or torch.Size (rebuilt in the type the loading state_dict holds))")
+
+
+@pytest.mark.parametrize("fmt", ["sbp", "safetensors"])
+def test_a_dict_subclass_value_is_refused_when_saving(tmp_path, fmt):
+    # a Counter or a defaultdict was saved and came back a plain dict (a defaultdict then raised KeyError)
+    for value, name in [(collections.Counter({"a": 3}), "collections.Counter"),
+                        (collections.defaultdict(int, {"x": 2}), "collections.defaultdict")]:
+        with pytest.raises(CheckpointError, match=f"is a {name}, a dict subclass that reads back as a plain dict "
+                                                  r"\(valid mappings: dict, OrderedDict\)"):
+            sbp.save({"w": torch.ones(2), "counts": value}, tmp_path / name, format=fmt)
+    sbp.save({"w": torch.ones(2), "cfg": collections.OrderedDict(a=1)}, tmp_path / "ordered", format=fmt)
+    target = {"w": torch.zeros(2), "cfg": {}}
+    assert sbp.load(tmp_path / "ordered", target)["cfg"] == {"a": 1}
+
+
+def test_ranks_saving_in_different_formats_are_refused_before_anything_is_written(tmp_path):
+    # the formats run different collectives: the ranks waited out the timeout and left a half-made save behind
+    def fn(mesh):
+        x = sbp.distribute(torch.arange(8.), mesh, "S(0)")
+        with pytest.raises(sbp.RankMismatchError, match=r"disagree on format .*sbp on ranks \[0\]; safetensors on "
+                                                         r"ranks \[1\]"):
+            sbp.save({"x": x}, str(tmp_path), format=("sbp", "safetensors")[mesh.rank])
+
+    sbp.testing.spmd(fn, (2,), timeout=30)
+    assert os.listdir(tmp_path) == []
+
+
+def test_ranks_that_find_different_formats_raise_together(tmp_path, monkeypatch):
+    # another format's save committing during a load: each rank took the path of the format it saw, and their
+    # collectives never met (a hang); now every rank raises "read different saves" with nothing written
+    from sbp.io import checkpoint
+    sbp.testing.spmd(functools.partial(_save, path=str(tmp_path), placements="S(0)"), (2,))
+    seen = {}
+    real = checkpoint.checkpoint_format
+    monkeypatch.setattr(checkpoint, "checkpoint_format", lambda path: seen.get(threading.get_ident(), real(path)))
+
+    def fn(mesh):
+        if mesh.rank == 1:
+            seen[threading.get_ident()] = "safetensors"
+        state = {name: sbp.zeros(shape, mesh, "S(0)") for name, shape in SHAPES.items()}
+        with pytest.raises(CheckpointError, match="the ranks read different saves"):
+            sbp.load(str(tmp_path), state)
+        return sum(t.to_local().abs().sum().item() for t in state.values())
+
+    assert sbp.testing.spmd(fn, (2,), timeout=30) == [0.0, 0.0]

@@ -368,3 +368,36 @@ def test_the_name_of_sbps_record_of_values_is_reserved(tmp_path):
     with pytest.raises(CheckpointError, match="^entry '__sbp_values__': format='dcp' reserves this name"):
         sbp.save({"w": torch.ones(2), "__sbp_values__": {"a": 1}}, tmp_path, format="dcp")
     assert os.listdir(tmp_path) == []
+
+
+def _save_dcp_step(mesh, path: str, step: int) -> None:
+    sbp.save({"w": sbp.distribute(torch.full((4, 4), float(step)), mesh, "S(0)"), "step": step}, path, format="dcp")
+
+
+def _load_while_another_save_commits(mesh, path: str, other: str):
+    """Rank 1 reads the `.metadata` of another save (as when another job's save commits between the ranks'
+    reads of `path`); rank 0 reads `path`'s."""
+    from sbp.io import dcp as sbp_dcp
+    real = sbp_dcp._CheckedReader._get_metadata_path
+    if mesh.rank == 1:   # (undone below: the gloo worker processes serve the next tests)
+        sbp_dcp._CheckedReader._get_metadata_path = lambda self, rank=None: real(type(self)(other), rank)
+    state = {"w": sbp.zeros((4, 4), mesh, "S(1)"), "step": 0}
+    try:
+        sbp.load(path, state)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        sbp_dcp._CheckedReader._get_metadata_path = real
+    return error, state["step"], state["w"].to_local().unique().tolist()
+
+
+def test_a_dcp_load_whose_ranks_read_different_saves_raises_on_every_rank(tmp_path):
+    # rank 0 loaded step 1 and its columns from one save, rank 1 step 2 and its columns from the other, and both
+    # returned; now the ranks compare the `.metadata` they read before any data is read
+    path, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    spmd(functools.partial(_save_dcp_step, path=path, step=1), (2,))
+    spmd(functools.partial(_save_dcp_step, path=other, step=2), (2,))
+    for error, step, values in spmd(functools.partial(_load_while_another_save_commits, path=path, other=other), (2,)):
+        assert error is not None and "the ranks read different saves" in error, error
+        assert (step, values) == (0, [0.0])   # nothing written

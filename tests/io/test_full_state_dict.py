@@ -127,3 +127,14 @@ def test_full_state_dict_names_a_key_the_ranks_do_not_share() -> None:
     for message in sbp.testing.spmd(fn, (2,)):
         assert "['a', 'b', 'opt.state[0][0]'] on ranks [0]; ['a', 'opt.state[0][0]'] on ranks [1]" in message, \
             message
+
+
+def test_full_state_dict_refuses_two_entries_with_one_path() -> None:
+    # {"a.b": x, "a": {"b": y}}: y overwrote x in the walk, and x's replacement failed with a bare KeyError
+    def fn(mesh):
+        x, y = (sbp.distribute(torch.full((4,), float(v)), mesh, "S(0)") for v in (1, 2))
+        with pytest.raises(sbp.CheckpointError, match="two entries of the state_dict have the path 'a.b'; rename one"):
+            sbp.full_state_dict({"a.b": x, "a": {"b": y}})
+        return sbp.full_state_dict({"a.b": x, "a": {"c": y}})["a.b"].tolist()
+
+    assert sbp.testing.spmd(fn, (2,)) == [[1.0] * 4] * 2

@@ -193,6 +193,35 @@ def test_ranks_that_read_different_saves_all_raise(tmp_path, monkeypatch):
         f"rank's state_dict was changed); load again once the save is done"] * 2
 
 
+def test_a_read_error_on_one_rank_fails_the_load_on_every_rank_with_nothing_written(tmp_path, monkeypatch):
+    # the data reads came after the ranks' agreement: only the failing rank raised (a bare OSError), with its
+    # first target filled and the second not, while the other rank returned; now every read comes before it
+    def save(mesh):
+        sbp.save({"a": sbp.distribute(torch.arange(16.).view(4, 4), mesh, "S(0)"),
+                  "b": sbp.distribute(torch.arange(16.).view(4, 4) + 100, mesh, "S(0)")}, str(tmp_path),
+                 format="safetensors")
+    sbp.testing.spmd(save, (2,))
+    failing, real = set(), os.pread
+
+    def flaky(fd, n, offset):
+        if threading.get_ident() in failing and offset > 8:   # a data read (the header is at 0 and 8)
+            raise OSError(5, "Input/output error")
+        return real(fd, n, offset)
+    monkeypatch.setattr(os, "pread", flaky)
+
+    def load(mesh):
+        if mesh.rank == 1:
+            failing.add(threading.get_ident())
+        state = {"a": sbp.zeros((4, 4), mesh, "S(1)"), "b": sbp.zeros((4, 4), mesh, "S(1)")}
+        with pytest.raises(CheckpointError, match="Input/output error") as info:
+            sbp.load(str(tmp_path), state)
+        return str(info.value).split(":")[0], [state[k].to_local().abs().sum().item() for k in "ab"]
+
+    got = sbp.testing.spmd(load, (2,))
+    assert got == [(f"load of {str(tmp_path)!r} failed on rank 1 (no rank's state_dict was changed); rank 1",
+                    [0.0, 0.0]), (f"cannot read {os.path.join(str(tmp_path), 'model.safetensors')!r}", [0.0, 0.0])]
+
+
 # ---- from_pretrained of an sbp-saved tensor-parallel Llama ------------------------------------------------
 
 def _llama():

@@ -159,18 +159,19 @@ def test_every_candidate_is_ranked_by_its_built_figures(case):
     from sbp.values.placement import normalize
     shape, sm, src, dm, dst = case
     src, dst = normalize(src, len(shape), sm.ndim), normalize(dst, len(shape), dm.ndim)
-    land, _ = crossmesh._landing(dst)
-    post = plan_cached(shape, dm.shape, land, dst, 8, 0)
     mids = [src] + (crossmesh._reduced_states(src, len(shape)) if any(isinstance(p, sbp.Partial) for p in src) else [])
-    for mid in mids:
-        if len({p.op for p in mid if isinstance(p, sbp.Partial)}) > 1:
-            continue
-        pre = plan_cached(shape, sm.shape, src, mid, 8, 0)
-        built = crossmesh._build(shape, sm, src, mid, dm, land, post, dst, 8, pre)
-        assert crossmesh._costs(shape, sm, mid, pre, dm, land, 8) == \
-            (built.bytes_per_rank, built.num_collectives, built.transfer_bytes)
-        for r in built.ranks:
-            assert built.pieces_of(r) == tuple(p for p in built.pieces if r in (p.src_rank, p.dst_rank))
+    for land in crossmesh._landings(dst, len(shape)):   # (a Partial target axis lands as B or as a split)
+        post = plan_cached(shape, dm.shape, land, dst, 8, 0)
+        assert post.bytes_per_rank == 0 and post.num_collectives == 0   # the finish is local
+        for mid in mids:
+            if len({p.op for p in mid if isinstance(p, sbp.Partial)}) > 1:
+                continue
+            pre = plan_cached(shape, sm.shape, src, mid, 8, 0)
+            built = crossmesh._build(shape, sm, src, mid, dm, land, post, dst, 8, pre)
+            assert crossmesh._costs(shape, sm, mid, pre, dm, land, 8) == \
+                (built.bytes_per_rank, built.num_collectives, built.transfer_bytes)
+            for r in built.ranks:
+                assert built.pieces_of(r) == tuple(p for p in built.pieces if r in (p.src_rank, p.dst_rank))
 
 
 @pytest.mark.parametrize("src_shape,src,dst,dst_size", [((1024,), "S(0)", "S(0)", 1024), ((1024,), "S(0)", "S(0)", 512),

@@ -139,3 +139,6 @@ def test_calibrate_needs_a_bound_mesh_and_sane_sizes():
         sbp.calibrate(sbp.DeviceMesh((2,)))
     with pytest.raises(sbp.SbpError, match="sizes must be ints >= 4"):
         sbp.testing.spmd(lambda mesh: sbp.calibrate(mesh, sizes=(2,)), (2,))
+    for sizes in [(1024,), (4096, 4096)]:   # (one size gave latency 0 and ~0.002 GB/s; two equal, 1e6 GB/s)
+        with pytest.raises(sbp.SbpError, match=r"at least two different sizes .* got \(" + str(sizes[0])):
+            sbp.testing.spmd(lambda mesh, s=sizes: sbp.calibrate(mesh, sizes=s), (2,))

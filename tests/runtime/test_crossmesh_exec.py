@@ -144,3 +144,24 @@ def test_spmd_training_step_with_a_loss_on_a_mesh_over_some_ranks():
             assert loss != loss and value.startswith(f".item() on rank {rank}, which is outside the tensor's mesh")
         else:
             assert loss == 140.0 and value == 28.0
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_a_partial_target_on_other_ranks_receives_only_each_ranks_block(op):
+    # the planner landed a Partial target axis as B: every destination rank received the whole tensor (8x the
+    # bytes on 8 ranks) and then kept its share; a split landing sends each rank its block, made Partial locally
+    plan = sbp.plan_cross_mesh((1024, 1024), sbp.DeviceMesh((8,), ranks=range(8)), "S(0)",
+                               sbp.DeviceMesh((8,), ranks=range(8, 16)), f"P({op})")
+    assert (plan.bytes_per_rank, plan.transfer_bytes) == (1024 * 1024 * 4 // 8, 1024 * 1024 * 4)
+    full = torch.arange(64.).reshape(8, 8)
+
+    def fn(world):
+        a, b = submesh(world, (2,), ranks=[0, 1]), submesh(world, (4,), ranks=[2, 3, 4, 5])
+        x = sbp.distribute(full, a, "S(0)")
+        world.binding.counters.reset()
+        y = x.redistribute(f"P({op})", mesh=b)
+        return world.binding.counters.received, y.full() if b.coord is not None else None
+
+    out = spmd(fn, (6,))
+    assert [received for received, _ in out] == [0, 0] + [16 * 4] * 4   # 16 of the 64 elements each
+    assert all(torch.equal(y, full) for _, y in out[2:])

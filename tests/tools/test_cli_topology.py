@@ -58,6 +58,13 @@ def test_json_file_with_a_call_cost_plans_one_call(tmp_path, capsys):
     assert rc == 2 and out == "" and err.count("\n") == 1 and "call_us" in err and "-3.0" in err
 
 
+def test_a_topology_file_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + sbp.Topology((3.0,) * 2, (4.0,) * 2).to_json().encode())
+    rc, out, err = run(ARGS + ["--topology", str(marked)], capsys)
+    assert rc == 0 and err == "" and "topology=custom" in out
+
+
 def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"axes": [{"latency_us": -1, "bandwidth_gbps": 1}, {"latency_us": 1, "bandwidth_gbps": 1}]}')
@@ -72,7 +79,8 @@ def test_bad_topologies_exit_2_with_one_line(tmp_path, capsys):
     deep.write_text("[" * 100_000 + "]" * 100_000)
     for value, words in [("no-such-preset", "neither a preset"), (str(bad), "latency_us"),
                          (str(three), "describes 3 mesh axes"), (str(binary), "not UTF-8"),
-                         (str(huge), "finite numbers"), (str(deep), "JSON text")]:
+                         (str(huge), "finite numbers"), (str(deep), "JSON text"),
+                         ("/dev/zero", "longer than 1048576 characters")]:   # (read to the end: a MemoryError)
         rc, out, err = run(ARGS + ["--topology", value], capsys)
         assert rc == 2 and out == "" and err.count("\n") == 1, err
         assert "--topology" in err or "topology" in err
