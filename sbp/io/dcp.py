@@ -136,7 +136,7 @@ def save_dcp(state_dict: dict, path: str, *, mesh: Optional[DeviceMesh] = None) 
         if values:
             mirror[RECORD] = json.dumps(values)
         _run(dcp.save, mesh, mirror, storage_writer=_GenerationWriter(path, f"gen-{last + 1:08d}"),
-             planner=_SavePlanner(chunks))
+             planner=_SavePlanner(chunks, first))
 
 
 def load_dcp(path: str, state_dict: dict, *, strict: bool = True) -> dict:
@@ -405,11 +405,15 @@ def _under(fqn: str, keys: "set[str] | dict[str, Any]") -> bool:
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """DCP's default planner, with each sbp block written as one chunk by its writer (nothing by the rest)."""
+    """DCP's default planner, with each sbp block written as one chunk by its writer (nothing by the rest), and
+    each plain tensor by the mesh's coord 0 (`first`) alone, as the other formats write it: DCP's
+    de-duplication picked a writer per entry to balance the load, so ranks holding different plain data (an
+    RNG state) left a checkpoint of one rank's copy here and another's there."""
 
-    def __init__(self, chunks: dict[int, tuple[torch.Size, Block, Optional[torch.Tensor]]]) -> None:
+    def __init__(self, chunks: dict[int, tuple[torch.Size, Block, Optional[torch.Tensor]]], first: bool = True) -> None:
         super().__init__()
         self._by_id = chunks
+        self._first = first
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
@@ -417,7 +421,8 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        items = [item for item in plan.items if item.index.fqn not in self.chunks]
+        items = [item for item in plan.items if item.index.fqn not in self.chunks
+                 and (self._first or item.type != WriteItemType.TENSOR)]
         for fqn, (size, b, local) in self.chunks.items():
             if local is None:
                 continue

@@ -401,3 +401,21 @@ def test_a_dcp_load_whose_ranks_read_different_saves_raises_on_every_rank(tmp_pa
     for error, step, values in spmd(functools.partial(_load_while_another_save_commits, path=path, other=other), (2,)):
         assert error is not None and "the ranks read different saves" in error, error
         assert (step, values) == (0, [0.0])   # nothing written
+
+
+def _save_rank_plain(mesh, path: str) -> None:
+    sbp.save({"w": sbp.distribute(torch.arange(8.), mesh, "S(0)"), "a": torch.full((3,), float(mesh.rank)),
+              "b": torch.full((1000,), float(mesh.rank)), "c": torch.full((2,), float(mesh.rank))}, path, format="dcp")
+
+
+def _load_plain(mesh, path: str) -> dict:
+    state = {"w": sbp.zeros((8,), mesh, "S(0)"), "a": torch.zeros(3), "b": torch.zeros(1000), "c": torch.zeros(2)}
+    sbp.load(path, state)
+    return {k: state[k].unique().tolist() for k in "abc"}
+
+
+def test_plain_tensors_are_written_from_coord_0_as_in_the_other_formats(tmp_path):
+    # DCP's de-duplication picked a writer per entry (load balancing): ranks holding different plain data (an
+    # RNG state) saved 'a' from rank 0, 'b' from rank 1, 'c' from rank 2
+    spmd(functools.partial(_save_rank_plain, path=str(tmp_path)), (4,))
+    assert spmd(functools.partial(_load_plain, path=str(tmp_path)), (4,)) == [{"a": [0.0], "b": [0.0], "c": [0.0]}] * 4
