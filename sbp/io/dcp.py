@@ -241,6 +241,12 @@ def _run(call, mesh: Optional[DeviceMesh], state: dict, **kw) -> None:
             rank = ours[0][0] if group is None else dist.get_global_rank(group, ours[0][0])
             raise CheckpointError(f"{'save' if call is dcp.save else 'load'} failed on rank {rank}: "
                                   f"{ours[0][1]}") from None
+        if e.failures:   # another failure (an OSError writing, a disk full): one line naming the rank, not
+            first, (exc, _) = sorted(e.failures.items())[0]   # DCP's page of every rank's traceback
+            rank = first if group is None else dist.get_global_rank(group, first)
+            intact = "; nothing was committed: the previous checkpoint is intact" if call is dcp.save else ""
+            raise CheckpointError(f"{'save' if call is dcp.save else 'load'} failed on rank {rank}: "
+                                  f"{type(exc).__name__}: {exc}{intact}") from e
         raise CheckpointError(f"torch.distributed.checkpoint failed: {e}") from e
     except (RuntimeError, ValueError, OSError) as e:
         raise CheckpointError(f"torch.distributed.checkpoint failed: {e}") from e
