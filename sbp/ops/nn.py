@@ -335,13 +335,18 @@ def _run_loss(call: Call) -> Any:
     index = spec.index("self")
     if spec.arg("reduction", MEAN) != MEAN or not any(isinstance(p, Split) for p in call.choice.inputs[index]):
         return call.default()
+    return _call_with(call, "reduction", SUM) / math.prod(spec.inputs[index].shape)
+
+
+def _call_with(call: Call, name: str, value: Any) -> Any:
+    """The op on the call's local tensors with its argument `name` (by schema, given or not) set to `value`."""
     args, kwargs = list(call.args), dict(call.kwargs)
-    at = [a.name for a in call.func._schema.arguments].index("reduction")
+    at = [a.name for a in call.func._schema.arguments].index(name)
     if at < len(args):
-        args[at] = SUM
+        args[at] = value
     else:
-        kwargs["reduction"] = SUM
-    return call.func(*args, **kwargs) / math.prod(spec.inputs[index].shape)
+        kwargs[name] = value
+    return call.func(*args, **kwargs)
 
 
 LOSS = Rule(_loss_sigs, run=_run_loss, doc="S(d)->S(d) ('none') or P(sum) (sum; mean over the global count); a "
@@ -385,6 +390,8 @@ def _planes(k: int):
 CONVOLUTION = Rule(_conv_sigs, doc="batch S(0)->S(0) (weight, bias B); no bias: P(sum)->P(sum); B")
 CONVOLUTION_BACKWARD = Rule(_conv_backward_sigs, doc="grad, input S(0)->(S(0), P(sum), P(sum)); "
                                                      "grad P(sum)->P(sum); B")
+
+
 def _run_planes(call: Call) -> Any:
     """Pooling on the local block; a block left empty by a split channel dim (torch refuses empty non-batch dims)
     gives empty outputs of the block's shape where the global input is not empty (else torch decides)."""
@@ -415,14 +422,7 @@ def _group_norm_sigs(spec: OpSpec, axis: int) -> list[Sig]:
 
 def _run_group_norm(call: Call) -> Any:
     """The op with its batch-size argument `N` this rank's rows (the global batch where the batch is whole)."""
-    args, kwargs = list(call.args), dict(call.kwargs)
-    at = [a.name for a in call.func._schema.arguments].index("N")
-    rows = call.args[call.spec.index("input")].shape[0]
-    if at < len(args):
-        args[at] = rows
-    else:
-        kwargs["N"] = rows
-    return call.func(*args, **kwargs)
+    return _call_with(call, "N", call.args[call.spec.index("input")].shape[0])
 
 
 def _glu_sigs(spec: OpSpec, axis: int) -> list[Sig]:
