@@ -48,6 +48,7 @@ from .decide import (
 )
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
+_MOST_ELEMENTS = 1 << 48   # a tensor at made-up sizes with more elements breaks the call (it is pinned instead)
 
 
 def has_symbolic(args: tuple, kwargs: dict, leaves: list, pinned: bool = False) -> bool:
@@ -191,9 +192,9 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
         assign = _made_up(symbols, m, k, tied)
         if assign is None:
             return None
-        cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         token = KEEP_SIZES.set(frozenset(assign.values()))   # a choice that moves a symbolic dim would pin it:
         try:                                                  # the cheapest that moves none, where one fits
+            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
             made = decide(func, cargs, ckwargs, cleaves, mesh)
         except Exception:   # noqa: BLE001 -- any failure at made-up sizes: they break the call (see the docstring)
             return None
@@ -392,8 +393,8 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, outputs: 
     for j, (s, h) in enumerate(symbols):
         assign = dict(hints)
         assign[s] = h + math.prod(mesh.shape) * _OFFSET * (j + 1)
-        cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
         try:
+            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
             made = decide(func, cargs, ckwargs, cleaves, mesh)
         except Exception:   # noqa: BLE001 -- as in `_decide_class`
             breaking.append(s)
@@ -540,15 +541,21 @@ def _concrete_call(args: tuple, kwargs: dict, size) -> tuple[tuple, dict, list]:
     int global shapes, plain tensors become meta tensors of the concrete shape; and its leaves."""
     leaves: list = []
 
+    def concrete(shape) -> tuple[int, ...]:
+        out = tuple(size(n) for n in shape)
+        if math.prod(out) > _MOST_ELEMENTS:   # (several symbols of one tensor at made-up sizes: its element count
+            raise SbpError(f"made-up sizes {out} hold too many elements")   # overflowed int64, or worse)
+        return out
+
     def conv(a: Any) -> Any:
         if isinstance(a, GlobalTensor):
             if any(isinstance(n, torch.SymInt) for n in a.shape):
-                a = GlobalTensor(a._local, a._mesh, a._placements, tuple(size(n) for n in a.shape))
+                a = GlobalTensor(a._local, a._mesh, a._placements, concrete(a.shape))
             leaves.append(a)
             return a
         if isinstance(a, torch.Tensor):
             if any(isinstance(n, torch.SymInt) for n in a.shape):
-                a = torch.empty(tuple(size(n) for n in a.shape), dtype=a.dtype, device="meta")
+                a = torch.empty(concrete(a.shape), dtype=a.dtype, device="meta")
             leaves.append(a)
             return a
         if isinstance(a, torch.SymInt):

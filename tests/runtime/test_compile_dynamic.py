@@ -944,3 +944,32 @@ def test_an_ops_placements_read_in_the_graph_are_those_it_returns() -> None:
     for rank, (out, graphs) in enumerate(spmd(run_product_with_its_transpose, (2, 2))):
         assert all(read == got and equal for read, got, equal in out), (rank, out)
         assert graphs == 1, f"rank {rank}: {graphs} graphs"
+
+
+def small_cnn_loss(x, w, t):
+    y = torch.nn.functional.conv2d(x, w, padding=1)
+    y = torch.nn.functional.avg_pool2d(torch.nn.functional.max_pool2d(y.relu(), 2), 2)
+    return torch.nn.functional.binary_cross_entropy_with_logits(y.flatten(1), t)
+
+
+def run_cnn_with_every_size_symbolic(mesh):
+    """A conv, pools and a loss compiled with dynamic=True, the weight an input too (so every size is a symbol,
+    four in one tensor): compiled == eager, values and gradients."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    full_x = torch.randn(6, 3, 8, 8, generator=g, dtype=torch.float64)
+    full_w, full_t = torch.randn(4, 3, 3, 3, generator=g, dtype=torch.float64), torch.rand(6, 16, generator=g,
+                                                                                          dtype=torch.float64)
+    out = []
+    for f in (small_cnn_loss, torch.compile(small_cnn_loss, backend="aot_eager", fullgraph=True, dynamic=True)):
+        w = sbp.distribute(full_w, mesh, "B").requires_grad_()
+        loss = f(sbp.distribute(full_x, mesh, "S(0)"), w, sbp.distribute(full_t, mesh, "S(0)"))
+        loss.backward()
+        out.append((loss.full(), w.grad.full()))
+    return [torch.equal(a, b) for a, b in zip(*out)]
+
+
+def test_a_call_whose_made_up_sizes_overflow_is_pinned_not_failed() -> None:
+    # the class decision's made-up sizes (each symbol far from its hint) of a 4-d tensor of four symbols
+    # overflowed int64 ("numel: integer multiplication overflow" from a backward op; one run used 12 GB first)
+    assert spmd(run_cnn_with_every_size_symbolic, (2,)) == [[True, True]] * 2
