@@ -106,8 +106,9 @@ def meta_outputs(func, args: tuple, kwargs: dict) -> tuple[Optional[TensorMeta],
         except ZeroDivisionError:   # a Python meta kernel dividing by an element count of 0 (`mse_loss_backward`'s
             out = on("cpu")         # 2 / numel, as `huber_loss_backward`'s): the host kernel does not
         except (RuntimeError, AssertionError) as e:   # a meta kernel stricter than the host's, which decides for
-            if not _on_host(args, kwargs):            # host tensors (`_grouped_mm`'s wants bfloat16, the CPU
-                raise                                 # kernel takes float32: Mixtral's experts)
+            if not _on_host(args, kwargs) or MADE_UP.get():   # host tensors (`_grouped_mm`'s wants bfloat16, the
+                raise                                 # CPU kernel takes float32: Mixtral's experts); never at made-up
+                                                      # sizes, whose host tensors would take gigabytes
             try:
                 out = on("cpu")
             except Exception:  # noqa: BLE001 - refused there too: the meta kernel's message
@@ -376,6 +377,11 @@ def candidates(rule: Rule, spec: OpSpec, aliases: dict[int, int]) -> Choice | li
     found.sort(key=lambda c: c[:2])   # fewest changes first: cheap bounds early, fewer plans
     return found
 
+
+# set while `sbp.ops.symbolic` decides a call at made-up sizes: a meta kernel that refuses them is not retried
+# on the host (`meta_outputs`), where tensors of those sizes took gigabytes (a loss whose input and target sizes
+# differ at made-up sizes: a CNN's flattened pools against a static target, 12 GB before the refusal)
+MADE_UP: contextvars.ContextVar[bool] = contextvars.ContextVar("sbp_made_up", default=False)
 
 # sizes no candidate may move (set while `sbp.ops.symbolic` decides a call of symbolic sizes at made-up ones:
 # those sizes stand for its symbols) -- a choice that moves one would pin it, a recompile for every size

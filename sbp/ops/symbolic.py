@@ -36,6 +36,7 @@ from ..values.placement import Broadcast
 from .cache import DECISIONS
 from .decide import (
     KEEP_SIZES,
+    MADE_UP,
     Decision,
     DecisionClass,
     decide,
@@ -48,7 +49,7 @@ from .decide import (
 )
 
 _OFFSET = 1009   # made-up sizes: hint + rank count x _OFFSET x (symbol number + 1) x (1 or 2)
-_MOST_ELEMENTS = 1 << 48   # a tensor at made-up sizes with more elements breaks the call (it is pinned instead)
+_MOST_ELEMENTS = 1 << 60   # a tensor at made-up sizes with more elements (or bytes past int64) breaks the call
 
 
 def has_symbolic(args: tuple, kwargs: dict, leaves: list, pinned: bool = False) -> bool:
@@ -194,8 +195,7 @@ def _decide_class(func, args: tuple, kwargs: dict, mesh, key, values: list, reco
             return None
         token = KEEP_SIZES.set(frozenset(assign.values()))   # a choice that moves a symbolic dim would pin it:
         try:                                                  # the cheapest that moves none, where one fits
-            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
-            made = decide(func, cargs, ckwargs, cleaves, mesh)
+            made = _decide_made_up(func, args, kwargs, mesh, assign)
         except Exception:   # noqa: BLE001 -- any failure at made-up sizes: they break the call (see the docstring)
             return None
         finally:
@@ -394,8 +394,7 @@ def _pin_breaking(func, args: tuple, kwargs: dict, mesh, values: list, outputs: 
         assign = dict(hints)
         assign[s] = h + math.prod(mesh.shape) * _OFFSET * (j + 1)
         try:
-            cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
-            made = decide(func, cargs, ckwargs, cleaves, mesh)
+            made = _decide_made_up(func, args, kwargs, mesh, assign)
         except Exception:   # noqa: BLE001 -- as in `_decide_class`
             breaking.append(s)
             continue
@@ -527,6 +526,17 @@ def _symbols(values: list) -> list[tuple[Any, int]]:
                 if s not in found:
                     found[s] = int(env.backed_var_to_val[s])
     return list(found.items())
+
+
+def _decide_made_up(func, args: tuple, kwargs: dict, mesh, assign: dict) -> Decision:
+    """`decide` of the call with its symbols at `assign`'s made-up values (`MADE_UP` set: nothing is run on
+    the host at those sizes); raises where they break the call."""
+    token = MADE_UP.set(True)
+    try:
+        cargs, ckwargs, cleaves = _concrete_call(args, kwargs, lambda n: _value(n, assign))
+        return decide(func, cargs, ckwargs, cleaves, mesh)
+    finally:
+        MADE_UP.reset(token)
 
 
 def _value(n: Any, assign: dict) -> int:

@@ -971,5 +971,6 @@ def run_cnn_with_every_size_symbolic(mesh):
 
 def test_a_call_whose_made_up_sizes_overflow_is_pinned_not_failed() -> None:
     # the class decision's made-up sizes (each symbol far from its hint) of a 4-d tensor of four symbols
-    # overflowed int64 ("numel: integer multiplication overflow" from a backward op; one run used 12 GB first)
+    # overflowed int64 ("numel: integer multiplication overflow" from a backward op); and the loss, whose input
+    # and target sizes differ at made-up sizes, was retried on the host at those sizes (12 GB per rank)
     assert spmd(run_cnn_with_every_size_symbolic, (2,)) == [[True, True]] * 2
