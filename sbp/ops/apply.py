@@ -24,6 +24,7 @@ from ..tensor.global_tensor import (
     is_detached,
     local_from_full,
     normal_in_inference_mode,
+    note_local_write,
     note_uncounted_write,
     notes_of,
     redistribute_raw,
@@ -181,6 +182,8 @@ class Decision:
         result = self.run(Call(func, largs, lkwargs, self.spec, self.choice, mesh, coord))
         for i, k in self.writes:
             self._write_back(i, k, leaves, locals_, mesh)
+            if isinstance(leaves[i], GlobalTensor):
+                note_local_write(leaves[i])
         if self.uncounted:
             _note_uncounted_writes(leaves, self.writes)
         for view in through:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..tensor.global_tensor import GlobalTensor, get_op_handler
+from ..tensor.global_tensor import GlobalTensor, get_op_handler, note_local_write
 from .apply import mesh_coord
 from .cache import DECISIONS
 from .dispatch import float_key, handle, tensor_key
@@ -153,6 +153,7 @@ def _direct_inplace(op, local_method: Callable, a: GlobalTensor, b: Any, alpha: 
     else:
         local_method(a._local, other, alpha=alpha)
     _bump(a)
+    note_local_write(a)   # (the local's counter too: `x.data` writes were missed by a kept reduction)
     return a
 
 

@@ -846,6 +846,28 @@ def note_uncounted_write(local: torch.Tensor) -> None:
     _UNCOUNTED[ptr] = _UNCOUNTED.get(ptr, 0) + 1
 
 
+def note_local_write(x: GlobalTensor) -> None:
+    """Count a write into `x`'s local made inside dispatch, below the in-place kernel that counts versions: the
+    local's counter bumped by hand, as the wrapper's is. A kept reduction checks the local's counter too
+    (`_reduced_before`), so a write through another wrapper of the same local -- ``x.data``, whose wrapper has
+    a counter of its own -- or through a view of it (its bases' locals are bumped too) is seen: the kept
+    value was served stale, and ranks whose block the write missed kept it while the others reduced again.
+
+    >>> t = GlobalTensor(torch.zeros(2), DeviceMesh((1,)), (Broadcast(),), (2,))
+    >>> before = t._local._version
+    >>> note_local_write(t)
+    >>> t._local._version == before + 1
+    True
+    """
+    while x is not None:   # and the bases of a view: views made inside dispatch share no counter with them
+        local = x._local
+        if type(local) is torch.Tensor and not local.is_inference():   # (not traced, no inference tensor)
+            torch.autograd.graph.increment_version(local)
+        notes = x.__dict__.get("_notes")
+        made = notes.view if notes is not None else None
+        x = made[1][0] if made is not None and made[1] and isinstance(made[1][0], GlobalTensor) else None
+
+
 def _versioned(x: GlobalTensor) -> bool:
     """Whether `x` and a result made from it now have version counters (not traced, no inference tensors)."""
     return not (is_tracing(x._local) or torch.is_inference_mode_enabled() or x.is_inference()

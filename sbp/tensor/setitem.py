@@ -113,8 +113,12 @@ def write_blocks(x, index: Any, entries: tuple, value: Any) -> None:
             x._local[local_entries] = part
     # the wrapper was written, on every rank alike: saved-tensor checks see it, and so does the check of a kept
     # reduction (before, only the ranks whose block the region met counted the write: they dropped x's kept
-    # P(sum) reduction and moved x exactly, the others reused it, and the ranks ran different collectives)
+    # P(sum) reduction and moved x exactly, the others reused it, and the ranks ran different collectives);
+    # its local's counter too, on every rank, as `global_tensor.note_local_write` does: a write through
+    # ``x.data`` (another wrapper, with a counter of its own, around the same local) reaches only the local's
     torch.autograd.graph.increment_version(x)
+    if type(x._local) is torch.Tensor and not x._local.is_inference():
+        torch.autograd.graph.increment_version(x._local)
 
 
 def _value(value: Any, x, region: torch.Size, index: Any) -> torch.Tensor:

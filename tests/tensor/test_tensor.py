@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -429,6 +430,34 @@ def test_partial_sum_kept_reduction_never_leaks_writes():
         assert close(torch.tensor(full, dtype=x.dtype), x)
         assert close(torch.tensor(doubled, dtype=x.dtype), 2 * x)
         assert close(torch.tensor(local_write, dtype=x.dtype), 2 * x + 2)   # each of the 2 parts gained 1
+
+
+def _writes_through_data(mesh, placements: str) -> list:
+    """A P(sum) tensor reduced once, then written through ``x.data`` (a wrapper with a version counter of its
+    own around the same local): in place, by a copy, by setitem on the rows of coord 0 only, through a view."""
+    x = sbp.distribute(torch.arange(12., dtype=torch.float64).view(3, 4), mesh, placements)
+    out = []
+    for write in (lambda d: d.mul_(2), lambda d: d.copy_(d * 3), lambda d: d.__setitem__(slice(0, 2), 0.0),
+                  lambda d: d.view(-1)[9:].zero_()):
+        x.full()                    # kept
+        write(x.data)
+        out.append(x.full().tolist())
+    return out
+
+
+@pytest.mark.parametrize("placements, mesh", [("P(sum)", (2,)), ("P(sum), S(1)", (2, 2)), ("P(sum), S(0)", (2, 2))])
+def test_partial_sum_kept_reduction_sees_writes_through_data(placements, mesh):
+    # the kept reduction was served stale after x.data.mul_(0) (writes inside dispatch bumped the wrapper's
+    # counter, and .data's wrapper is another); after a setitem on some ranks' rows the ranks that wrote
+    # dropped it and the others kept it, and they ran different collectives (a timeout)
+    want = torch.arange(12., dtype=torch.float64).view(3, 4) * 2
+    wants = [want.tolist(), (want * 3).tolist()]
+    want = want * 3
+    want[0:2] = 0.0
+    wants.append(want.tolist())
+    want.view(-1)[9:] = 0.0
+    wants.append(want.tolist())
+    assert spmd(functools.partial(_writes_through_data, placements=placements), mesh) == [wants] * math.prod(mesh)
 
 
 def test_partial_sum_kept_reduction_is_not_pickled():
