@@ -34,7 +34,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _autocast = torch._C._is_any_autocast_enabled
 _decision_of = DECISIONS.get   # the cache's own dict lookup (DECISIONS.clear() empties that same dict)
-_bump = torch.autograd.graph.increment_version
+_bump = torch._C._increment_version   # (a tuple of tensors; inference tensors are left alone)
 
 
 def direct_ok(*tensors: torch.Tensor) -> bool:
@@ -152,8 +152,10 @@ def _direct_inplace(op, local_method: Callable, a: GlobalTensor, b: Any, alpha: 
         local_method(a._local, other)
     else:
         local_method(a._local, other, alpha=alpha)
-    _bump(a)
-    note_local_write(a)   # (the local's counter too: `x.data` writes were missed by a kept reduction)
+    local = a._local   # the local's counter too, as `note_local_write` (a kept reduction missed `x.data` writes)
+    _bump((a, local) if type(local) is torch.Tensor else (a,))
+    if notes is not None and notes.view is not None:
+        note_local_write(a)   # (and a view's bases)
     return a
 
 

@@ -191,7 +191,6 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
 @lru_cache(maxsize=1024)
 def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, itemsize) -> CrossMeshPlan:
     lands = _landings(dst, len(shape))
-    posts = [plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0) for land in lands]
     if any(isinstance(p, Partial) for p in src):
         # send contributions as they are (reduced at the destination), or reduce inside the source mesh first
         mids = ([src] if len({p.op for p in src if isinstance(p, Partial)}) == 1 else []) \
@@ -203,7 +202,8 @@ def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, i
     options = [(_costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize), i, j)
                for i, (mid, pre) in enumerate(zip(mids, pres)) for j, land in enumerate(lands)]
     _, i, j = min(options)
-    return _build(shape, src_mesh, src, mids[i], dst_mesh, lands[j], posts[j], dst, itemsize, pres[i])
+    post = plan_cached(shape, dst_mesh.shape, lands[j], dst, itemsize, 0)   # (local: made Partial in place)
+    return _build(shape, src_mesh, src, mids[i], dst_mesh, lands[j], post, dst, itemsize, pres[i])
 
 
 def _costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) -> tuple[int, int, int]:

@@ -861,8 +861,8 @@ def note_local_write(x: GlobalTensor) -> None:
     """
     while x is not None:   # and the bases of a view: views made inside dispatch share no counter with them
         local = x._local
-        if type(local) is torch.Tensor and not local.is_inference():   # (not traced, no inference tensor)
-            torch.autograd.graph.increment_version(local)
+        if type(local) is torch.Tensor:   # (not traced; an inference tensor's is left alone by torch)
+            torch._C._increment_version((local,))
         notes = x.__dict__.get("_notes")
         made = notes.view if notes is not None else None
         x = made[1][0] if made is not None and made[1] and isinstance(made[1][0], GlobalTensor) else None
