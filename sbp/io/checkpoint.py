@@ -389,13 +389,13 @@ def load(path: "str | os.PathLike", state_dict: dict, *, strict: bool = True) ->
         raise
     # the ranks read one format: a save of another format committing meanwhile made ranks take different
     # paths, whose collectives never met (a hang); now every rank raises "read different saves"
-    agree_loaded(target_meshes(leaves(state_dict)), path, None, agreement.digest(kind))
+    found = leaves(state_dict)
+    meshes = target_meshes(found)
+    agree_loaded(meshes, path, None, agreement.digest(kind))
     if kind == "dcp":
         return dcp.load_dcp(path, state_dict, strict=strict)
     if kind == "safetensors":
         return safetensors.load_safetensors(path, state_dict, strict=strict)
-    found = leaves(state_dict)
-    meshes = target_meshes(found)
     try:
         writes, read = _prepare(path, found, strict)   # every check, this rank's files verified: nothing written
         error = None

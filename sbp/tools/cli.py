@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_TOPOLOGY_CHARS = 1 << 20   # a topology file is one small JSON object per mesh axis
+
+
 def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int = 8) -> Topology:
     """A `--topology` argument: a preset name laid over the mesh, else a path to a topology JSON file,
     which must describe the mesh's axes (`Topology.check`).
@@ -161,8 +164,6 @@ def load_topology(text: str, mesh_shape: tuple[int, ...], devices_per_host: int 
         raise SbpError(f"--topology {text!r} is not a topology JSON file: longer than {_TOPOLOGY_CHARS} characters")
     return Topology.from_json(data).check(mesh_shape)
 
-
-_TOPOLOGY_CHARS = 1 << 20   # a topology file is one small JSON object per mesh axis
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
