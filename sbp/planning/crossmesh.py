@@ -190,7 +190,8 @@ def plan_cross_mesh(global_shape: Sequence[int], src_mesh: DeviceMesh, src, dst_
 
 @lru_cache(maxsize=1024)
 def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, itemsize) -> CrossMeshPlan:
-    lands = _landings(dst, len(shape))
+    posts = {land: plan_cached(shape, dst_mesh.shape, land, dst, itemsize, 0) for land in _landings(dst, len(shape))}
+    lands = [land for land, post in posts.items() if not post.num_collectives]   # finished locally (B always is)
     if any(isinstance(p, Partial) for p in src):
         # send contributions as they are (reduced at the destination), or reduce inside the source mesh first
         mids = ([src] if len({p.op for p in src if isinstance(p, Partial)}) == 1 else []) \
@@ -202,8 +203,7 @@ def _cross_cached(shape, src_mesh: DeviceMesh, src, dst_mesh: DeviceMesh, dst, i
     options = [(_costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize), i, j)
                for i, (mid, pre) in enumerate(zip(mids, pres)) for j, land in enumerate(lands)]
     _, i, j = min(options)
-    post = plan_cached(shape, dst_mesh.shape, lands[j], dst, itemsize, 0)   # (local: made Partial in place)
-    return _build(shape, src_mesh, src, mids[i], dst_mesh, lands[j], post, dst, itemsize, pres[i])
+    return _build(shape, src_mesh, src, mids[i], dst_mesh, lands[j], posts[lands[j]], dst, itemsize, pres[i])
 
 
 def _costs(shape, src_mesh, mid, pre, dst_mesh, land, itemsize) -> tuple[int, int, int]:
@@ -224,9 +224,10 @@ CACHES = (("crossmesh.plan_cross_mesh", _cross_cached),)
 
 def _landings(dst: tuple[Placement, ...], ndim: int) -> list[tuple[Placement, ...]]:
     """Destination placements the pieces may build: `dst` with each Partial axis as Broadcast or as a split of
-    some dim (made Partial locally after: ``S(d) -> P`` keeps each rank's block and fills the rest with the
-    op's identity, no bytes): a Broadcast landing sends the whole tensor to every destination rank, a split
-    one only its block. Broadcast first (the order breaks ties)."""
+    some dim, to be made Partial locally after (``S(d) -> P`` keeps each rank's block and fills the rest with
+    the op's identity, no bytes): a Broadcast landing sends the whole tensor to every destination rank, a split
+    one only its block. Broadcast first (the order breaks ties). A split that another axis splits further
+    (``(S(0), S(0)) -> (P, S(0))``) needs a collective to finish: the caller keeps local finishes only."""
     out: list[list[Placement]] = [[]]
     for p in dst:
         options = ([Broadcast()] + [Split(d) for d in range(ndim)]) if isinstance(p, Partial) else [p]
